@@ -1,0 +1,33 @@
+"""hsdp: Hybrid Sharded Data Parallel training for PyTorch.
+
+Parameters, gradients and optimizer state are sharded across the ranks of a node (fast links) and the
+sharded model is replicated across nodes (slow links)::
+
+    import hsdp
+    mesh = hsdp.init_mesh()                      # reads the torchrun environment
+    model = hsdp.ShardedModel(model, mesh=mesh)  # shard degree = ranks per node
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+"""
+
+from hsdp.data import data_parallel_rank, data_parallel_size, distributed_sampler
+from hsdp.memory import StateBytes, state_bytes
+from hsdp.mesh import HSDPMesh, init_mesh, rank_grid
+from hsdp.model import ShardedModel
+from hsdp.optim import ShardedOptimizer
+from hsdp.state_dict import full_state_dict
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HSDPMesh",
+    "ShardedModel",
+    "ShardedOptimizer",
+    "StateBytes",
+    "data_parallel_rank",
+    "data_parallel_size",
+    "distributed_sampler",
+    "full_state_dict",
+    "init_mesh",
+    "rank_grid",
+    "state_bytes",
+]

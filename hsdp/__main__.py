@@ -1,0 +1,5 @@
+import sys
+
+from hsdp.cli import main
+
+sys.exit(main())

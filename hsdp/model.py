@@ -1,0 +1,250 @@
+"""``ShardedModel``: wrap any ``nn.Module`` for hybrid sharded data parallel training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hsdp.collectives import Comm
+from hsdp.mesh import HSDPMesh, init_mesh
+from hsdp.runtime.sharded_param import ShardedParam, ShardLayout
+from hsdp.runtime.state import ShardingState
+from hsdp.runtime.unit import ShardUnit
+from hsdp.wrap import ParamAssignment, WrapPolicy, assign_params, select_unit_modules
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+class ShardedModel(nn.Module):
+    """A module whose parameters, gradients and optimizer state are sharded inside a node and replicated
+    across nodes.
+
+    ``ShardedModel(module, sharding_degree=S)`` returns *the same module object*, its class swapped to a
+    subclass of both ``ShardedModel`` and the original class (as FSDP2's ``fully_shard`` does): attributes,
+    methods and ``state_dict`` keys stay those of the original model.
+
+    Semantics:
+      * Parameters are split in dim-0 chunks across the ``S`` ranks of a shard group; ``parameters()``
+        yields this rank's chunks, so any element-wise optimizer built on them updates only its shard.
+      * Units: by default every block of a repeated stack (e.g. transformer layers) is one unit and the
+        rest is the root unit; ``wrap`` takes module classes or a predicate. Each unit's parameters are
+        all-gathered (one collective) before it runs and, when ``reshard_after_forward`` (default), freed
+        after it and gathered again for its backward. ``False`` trades memory for one all-gather less.
+      * Gradients: reduce-scattered in the shard group, then all-reduced across replicas; the result is
+        the average over every rank's batch, the update DDP would make.
+      * Initial parameters and buffers are broadcast from rank 0, so replicas start identical whatever
+        seed each rank used. Buffers are not synchronised afterwards.
+      * ``sharding_degree=1`` is plain replication (DDP semantics); the world size is full sharding.
+    """
+
+    _hsdp_state: ShardingState
+    _hsdp_mesh: HSDPMesh
+
+    def __new__(cls, module: nn.Module, sharding_degree: int | None = None, *, mesh: HSDPMesh | None = None,
+                wrap: WrapPolicy = None, reshard_after_forward: bool = True) -> ShardedModel:
+        if isinstance(module, ShardedModel):
+            raise ValueError(
+                f"{type(module).__name__} is already a ShardedModel: wrap each model once (to shard a "
+                f"submodule separately, wrap the submodule first, then its parent)"
+            )
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"ShardedModel wraps an nn.Module, got {type(module).__name__}")
+        mesh = _resolve_mesh(sharding_degree, mesh)
+        _shard_module(module, mesh, wrap, reshard_after_forward)
+        module.__class__ = _sharded_class(type(module))
+        return module  # type: ignore[return-value]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Everything happened in __new__ on the existing module; nn.Module.__init__ would wipe it.
+        pass
+
+    # -- public runtime API ----------------------------------------------------------------------------
+    @property
+    def mesh(self) -> HSDPMesh:
+        return self._hsdp_mesh
+
+    @property
+    def units(self) -> list[ShardUnit]:
+        return self._hsdp_state.units
+
+    def comm_stats(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Collective calls, bytes, ring wire bytes and seconds per group and op since the last reset."""
+        return self._hsdp_state.comm.stats.as_dict()
+
+    def reset_comm_stats(self) -> None:
+        self._hsdp_state.comm.stats.reset()
+
+    def reshard(self) -> None:
+        """Free every unsharded parameter (e.g. after a forward whose backward never ran)."""
+        self._hsdp_state.reshard_all()
+
+    def sharded_params(self) -> list[ShardedParam]:
+        return [p for u in self.units for p in u.params]
+
+    # -- state dict ----------------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Original keys and shapes; sharded parameters as ``DTensor`` with placements
+        ``(Replicate(), Shard(0))`` on the mesh (the layout FSDP2 uses), buffers as plain tensors."""
+        sd = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        dm = self._hsdp_mesh.device_mesh
+        for p in self.sharded_params():
+            value = _as_dtensor(p, dm)
+            for slot in p.slots:
+                key = prefix + slot.fqn
+                if key in sd:
+                    sd[key] = value
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Accept sharded (``DTensor``) or full tensors under the original keys; keeps this rank's chunk."""
+        if assign:
+            raise ValueError("assign=True would replace the sharded parameters: load with assign=False")
+        local = dict(state_dict)
+        for p in self.sharded_params():
+            for slot in p.slots:
+                if slot.fqn in local:
+                    local[slot.fqn] = _local_chunk(local[slot.fqn], p)
+        self._hsdp_state.reshard_all()
+        return super().load_state_dict(local, strict=strict)
+
+
+def _as_dtensor(p: ShardedParam, device_mesh: Any) -> DTensor:
+    shape = torch.Size(p.layout.global_shape)
+    return DTensor.from_local(p.sharded.detach(), device_mesh, [Replicate(), Shard(0)], run_check=False,
+                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+
+def _local_chunk(value: Any, p: ShardedParam) -> Any:
+    if isinstance(value, DTensor):
+        value = value.full_tensor() if value.placements != (Replicate(), Shard(0)) else value.to_local()
+        return value
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == p.layout.global_shape:
+        return p.layout.chunk(value)
+    return value  # wrong shape: let nn.Module.load_state_dict report it
+
+
+def _sharded_class(orig: type) -> type:
+    if orig not in _CLASS_CACHE:
+        _CLASS_CACHE[orig] = type(f"Sharded{orig.__name__}", (ShardedModel, orig), {})
+    return _CLASS_CACHE[orig]
+
+
+def _resolve_mesh(sharding_degree: int | None, mesh: HSDPMesh | None) -> HSDPMesh:
+    if mesh is None:
+        return init_mesh(sharding_degree)
+    if sharding_degree is not None and sharding_degree != mesh.sharding_degree:
+        raise ValueError(
+            f"sharding_degree={sharding_degree} disagrees with mesh.sharding_degree={mesh.sharding_degree}: "
+            f"pass only one of them"
+        )
+    return mesh
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building the units.
+# ---------------------------------------------------------------------------------------------------------
+def _nested_roots(module: nn.Module) -> list[nn.Module]:
+    """Already-wrapped submodules (outermost only): their units are absorbed into the new root."""
+    out: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, ShardedModel):
+                out.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return out
+
+
+def _validate_unit(owner: nn.Module, assigned: list[ParamAssignment]) -> None:
+    kinds = {(a.param.device, a.param.dtype) for a in assigned}
+    if len(kinds) > 1:
+        detail = ", ".join(f"{a.slots[0].fqn}: {a.param.device}/{a.param.dtype}" for a in assigned)
+        raise ValueError(
+            f"parameters of one unit ({type(owner).__name__}) must share device and dtype, found {detail}: "
+            f"call model.to(device, dtype) before wrapping, or make the odd ones a unit of their own via wrap="
+        )
+    for a in assigned:
+        if a.param.dim() == 0:
+            raise ValueError(
+                f"parameter {a.slots[0].fqn} is 0-dimensional and cannot be split in dim-0 chunks: "
+                f"store it with shape (1,) instead"
+            )
+
+
+def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, reshard_after_forward: bool) -> None:
+    nested = _nested_roots(module)
+    for child in nested:
+        if child._hsdp_mesh is not mesh:
+            raise ValueError("nested ShardedModels must share one HSDPMesh: pass mesh= to every wrap")
+    unit_modules = select_unit_modules(module, wrap, exclude=nested)
+    assignments = assign_params(module, unit_modules, skip=nested)
+    by_owner: dict[int, list[ParamAssignment]] = {id(m): [] for m in unit_modules}
+    for a in assignments:
+        by_owner[id(a.owner)].append(a)
+    # Every check above and here runs before the first collective below.
+    for m in unit_modules:
+        _validate_unit(m, by_owner[id(m)])
+
+    comm = Comm(mesh)
+    _broadcast_from_rank0(comm, [a.param for a in assignments], _own_buffers(module, nested))
+    units = []
+    for m in unit_modules:
+        assigned = by_owner[id(m)]
+        if assigned:
+            units.append(_build_unit(m, assigned, comm, mesh, reshard_after_forward))
+    for child in nested:
+        child_state: ShardingState = child._hsdp_state
+        child_state.remove_hooks()
+        units.extend(child_state.units)
+        for u in child_state.units:
+            u.comm = comm
+    if not units or units[0].module is not module:
+        # The root still needs hooks to be the root (e.g. all params live in nested units).
+        units.insert(0, ShardUnit.empty(module, comm))
+    state = ShardingState(mesh, comm, units)
+    state.register_hooks(units)
+    object.__setattr__(module, "_hsdp_state", state)
+    object.__setattr__(module, "_hsdp_mesh", mesh)
+    for child in nested:
+        object.__setattr__(child, "_hsdp_state", state)
+
+
+def _own_buffers(module: nn.Module, nested: list[nn.Module]) -> list[torch.Tensor]:
+    skip = {id(b) for n in nested for b in n.buffers()}
+    return [b for b in module.buffers() if id(b) not in skip]
+
+
+def _broadcast_from_rank0(comm: Comm, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+    """Replicas start identical: one flat broadcast per (device, dtype) of every parameter and buffer."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in [*params, *buffers]:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for tensors in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            comm.broadcast(flat, 0, "world")
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _build_unit(module: nn.Module, assigned: list[ParamAssignment], comm: Comm, mesh: HSDPMesh,
+                reshard_after_forward: bool) -> ShardUnit:
+    params = [
+        ShardedParam(a.slots, a.param, ShardLayout(tuple(a.param.shape), mesh.sharding_degree, mesh.shard_rank))
+        for a in assigned
+    ]
+    unit = ShardUnit(module, params, comm, reshard_after_forward)
+    unit.load_full([a.param.detach() for a in assigned])
+    for p in params:
+        p.to_sharded()
+    return unit
+

@@ -1,0 +1,150 @@
+"""``ShardedOptimizer``: a torch optimizer over a ShardedModel's shards, with a reshardable state dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hsdp.model import ShardedModel
+from hsdp.runtime.sharded_param import ShardedParam
+
+_CLASS_CACHE: dict[type, type] = {}
+# Optimizers that couple elements across a tensor (or need all of it) cannot run on dim-0 shards.
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Make ``optimizer`` (built on ``model.parameters()``) a sharded optimizer; returns the same object.
+
+    Each rank's optimizer steps only its own shards, so optimizer state is sharded like the parameters.
+    This is exact for element-wise optimizers (SGD, Adam, AdamW, ...). The class is swapped to a subclass
+    of both ``ShardedOptimizer`` and the original class, so LR schedulers and hooks work unchanged.
+
+    An optimizer built on the unwrapped model's parameters (before wrapping, not yet stepped) is
+    re-pointed at the shards. ``state_dict()`` is keyed by parameter name (FQN) with per-element state as
+    ``DTensor`` (``Replicate(), Shard(0)``), the format ``torch.distributed.checkpoint`` reshards.
+    """
+
+    _hsdp_model: ShardedModel
+
+    def __new__(cls, model: ShardedModel, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        _validate(model, optimizer)
+        _repoint_params(model, optimizer)
+        optimizer.__class__ = _sharded_class(type(optimizer))
+        object.__setattr__(optimizer, "_hsdp_model", model)
+        optimizer._patch_step_function()  # step hooks, as torch.optim.Optimizer.__init__ would install
+        return optimizer  # type: ignore[return-value]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # built in __new__ from an existing optimizer
+
+    def step(self, closure: Any = None) -> Any:
+        # Stale unsharded copies must not outlive an update of the shards.
+        self._hsdp_model.reshard()
+        return super().step(closure)
+
+    # -- state dict ----------------------------------------------------------------------------------
+    def _index_params(self) -> list[nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``."""
+        raw = super().state_dict()
+        by_param = _sharded_by_param(self._hsdp_model)
+        params = self._index_params()
+        dm = self._hsdp_model.mesh.device_mesh
+        fqn = [by_param[id(p)].fqn for p in params]
+        state = {}
+        for idx, entries in raw["state"].items():
+            sp = by_param[id(params[idx])]
+            state[fqn[idx]] = {k: _to_dtensor(v, sp, dm) for k, v in entries.items()}
+        groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in raw["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the FQN-keyed form (``DTensor`` or full tensors); other forms go to the wrapped class."""
+        groups = state_dict.get("param_groups", [])
+        if not groups or not groups[0]["params"] or not isinstance(groups[0]["params"][0], str):
+            return super().load_state_dict(state_dict)
+        by_param = _sharded_by_param(self._hsdp_model)
+        params = self._index_params()
+        index = {by_param[id(p)].fqn: i for i, p in enumerate(params)}
+        unknown = [k for g in groups for k in g["params"] if k not in index]
+        unknown += [k for k in state_dict["state"] if k not in index]
+        if unknown:
+            raise ValueError(f"optimizer state names parameters this model does not have: {unknown[:5]}")
+        state = {}
+        for name, entries in state_dict["state"].items():
+            sp = by_param[id(params[index[name]])]
+            state[index[name]] = {k: _to_local(v, sp) for k, v in entries.items()}
+        raw_groups = [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
+        return super().load_state_dict({"state": state, "param_groups": raw_groups})
+
+
+def _sharded_class(orig: type) -> type:
+    if orig not in _CLASS_CACHE:
+        _CLASS_CACHE[orig] = type(f"Sharded{orig.__name__}", (ShardedOptimizer, orig), {})
+    return _CLASS_CACHE[orig]
+
+
+def _validate(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, ShardedModel):
+        raise ValueError("ShardedOptimizer needs the ShardedModel: wrap the model with ShardedModel first")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, ShardedOptimizer):
+        raise ValueError("this optimizer is already a ShardedOptimizer: wrap it once")
+    if type(optimizer).__name__ in _NOT_ELEMENTWISE:
+        raise ValueError(
+            f"{type(optimizer).__name__} is not element-wise and cannot step dim-0 shards: use SGD, Adam, "
+            f"AdamW or another element-wise optimizer"
+        )
+
+
+def _sharded_by_param(model: ShardedModel) -> dict[int, ShardedParam]:
+    return {id(sp.sharded): sp for sp in model.sharded_params()}
+
+
+def _repoint_params(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
+    sharded = _sharded_by_param(model)
+    originals = {id(sp.original_ref()): sp for sp in model.sharded_params() if sp.original_ref() is not None}
+    for group in optimizer.param_groups:
+        new = []
+        for p in group["params"]:
+            if id(p) in sharded:
+                new.append(p)
+                continue
+            sp = originals.get(id(p))
+            if sp is None or sp.original_ref() is not p:
+                raise ValueError(
+                    "the optimizer holds a tensor that is not a parameter of this ShardedModel: build it "
+                    "on model.parameters() after wrapping"
+                )
+            if optimizer.state.get(p):
+                raise ValueError(
+                    "the optimizer was stepped before wrapping: build it on model.parameters() after "
+                    "wrapping, or load its state with load_state_dict afterwards"
+                )
+            new.append(sp.sharded)
+        group["params"] = new
+
+
+def _to_dtensor(value: Any, sp: ShardedParam, device_mesh: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) != sp.layout.local_shape:
+        return value
+    shape = torch.Size(sp.layout.global_shape)
+    return DTensor.from_local(value, device_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _to_local(value: Any, sp: ShardedParam) -> Any:
+    if isinstance(value, DTensor):
+        if value.placements == (Replicate(), Shard(0)) and tuple(value.to_local().shape) == sp.layout.local_shape:
+            return value.to_local()
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == sp.layout.global_shape:
+        return sp.layout.chunk(value).clone()
+    return value

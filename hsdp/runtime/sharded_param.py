@@ -1,0 +1,131 @@
+"""One parameter split into dim-0 chunks across the shard group (the layout FSDP2 and DTensor use).
+
+Rank ``i`` of ``S`` holds rows ``[i*c, min((i+1)*c, rows))`` with ``c = ceil(rows / S)``: the chunks of
+``torch.chunk`` and of ``DTensor`` ``Shard(0)``. Trailing ranks may hold fewer rows, or none. Each rank
+reserves ``c`` rows in the unit's flat buffers (zero padding), so every rank contributes the same number
+of elements to a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Pure arithmetic of the dim-0 chunking of one tensor shape over ``sharding_degree`` ranks."""
+
+    global_shape: tuple[int, ...]
+    sharding_degree: int
+    shard_rank: int
+
+    @property
+    def rows(self) -> int:
+        return self.global_shape[0]
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.global_shape[1:])
+
+    @property
+    def chunk_rows(self) -> int:
+        return -(-self.rows // self.sharding_degree)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements each rank reserves in a flat buffer (its slot, padding included)."""
+        return self.chunk_rows * self.row_numel
+
+    def row_offset(self, shard_rank: int | None = None) -> int:
+        r = self.shard_rank if shard_rank is None else shard_rank
+        return min(r * self.chunk_rows, self.rows)
+
+    def local_rows(self, shard_rank: int | None = None) -> int:
+        r = self.shard_rank if shard_rank is None else shard_rank
+        return max(0, min(self.chunk_rows, self.rows - r * self.chunk_rows))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.local_rows(), *self.global_shape[1:])
+
+    @property
+    def local_numel(self) -> int:
+        return self.local_rows() * self.row_numel
+
+    def chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full tensor of ``global_shape`` (a view)."""
+        return full.narrow(0, self.row_offset(), self.local_rows())
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """A place a parameter is registered: ``module._parameters[name]``. Tied parameters have several."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+
+    def set(self, param: nn.Parameter) -> None:
+        # Direct dict write: nn.Module.__setattr__ is slow and would reject swaps during forward.
+        self.module._parameters[self.name] = param
+
+
+class ShardedParam:
+    """The sharded and unsharded faces of one original parameter.
+
+    ``sharded`` is a view into the unit's flat sharded buffer: the parameter the optimizer sees.
+    ``unsharded`` has the original shape and takes part in autograd during forward and backward; its
+    storage is a view into a padded buffer of ``S * padded_numel`` elements that is freed between uses.
+    """
+
+    def __init__(self, slots: list[ParamSlot], original: nn.Parameter, layout: ShardLayout) -> None:
+        self.slots = slots
+        self.fqn = slots[0].fqn
+        self.layout = layout
+        # Lets an optimizer built before wrapping be re-pointed at the shard, without keeping it alive.
+        self.original_ref = weakref.ref(original)
+        self.requires_grad = original.requires_grad
+        self.dtype = original.dtype
+        self.device = original.device
+        self.sharded: nn.Parameter  # set by bind_sharded
+        # ND: the padded all-gather destination, shape (S, padded_numel); storage freed when resharded.
+        self.unsharded_padded = torch.empty(
+            layout.sharding_degree * layout.padded_numel, dtype=original.dtype, device=original.device
+        )
+        full = self.unsharded_padded[: math.prod(layout.global_shape)].view(layout.global_shape)
+        self.unsharded = nn.Parameter(full, requires_grad=original.requires_grad)
+        self.free_unsharded()
+
+    def bind_sharded(self, flat_view: torch.Tensor) -> None:
+        """Make the sharded parameter a view into the unit's flat buffer slot for this parameter."""
+        local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
+        self.sharded = nn.Parameter(local, requires_grad=self.requires_grad)
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def alloc_unsharded(self) -> None:
+        storage = self.unsharded_padded.untyped_storage()
+        nbytes = self.unsharded_padded.numel() * self.unsharded_padded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def free_unsharded(self) -> None:
+        self.unsharded_padded.untyped_storage().resize_(0)
+
+    @property
+    def all_gather_output(self) -> torch.Tensor:
+        """The (S, padded_numel) destination of the copy-out from the unit's all-gather buffer."""
+        return self.unsharded_padded.view(self.layout.sharding_degree, self.layout.padded_numel)
+
+    # -- which face the module sees ---------------------------------------------------------------------
+    def to_sharded(self) -> None:
+        for slot in self.slots:
+            slot.set(self.sharded)
+
+    def to_unsharded(self) -> None:
+        for slot in self.slots:
+            slot.set(self.unsharded)

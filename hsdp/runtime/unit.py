@@ -1,0 +1,149 @@
+"""A unit: the parameters gathered by one all-gather and reduced by one reduce-scatter (FSDP2's param group).
+
+Flat layout (per rank, "slot"): the padded chunks of the unit's parameters back to back. The sharded
+parameters are views into ``sharded_flat``, so the all-gather input needs no copy-in; the all-gather output
+is rank-major ``(S, slot)`` and one ``split_with_sizes_copy`` moves it into the unsharded parameters.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from hsdp.collectives import Comm, Handle
+from hsdp.runtime.reduction import Reduction
+from hsdp.runtime.sharded_param import ShardedParam
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather in flight
+    UNSHARDED = "unsharded"
+
+
+class ShardUnit:
+    """Parameters of one module (minus those of nested units), sharded over the mesh's shard group."""
+
+    def __init__(self, module: nn.Module, params: list[ShardedParam], comm: Comm,
+                 reshard_after_forward: bool) -> None:
+        self.module = module
+        self.params = params
+        self.comm = comm
+        self.reshard_after_forward = reshard_after_forward
+        self.state = ShardedState.SHARDED
+        self.name = type(module).__name__
+        self._gather_handle: Handle | None = None
+        self._gather_buffer: torch.Tensor | None = None
+        # Per-step bookkeeping, reset by the root at the end of backward.
+        self.used_in_grad_forward = False
+        self.pending_post_backward = 0
+        self.sharded_flat = self._build_sharded_flat()
+
+    # -- layout ------------------------------------------------------------------------------------------
+    @property
+    def slot_numel(self) -> int:
+        return sum(p.layout.padded_numel for p in self.params)
+
+    @property
+    def sharding_degree(self) -> int:
+        return self.comm.size("shard")
+
+    @classmethod
+    def empty(cls, module: nn.Module, comm: Comm) -> ShardUnit:
+        """A unit that owns no parameters: it only gives the root its hooks."""
+        return cls(module, [], comm, reshard_after_forward=False)
+
+    def _build_sharded_flat(self) -> torch.Tensor:
+        # 1D: this rank's padded chunks of every parameter, in order; padding stays zero.
+        if not self.params:
+            return torch.empty(0, device=self.comm.mesh.device)
+        p0 = self.params[0]
+        flat = torch.zeros(self.slot_numel, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in self.params:
+            p.bind_sharded(flat[offset: offset + p.layout.padded_numel])
+            offset += p.layout.padded_numel
+        return flat
+
+    def load_full(self, fulls: list[torch.Tensor]) -> None:
+        """Copy this rank's chunk of each full tensor into the sharded parameters."""
+        with torch.no_grad():
+            for p, full in zip(self.params, fulls, strict=True):
+                p.sharded.copy_(p.layout.chunk(full))
+
+    # -- unshard / reshard (forward and pre-backward) -------------------------------------------------
+    def unshard(self, async_op: bool = True) -> None:
+        """Start the all-gather of this unit's parameters (no-op when unsharded or in flight)."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        if not self.params:
+            self.state = ShardedState.UNSHARDED
+            return
+        s = self.sharding_degree
+        self._gather_buffer = torch.empty(s * self.slot_numel, dtype=self.sharded_flat.dtype,
+                                          device=self.sharded_flat.device)
+        self._gather_handle = self.comm.all_gather(self._gather_buffer, self.sharded_flat, "shard",
+                                                   async_op=async_op)
+        self.state = ShardedState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather, copy it into the unsharded parameters and expose them to the module."""
+        if self.state is ShardedState.SHARDED:
+            self.unshard(async_op=False)
+        if self.state is ShardedState.UNSHARDED:
+            return
+        assert self._gather_handle is not None and self._gather_buffer is not None
+        self._gather_handle.wait()
+        for p in self.params:
+            p.alloc_unsharded()
+        gathered = self._gather_buffer.view(self.sharding_degree, self.slot_numel)
+        outs = [p.all_gather_output for p in self.params]
+        # The unsharded parameters may be saved by autograd from an earlier forward: refilling them with
+        # the same values must not bump their version counter.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+            torch.split_with_sizes_copy(gathered, [p.layout.padded_numel for p in self.params], dim=1,
+                                        out=outs)
+        self._gather_buffer = self._gather_handle = None
+        for p in self.params:
+            p.to_unsharded()
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and put the sharded ones back into the module."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is ShardedState.SHARDED:
+            return
+        for p in self.params:
+            p.free_unsharded()
+            p.to_sharded()
+        self.state = ShardedState.SHARDED
+
+    # -- gradients (post-backward) ---------------------------------------------------------------------
+    def reduce_grads(self) -> Reduction | None:
+        """Start the reduce-scatter of the unsharded gradients; ``None`` when nothing requires grad.
+
+        Every rank that ran this unit in forward must call this, even when its own gradients are all
+        ``None``: it then contributes zeros, and the gradient stays ``None`` only if no rank had one.
+        """
+        trainable = [p for p in self.params if p.requires_grad]
+        if not trainable:
+            return None
+        grads = [p.unsharded.grad for p in trainable]
+        for p in trainable:
+            p.unsharded.grad = None
+        return Reduction.start(trainable, grads, self.comm)
+
+    def gathered_full(self) -> list[torch.Tensor]:
+        """Full copies of every parameter (a collective in the shard group; state unchanged)."""
+        s = self.sharding_degree
+        out = torch.empty(s * self.slot_numel, dtype=self.sharded_flat.dtype, device=self.sharded_flat.device)
+        self.comm.all_gather(out, self.sharded_flat, "shard")
+        pieces = out.view(s, self.slot_numel).split([p.layout.padded_numel for p in self.params], dim=1)
+        return [piece.reshape(-1)[: p.unsharded.numel()].view(p.layout.global_shape).clone()
+                for p, piece in zip(self.params, pieces, strict=True)]
+
+    def __repr__(self) -> str:
+        return f"ShardUnit({self.name}, params={len(self.params)}, state={self.state.value})"

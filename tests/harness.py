@@ -1,0 +1,64 @@
+"""Run a function on N gloo ranks in fresh processes, with a hard timeout (a hang fails, never stalls CI)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple, env: dict) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), **env})
+    torch.set_num_threads(1)
+    out = os.path.join(tmp, f"result_{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=90))
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # report, do not hang the others silently
+        result = ("error", traceback.format_exc())
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank]``, each in its own process; raises with every rank's error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, fn, world_size, tmp, args, env or {}), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+            p.join()
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"result_{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode}; hung or crashed)")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results.append(value)
+        if alive or errors:
+            raise AssertionError(f"distributed run failed (timeout {timeout}s):\n" + "\n".join(errors))
+        return results

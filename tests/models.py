@@ -1,0 +1,59 @@
+"""Small models that exercise every awkward case of sharding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, DIM, ODD = 17, 16, 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, VOCAB)      # 17 rows: uneven chunks
+        self.down = nn.Linear(VOCAB, DIM)
+        self.gate = nn.Linear(DIM, ODD)      # 3 rows: empty chunks on 4 ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x))) * self.gate(x).sigmoid().mean(-1, keepdim=True)
+
+
+class ParityNet(nn.Module):
+    """Tied embedding/head, a frozen layer, a buffer, a module used twice and a never-used parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.twice = nn.Linear(DIM, DIM)
+        self.unused = nn.Linear(DIM, ODD)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        x = self.twice(self.frozen(x))
+        x = self.twice(torch.tanh(x))
+        return self.head(self.norm(x) * self.scale)
+
+
+def batch(step: int, rank: int, per_rank: int = 4, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, VOCAB, (per_rank, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def global_batch(step: int, world: int, per_rank: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*(batch(step, r, per_rank) for r in range(world)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
