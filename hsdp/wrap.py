@@ -66,10 +66,7 @@ def select_unit_modules(root: nn.Module, wrap: WrapPolicy, exclude: Iterable[nn.
 
 
 def _inside_any(root: nn.Module, target: nn.Module, excluded: set[int]) -> bool:
-    for m in root.modules():
-        if id(m) in excluded and any(x is target for x in m.modules()):
-            return True
-    return False
+    return any(id(m) in excluded and any(x is target for x in m.modules()) for m in root.modules())
 
 
 @dataclass
@@ -103,7 +100,7 @@ def assign_params(root: nn.Module, unit_modules: list[nn.Module],
             if id(p) in found:
                 a = found[id(p)]
                 a.slots.append(slot)
-                a.owner = _common_prefix(enclosing[id(a.owner)] if id(a.owner) in enclosing else [], chain)[-1]
+                a.owner = _common_prefix(enclosing.get(id(a.owner), []), chain)[-1]
             else:
                 found[id(p)] = ParamAssignment(p, [slot], chain[-1])
         for cname, child in m._modules.items():
