@@ -85,18 +85,18 @@ class ShardedModel(nn.Module):
         return [p for u in self.units for p in u.params]
 
     # -- state dict ----------------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """Original keys and shapes; sharded parameters as ``DTensor`` with placements
         ``(Replicate(), Shard(0))`` on the mesh (the layout FSDP2 uses), buffers as plain tensors."""
-        sd = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", "")
+        sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if destination is not None:
+            return sd  # called by a parent module's state_dict: the outermost call converts
         dm = self._hsdp_mesh.device_mesh
         for p in self.sharded_params():
             value = _as_dtensor(p, dm)
             for slot in p.slots:
-                key = prefix + slot.fqn
-                if key in sd:
-                    sd[key] = value
+                if prefix + slot.fqn in sd:
+                    sd[prefix + slot.fqn] = value
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -199,12 +199,15 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, reshard_a
         assigned = by_owner[id(m)]
         if assigned:
             units.append(_build_unit(m, assigned, comm, mesh, reshard_after_forward))
+    prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
     for child in nested:
         child_state: ShardingState = child._hsdp_state
         child_state.remove_hooks()
         units.extend(child_state.units)
         for u in child_state.units:
             u.comm = comm
+            for p in u.params:
+                p.rebase(prefixes)
     if not units or units[0].module is not module:
         # The root still needs hooks to be the root (e.g. all params live in nested units).
         units.insert(0, ShardUnit.empty(module, comm))

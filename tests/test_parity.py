@@ -6,6 +6,7 @@ import pytest
 import torch
 from harness import run_distributed
 from models import ParityNet, batch, global_batch, loss_fn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import hsdp
@@ -34,12 +35,16 @@ def _reference(world: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _train_hsdp(rank: int, sharding_degree: int, reshard: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _train_hsdp(rank: int, sharding_degree: int, reshard: bool,
+                nested: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(INIT_SEED + 100 * rank)  # different init per rank: wrapping must broadcast rank 0's
     if rank == 0:
         torch.manual_seed(INIT_SEED)
     model = ParityNet()
     mesh = hsdp.init_mesh(sharding_degree)
+    if nested:  # FSDP2-style: wrap the blocks first, then the root absorbs them
+        for block in model.blocks:
+            hsdp.ShardedModel(block, mesh=mesh, reshard_after_forward=reshard)
     model = hsdp.ShardedModel(model, mesh=mesh, reshard_after_forward=reshard)
     opt = hsdp.ShardedOptimizer(model, _adamw(p for p in model.parameters() if p.requires_grad))
     losses = []
@@ -50,6 +55,10 @@ def _train_hsdp(rank: int, sharding_degree: int, reshard: bool) -> tuple[dict[st
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    names = {n for n, _ in model.named_parameters()}
+    assert set(opt.state_dict()["state"]) <= names, "optimizer state must be keyed by original names"
+    sharded_values = [v for k, v in model.state_dict().items() if k in names]
+    assert all(isinstance(v, DTensor) for v in sharded_values), "parameters must be saved as DTensors"
     return hsdp.full_state_dict(model), losses
 
 
@@ -67,13 +76,17 @@ def _sweep(rank: int, world: int, degrees: list[int]) -> dict[str, float]:
             full, _ = _train_hsdp(rank, degree, reshard)
             if rank == 0:
                 out[f"{world // degree}x{degree} reshard={reshard}"] = max(_max_errors(full, ref).values())
+    if world == 4:
+        full, _ = _train_hsdp(rank, 2, True, nested=True)
+        if rank == 0:
+            out["2x2 nested"] = max(_max_errors(full, ref).values())
     return out
 
 
 @pytest.mark.parametrize("world,degrees", [(1, [1]), (2, [1, 2]), (4, [2, 1, 4])])
 def test_parity_against_single_process(world: int, degrees: list[int]) -> None:
     errors = run_distributed(_sweep, world, degrees)[0]
-    assert len(errors) == 2 * len(degrees)
+    assert len(errors) == 2 * len(degrees) + (world == 4)
     bad = {k: v for k, v in errors.items() if v > 1e-5}
     assert not bad, f"parameters differ from the single-process reference: {bad}"
 

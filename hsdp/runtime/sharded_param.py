@@ -101,6 +101,11 @@ class ShardedParam:
         self.unsharded = nn.Parameter(full, requires_grad=original.requires_grad)
         self.free_unsharded()
 
+    def rebase(self, module_prefix: dict[int, str]) -> None:
+        """Recompute names relative to a new root (a nested ShardedModel absorbed by its parent)."""
+        self.slots = [ParamSlot(s.module, s.name, module_prefix[id(s.module)] + s.name) for s in self.slots]
+        self.fqn = self.slots[0].fqn
+
     def bind_sharded(self, flat_view: torch.Tensor) -> None:
         """Make the sharded parameter a view into the unit's flat buffer slot for this parameter."""
         local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
