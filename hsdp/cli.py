@@ -4,17 +4,50 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _version(args: argparse.Namespace) -> int:
+    from hsdp import __version__
+
+    print(__version__)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    # Imported here: `hsdp version` should not pay for importing torch.
+    from hsdp.launch import launch_local
+
+    return launch_local(args.nodes, args.nproc_per_node, ["-m", "hsdp.demo", "--steps", str(args.steps)])
+
+
+def _add_version(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("version", help="print the version").set_defaults(func=_version)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="train a tiny GPT with HSDP on emulated nodes of this machine",
+                       description="Start one torchrun agent per emulated node (loopback) and run hsdp.demo.")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default: 2)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node = shard degree (default: 2)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
+    p.set_defaults(func=_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hsdp", description="Hybrid Sharded Data Parallel training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_version(sub)
+    _add_demo(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hsdp", description="Hybrid Sharded Data Parallel training")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("version", help="print the version")
-    args = parser.parse_args(argv)
-    if args.command == "version":
-        from hsdp import __version__
-        print(__version__)
-    return 0
+    args = build_parser().parse_args(argv)
+    func: Command = args.func
+    return func(args)
 
 
 if __name__ == "__main__":

@@ -66,22 +66,33 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective. ``wait()`` is idempotent and books the elapsed time to its stats row.
-
-    On CUDA with NCCL, waiting makes the current stream wait for the collective; it does not block the
-    host, so the recorded time is issue-to-enqueue there, and end-to-end on gloo.
+    """In-flight collectives. ``wait()`` is idempotent, books the elapsed time to the stats row, then runs
+    ``on_done`` (e.g. decompress or cast back). On CUDA with NCCL, waiting makes the current stream wait
+    for the collective without blocking the host, so the time booked there is issue-to-enqueue.
     """
 
-    def __init__(self, work: dist.Work | None, stats: OpStats | None, on_done: Callable[[], None] | None = None):
+    def __init__(self, work: dist.Work | None = None, stats: OpStats | None = None,
+                 on_done: Callable[[], None] | None = None, after: list[Handle] | None = None) -> None:
         self._work = work
         self._stats = stats
+        self._after = after or []
         self._start = time.perf_counter()
         self._on_done = on_done
-        self.done = work is None and on_done is None
+        self.done = work is None and on_done is None and not self._after
+
+    def then(self, on_done: Callable[[], None]) -> Handle:
+        """A handle that waits for this one, then runs ``on_done``."""
+        return Handle(after=[self], on_done=on_done)
+
+    @staticmethod
+    def all(handles: list[Handle], on_done: Callable[[], None] | None = None) -> Handle:
+        return Handle(after=handles, on_done=on_done)
 
     def wait(self) -> None:
         if self.done:
             return
+        for h in self._after:
+            h.wait()
         if self._work is not None:
             self._work.wait()
         if self._stats is not None:
@@ -114,7 +125,7 @@ class Comm:
         n = self._sizes[group]
         if n == 1:
             output.copy_(input.view(output.shape))
-            return Handle(None, None)
+            return Handle()
         nbytes = output.numel() * output.element_size()
         stats = self._record(group, "all_gather", nbytes, (n - 1) / n)
         work = dist.all_gather_single(output, input, group=self._groups[group], async_op=True)
@@ -126,7 +137,7 @@ class Comm:
         n = self._sizes[group]
         if n == 1:
             output.copy_(input.view(output.shape))
-            return Handle(None, None)
+            return Handle()
         nbytes = input.numel() * input.element_size()
         stats = self._record(group, "reduce_scatter", nbytes, (n - 1) / n)
         work = dist.reduce_scatter_single(output, input, op=op, group=self._groups[group], async_op=True)
@@ -136,7 +147,7 @@ class Comm:
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG, async_op: bool = False) -> Handle:
         n = self._sizes[group]
         if n == 1:
-            return Handle(None, None)
+            return Handle()
         nbytes = tensor.numel() * tensor.element_size()
         stats = self._record(group, "all_reduce", nbytes, 2 * (n - 1) / n)
         work = dist.all_reduce(tensor, op=op, group=self._groups[group], async_op=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,7 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hsdp.collectives import Comm
+from hsdp.hops import AllReduceHop, ReplicaHop
 from hsdp.mesh import HSDPMesh, init_mesh
+from hsdp.policy import FULL_PRECISION, MixedPrecision
 from hsdp.runtime.sharded_param import ShardedParam, ShardLayout
 from hsdp.runtime.state import ShardingState
 from hsdp.runtime.unit import ShardUnit
@@ -38,13 +43,17 @@ class ShardedModel(nn.Module):
       * Initial parameters and buffers are broadcast from rank 0, so replicas start identical whatever
         seed each rank used. Buffers are not synchronised afterwards.
       * ``sharding_degree=1`` is plain replication (DDP semantics); the world size is full sharding.
+      * ``mixed_precision``: compute/all-gather dtype and a reduce dtype per hop (see ``MixedPrecision``).
+      * ``replica_hop``: what replaces the inter-node all-reduce (see ``hsdp.hops``), e.g. bf16 or int8.
     """
 
     _hsdp_state: ShardingState
     _hsdp_mesh: HSDPMesh
 
     def __new__(cls, module: nn.Module, sharding_degree: int | None = None, *, mesh: HSDPMesh | None = None,
-                wrap: WrapPolicy = None, reshard_after_forward: bool = True) -> ShardedModel:
+                wrap: WrapPolicy = None, reshard_after_forward: bool = True,
+                mixed_precision: MixedPrecision | None = None, replica_hop: ReplicaHop | None = None,
+                ) -> ShardedModel:
         if isinstance(module, ShardedModel):
             raise ValueError(
                 f"{type(module).__name__} is already a ShardedModel: wrap each model once (to shard a "
@@ -53,7 +62,8 @@ class ShardedModel(nn.Module):
         if not isinstance(module, nn.Module):
             raise ValueError(f"ShardedModel wraps an nn.Module, got {type(module).__name__}")
         mesh = _resolve_mesh(sharding_degree, mesh)
-        _shard_module(module, mesh, wrap, reshard_after_forward)
+        options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop())
+        _shard_module(module, mesh, wrap, options)
         module.__class__ = _sharded_class(type(module))
         return module  # type: ignore[return-value]
 
@@ -76,6 +86,31 @@ class ShardedModel(nn.Module):
 
     def reset_comm_stats(self) -> None:
         self._hsdp_state.comm.stats.reset()
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """``False``: the next backwards communicate nothing and keep fp32 unsharded gradient sums (the
+        least traffic, the most memory); the first backward with ``True`` reduces the sum."""
+        self._hsdp_state.requires_gradient_sync = requires
+
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        """``False``: the next backwards reduce-scatter inside the node into an fp32 partial sum but skip
+        the inter-node hop; the first backward with ``True`` sends the sum across nodes once."""
+        self._hsdp_state.requires_all_reduce = requires
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backwards inside only reduce inside the node; the inter-node hop runs
+        once, on the first backward after the block."""
+        previous = self._hsdp_state.requires_all_reduce
+        self._hsdp_state.requires_all_reduce = False
+        try:
+            yield
+        finally:
+            self._hsdp_state.requires_all_reduce = previous
+
+    def set_prefetch(self, enabled: bool) -> None:
+        """Issue the next unit's all-gather while the current one computes (default on)."""
+        self._hsdp_state.prefetch = enabled
 
     def reshard(self) -> None:
         """Free every unsharded parameter (e.g. after a forward whose backward never ran)."""
@@ -119,9 +154,12 @@ def _as_dtensor(p: ShardedParam, device_mesh: Any) -> DTensor:
 
 
 def _local_chunk(value: Any, p: ShardedParam) -> Any:
+    """This rank's chunk of a full tensor or of a DTensor of any layout (saved on another mesh, say)."""
     if isinstance(value, DTensor):
-        value = value.full_tensor() if value.placements != (Replicate(), Shard(0)) else value.to_local()
-        return value
+        local = value.to_local()
+        if value.placements == (Replicate(), Shard(0)) and tuple(local.shape) == p.layout.local_shape:
+            return local
+        value = value.full_tensor()
     if isinstance(value, torch.Tensor) and tuple(value.shape) == p.layout.global_shape:
         return p.layout.chunk(value)
     return value  # wrong shape: let nn.Module.load_state_dict report it
@@ -178,7 +216,14 @@ def _validate_unit(owner: nn.Module, assigned: list[ParamAssignment]) -> None:
             )
 
 
-def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, reshard_after_forward: bool) -> None:
+@dataclass(frozen=True)
+class UnitOptions:
+    reshard_after_forward: bool
+    mixed_precision: MixedPrecision
+    replica_hop: ReplicaHop
+
+
+def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: UnitOptions) -> None:
     nested = _nested_roots(module)
     for child in nested:
         if child._hsdp_mesh is not mesh:
@@ -194,23 +239,24 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, reshard_a
 
     comm = Comm(mesh)
     _broadcast_from_rank0(comm, [a.param for a in assignments], _own_buffers(module, nested))
+    prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
     units = []
     for m in unit_modules:
         assigned = by_owner[id(m)]
         if assigned:
-            units.append(_build_unit(m, assigned, comm, mesh, reshard_after_forward))
-    prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
+            units.append(_build_unit(m, assigned, comm, mesh, options, prefixes[id(m)].rstrip(".")))
     for child in nested:
         child_state: ShardingState = child._hsdp_state
         child_state.remove_hooks()
         units.extend(child_state.units)
         for u in child_state.units:
             u.comm = comm
+            u.key = prefixes[id(u.module)].rstrip(".")
             for p in u.params:
                 p.rebase(prefixes)
     if not units or units[0].module is not module:
         # The root still needs hooks to be the root (e.g. all params live in nested units).
-        units.insert(0, ShardUnit.empty(module, comm))
+        units.insert(0, ShardUnit.empty(module, comm, options.mixed_precision))
     state = ShardingState(mesh, comm, units)
     state.register_hooks(units)
     object.__setattr__(module, "_hsdp_state", state)
@@ -240,12 +286,14 @@ def _broadcast_from_rank0(comm: Comm, params: list[nn.Parameter], buffers: list[
 
 
 def _build_unit(module: nn.Module, assigned: list[ParamAssignment], comm: Comm, mesh: HSDPMesh,
-                reshard_after_forward: bool) -> ShardUnit:
+                options: UnitOptions, key: str) -> ShardUnit:
+    policy = options.mixed_precision
     params = [
-        ShardedParam(a.slots, a.param, ShardLayout(tuple(a.param.shape), mesh.sharding_degree, mesh.shard_rank))
+        ShardedParam(a.slots, a.param, ShardLayout(tuple(a.param.shape), mesh.sharding_degree, mesh.shard_rank),
+                     policy.compute(a.param.dtype))
         for a in assigned
     ]
-    unit = ShardUnit(module, params, comm, reshard_after_forward)
+    unit = ShardUnit(module, params, comm, options.reshard_after_forward, key, policy, options.replica_hop)
     unit.load_full([a.param.detach() for a in assigned])
     for p in params:
         p.to_sharded()

@@ -1,8 +1,13 @@
-"""The two-hop gradient reduction of one unit: reduce-scatter in the shard group, all-reduce across replicas.
+"""The two-hop gradient reduction of one unit: reduce-scatter in the shard group, then the replica hop.
 
-Stages: ``start`` issues the reduce-scatter (async) -> ``start_all_reduce`` waits for it and issues the
-replica all-reduce (async) -> ``finish`` waits and hands each sharded parameter its gradient. The root
-drives the stages so that one unit's all-reduce overlaps the next unit's reduce-scatter and backward.
+Stages: ``start`` issues the reduce-scatter (async) -> ``start_replica_hop`` waits for it and, on a sync
+step, starts the inter-node hop (async) -> ``finish`` waits and hands each sharded parameter its gradient.
+The runtime drives the stages so that one unit's inter-node hop overlaps the next unit's reduce-scatter
+and the backward of earlier units.
+
+Deferred sync (gradient accumulation): on a micro-batch that does not sync replicas, the reduce-scattered
+shard is added to the unit's fp32 ``partial`` and nothing crosses nodes; the sync micro-batch sends the
+whole partial sum once, so inter-node bytes per optimizer step do not grow with the micro-batch count.
 
 Each rank appends one "has gradient" flag per parameter to every chunk of its reduce-scatter input. After
 both averaging hops the flag is positive iff some rank produced a gradient, which gives exactly DDP's
@@ -12,70 +17,101 @@ semantics for unused parameters (gradient ``None`` only when unused everywhere) 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from hsdp.collectives import Comm, Handle
+from hsdp.collectives import Handle
 from hsdp.runtime.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from hsdp.runtime.unit import ShardUnit
 
 
 class Stage(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
+    REPLICA_HOP = "replica_hop"
     DONE = "done"
 
 
 class Reduction:
     """An in-flight gradient reduction for the trainable parameters of one unit."""
 
-    def __init__(self, params: list[ShardedParam], output: torch.Tensor, handle: Handle, comm: Comm) -> None:
+    def __init__(self, unit: ShardUnit, params: list[ShardedParam], output: torch.Tensor, handle: Handle,
+                 sync_replicas: bool) -> None:
+        self.unit = unit
         self.params = params
         self.output = output  # 1D: this rank's reduced slot, then one flag per parameter
-        self.comm = comm
+        self.sync_replicas = sync_replicas
         self._handle = handle
         self.stage = Stage.REDUCE_SCATTER
 
     @classmethod
-    def start(cls, params: list[ShardedParam], grads: list[torch.Tensor | None], comm: Comm) -> Reduction:
-        s = comm.size("shard")
-        dtype, device = params[0].dtype, params[0].device
-        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=device)
-        inputs = [torch.zeros(p.layout.global_shape, dtype=dtype, device=device) if g is None else g
-                  for p, g in zip(params, grads, strict=True)]
+    def start(cls, unit: ShardUnit, params: list[ShardedParam], grads: list[torch.Tensor | None],
+              sync_replicas: bool) -> Reduction:
+        comm, s = unit.comm, unit.sharding_degree
+        device = unit.sharded_flat.device
+        dtype = unit.policy.reduce(params[0].dtype)
+        # _chunk_cat casts into its output, but needs one input dtype (fp32 sums may meet bf16 grads).
+        in_dtypes = {g.dtype for g in grads if g is not None}
+        in_dtype = in_dtypes.pop() if len(in_dtypes) == 1 else dtype
+        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=in_dtype, device=device)
+        inputs = [torch.zeros(p.layout.global_shape, dtype=in_dtype, device=device) if g is None
+                  else g.to(in_dtype) for p, g in zip(params, grads, strict=True)]
         inputs.append(flags.expand(s, -1))  # one copy of the flags in every rank's chunk
-        # ND: (S, slot + n_flags); row r is what rank r receives, padded chunk by chunk.
-        rs_input = torch._chunk_cat(inputs, dim=0, num_chunks=s)
-        output = torch.empty(rs_input.shape[1], dtype=dtype, device=device)
+        n_out = sum(p.layout.padded_numel for p in params) + len(params)
+        # ND: (S, slot + n_flags); row r is what rank r receives, padded chunk by chunk; casts on the way.
+        rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
+        torch._chunk_cat(inputs, dim=0, num_chunks=s, out=rs_input)
+        output = torch.empty(n_out, dtype=dtype, device=device)
         handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True)
-        return cls(params, output, handle, comm)
+        return cls(unit, params, output, handle, sync_replicas)
 
-    def start_all_reduce(self) -> None:
+    def start_replica_hop(self) -> None:
         if self.stage is not Stage.REDUCE_SCATTER:
             return
         self._handle.wait()
-        self._handle = self.comm.all_reduce(self.output, "replicate", op=dist.ReduceOp.AVG, async_op=True)
-        self.stage = Stage.ALL_REDUCE
+        unit = self.unit
+        if unit.partial is not None or not self.sync_replicas:
+            # fp32 partial sums: low-precision accumulation across micro-batches loses accuracy.
+            if unit.partial is None:
+                unit.partial = self.output.float()
+            else:
+                unit.partial += self.output
+            if not self.sync_replicas:
+                self.stage = Stage.DONE
+                return
+            self.output, unit.partial = unit.partial, None
+        wire_dtype = unit.policy.replicate_reduce(self.params[0].dtype)
+        if self.output.dtype != wire_dtype:
+            self.output = self.output.to(wire_dtype)
+        self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
+        self.stage = Stage.REPLICA_HOP
 
     def finish(self) -> None:
         """Wait for both hops and accumulate the reduced shards into ``param.grad`` of the sharded params."""
         if self.stage is Stage.DONE:
             return
-        self.start_all_reduce()
+        self.start_replica_hop()
+        if self.stage is Stage.DONE:
+            return
         self._handle.wait()
         n = len(self.params)
         has_grad = (self.output[-n:] > 0).tolist()
         offset = 0
         for p, flag in zip(self.params, has_grad, strict=True):
             if flag:
-                self._accumulate(p, self.output[offset: offset + p.layout.local_numel])
+                _accumulate(p, self.output[offset: offset + p.layout.local_numel])
             offset += p.layout.padded_numel
         self.stage = Stage.DONE
 
-    @staticmethod
-    def _accumulate(p: ShardedParam, flat_grad: torch.Tensor) -> None:
-        grad = flat_grad.view(p.layout.local_shape)
-        if p.sharded.grad is None:
-            p.sharded.grad = grad  # a view into the reduction output: no copy
-        else:
-            p.sharded.grad += grad
+
+def _accumulate(p: ShardedParam, flat_grad: torch.Tensor) -> None:
+    grad = flat_grad.view(p.layout.local_shape)
+    if grad.dtype != p.dtype:
+        grad = grad.to(p.dtype)
+    if p.sharded.grad is None:
+        p.sharded.grad = grad  # a view into the reduction output when dtypes agree: no copy
+    else:
+        p.sharded.grad += grad

@@ -83,7 +83,8 @@ class ShardedParam:
     storage is a view into a padded buffer of ``S * padded_numel`` elements that is freed between uses.
     """
 
-    def __init__(self, slots: list[ParamSlot], original: nn.Parameter, layout: ShardLayout) -> None:
+    def __init__(self, slots: list[ParamSlot], original: nn.Parameter, layout: ShardLayout,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.slots = slots
         self.fqn = slots[0].fqn
         self.layout = layout
@@ -92,10 +93,13 @@ class ShardedParam:
         self.requires_grad = original.requires_grad
         self.dtype = original.dtype
         self.device = original.device
+        self.compute_dtype = compute_dtype or original.dtype
         self.sharded: nn.Parameter  # set by bind_sharded
+        # fp32 sum of unsharded gradients kept across micro-batches when gradient sync is off.
+        self.grad_acc: torch.Tensor | None = None
         # ND: the padded all-gather destination, shape (S, padded_numel); storage freed when resharded.
         self.unsharded_padded = torch.empty(
-            layout.sharding_degree * layout.padded_numel, dtype=original.dtype, device=original.device
+            layout.sharding_degree * layout.padded_numel, dtype=self.compute_dtype, device=original.device
         )
         full = self.unsharded_padded[: math.prod(layout.global_shape)].view(layout.global_shape)
         self.unsharded = nn.Parameter(full, requires_grad=original.requires_grad)
@@ -117,6 +121,24 @@ class ShardedParam:
         nbytes = self.unsharded_padded.numel() * self.unsharded_padded.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Detach the unsharded gradient (plus any fp32 sum from unsynced micro-batches)."""
+        grad, self.unsharded.grad = self.unsharded.grad, None
+        if self.grad_acc is not None:
+            acc, self.grad_acc = self.grad_acc, None
+            grad = acc if grad is None else acc.add_(grad)
+        return grad
+
+    def accumulate_unsharded_grad(self) -> None:
+        """Move the unsharded gradient into the fp32 sum (no communication this micro-batch)."""
+        grad, self.unsharded.grad = self.unsharded.grad, None
+        if grad is None:
+            return
+        if self.grad_acc is None:
+            self.grad_acc = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
+        else:
+            self.grad_acc.add_(grad)
 
     def free_unsharded(self) -> None:
         self.unsharded_padded.untyped_storage().resize_(0)

@@ -1,12 +1,18 @@
 """The runtime of one wrapped model: forward/backward hooks driving its units (FSDP2's FSDPState).
 
 Per unit and step:
-  pre_forward    all-gather (or wait for it), expose unsharded params, hook the inputs for post_backward
+  pre_forward    wait for this unit's all-gather (issued now or prefetched), prefetch the next unit's,
+                 hook the inputs for post_backward
   post_forward   hook the outputs for pre_backward; reshard unless ``reshard_after_forward=False``
-  pre_backward   all-gather again if resharded (first gradient reaching an output)
-  post_backward  after the unit's last use: reduce-scatter its gradients, start the replica all-reduce
+  pre_backward   wait for the all-gather again if resharded, prefetch the unit whose backward is next
+  post_backward  after the unit's last use: reduce-scatter its gradients; the previous unit's inter-node
+                 hop starts now, overlapping this reduce-scatter and the backward of earlier units
   end of backward (root callback): reduce what no post_backward reached, wait for every reduction,
                  reshard everything, reset the per-step bookkeeping.
+
+Prefetch order comes from the previous step: forward follows the order of pre_forward calls, backward the
+reverse order of post_forward calls (the root wraps everything, so its backward comes first). At most two
+units other than the root are unsharded at any time.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hsdp.collectives import Comm
 from hsdp.mesh import HSDPMesh
@@ -44,9 +50,18 @@ class ShardingState:
         self.mesh = mesh
         self.comm = comm
         self.units = units  # pre-order: root unit first
+        # Gradient sync for the next backward: False/True as FSDP2's set_requires_gradient_sync and
+        # set_requires_all_reduce (micro-batches of gradient accumulation).
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.prefetch = True
         self._pending: list[Reduction] = []
         self._callback_queued = False
         self._handles: list[Any] = []
+        self._forward_order: list[ShardUnit] = []  # pre_forward order of the previous step
+        self._backward_order: list[ShardUnit] = []  # reverse post_forward order of the previous step
+        self._pre_seen: list[ShardUnit] = []
+        self._post_seen: list[ShardUnit] = []
 
     @property
     def root_unit(self) -> ShardUnit:
@@ -67,13 +82,26 @@ class ShardingState:
 
     # -- forward ---------------------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardUnit, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if unit is self.root_unit:
+            self._pre_seen, self._post_seen = [], []
+            args, kwargs = self._cast_inputs(unit, args, kwargs)
+        if unit not in self._pre_seen:
+            self._pre_seen.append(unit)
         unit.wait_for_unshard()
+        self._prefetch_after(unit, self._forward_order)
         if not torch.is_grad_enabled():
             return args, kwargs
         unit.used_in_grad_forward = True
         return self._register_post_backward(unit, args, kwargs)
 
     def _post_forward(self, unit: ShardUnit, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        if unit in self._post_seen:
+            self._post_seen.remove(unit)
+        self._post_seen.append(unit)
+        if unit is self.root_unit:
+            self._forward_order = self._pre_seen
+            self._backward_order = self._post_seen[::-1]
+            output = self._cast_outputs(unit, output)
         if not torch.is_grad_enabled():
             unit.reshard()
             return output
@@ -82,6 +110,26 @@ class ShardingState:
         if unit.reshard_after_forward and unit is not self.root_unit:
             unit.reshard()
         return output
+
+    def _prefetch_after(self, unit: ShardUnit, order: list[ShardUnit]) -> None:
+        if not self.prefetch or unit not in order:
+            return
+        i = order.index(unit)
+        if i + 1 < len(order) and order[i + 1].state is ShardedState.SHARDED:
+            order[i + 1].unshard(async_op=True)
+
+    @staticmethod
+    def _cast_inputs(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        dtype = unit.policy.param_dtype
+        if dtype is None or not unit.policy.cast_forward_inputs:
+            return args, kwargs
+        cast = functools.partial(_cast_floating, dtype=dtype)
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    @staticmethod
+    def _cast_outputs(unit: ShardUnit, output: Any) -> Any:
+        dtype = unit.policy.output_dtype
+        return output if dtype is None else tree_map(functools.partial(_cast_floating, dtype=dtype), output)
 
     def _register_post_backward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         flat, spec = tree_flatten((args, kwargs))
@@ -107,6 +155,7 @@ class ShardingState:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         unit.wait_for_unshard()
+        self._prefetch_after(unit, self._backward_order)
 
     def _post_backward(self, unit: ShardUnit) -> None:
         unit.pending_post_backward -= 1
@@ -116,14 +165,14 @@ class ShardingState:
         unit.reshard()
 
     def _reduce(self, unit: ShardUnit) -> None:
-        reduction = unit.reduce_grads()
+        reduction = unit.reduce_grads(self.requires_gradient_sync, self.requires_all_reduce)
         unit.used_in_grad_forward = False
         if reduction is None:
             return
-        # Pipeline: the previous unit's reduce-scatter ran during this unit's backward; its replica
-        # all-reduce now overlaps with this unit's reduce-scatter and the backward of earlier units.
+        # Pipeline: the previous unit's reduce-scatter ran during this unit's backward; its inter-node
+        # hop now overlaps with this unit's reduce-scatter and the backward of earlier units.
         if self._pending:
-            self._pending[-1].start_all_reduce()
+            self._pending[-1].start_replica_hop()
         self._pending.append(reduction)
 
     def _finalize_backward(self) -> None:
@@ -147,3 +196,9 @@ class ShardingState:
 
     def is_idle(self) -> bool:
         return all(u.state is ShardedState.SHARDED for u in self.units) and not self._pending
+
+
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from hsdp.collectives import Comm, Handle
+from hsdp.hops import AllReduceHop, ReplicaHop
+from hsdp.policy import FULL_PRECISION, MixedPrecision
 from hsdp.runtime.reduction import Reduction
 from hsdp.runtime.sharded_param import ShardedParam
 
@@ -27,13 +29,19 @@ class ShardUnit:
     """Parameters of one module (minus those of nested units), sharded over the mesh's shard group."""
 
     def __init__(self, module: nn.Module, params: list[ShardedParam], comm: Comm,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, key: str = "",
+                 policy: MixedPrecision = FULL_PRECISION, hop: ReplicaHop | None = None) -> None:
         self.module = module
         self.params = params
         self.comm = comm
         self.reshard_after_forward = reshard_after_forward
+        self.key = key  # the unit module's name in the model ("" for the root); names hop state
+        self.policy = policy
+        self.hop: ReplicaHop = hop or AllReduceHop()
         self.state = ShardedState.SHARDED
-        self.name = type(module).__name__
+        self.name = f"{type(module).__name__}({key or 'root'})"
+        # fp32 reduce-scattered gradient sum of micro-batches that did not sync replicas (1D, flags last).
+        self.partial: torch.Tensor | None = None
         self._gather_handle: Handle | None = None
         self._gather_buffer: torch.Tensor | None = None
         # Per-step bookkeeping, reset by the root at the end of backward.
@@ -51,9 +59,9 @@ class ShardUnit:
         return self.comm.size("shard")
 
     @classmethod
-    def empty(cls, module: nn.Module, comm: Comm) -> ShardUnit:
-        """A unit that owns no parameters: it only gives the root its hooks."""
-        return cls(module, [], comm, reshard_after_forward=False)
+    def empty(cls, module: nn.Module, comm: Comm, policy: MixedPrecision = FULL_PRECISION) -> ShardUnit:
+        """A unit that owns no parameters: it only gives the root its hooks (and input/output casts)."""
+        return cls(module, [], comm, reshard_after_forward=False, policy=policy)
 
     def _build_sharded_flat(self) -> torch.Tensor:
         # 1D: this rank's padded chunks of every parameter, in order; padding stays zero.
@@ -82,10 +90,11 @@ class ShardUnit:
             self.state = ShardedState.UNSHARDED
             return
         s = self.sharding_degree
-        self._gather_buffer = torch.empty(s * self.slot_numel, dtype=self.sharded_flat.dtype,
-                                          device=self.sharded_flat.device)
-        self._gather_handle = self.comm.all_gather(self._gather_buffer, self.sharded_flat, "shard",
-                                                   async_op=async_op)
+        dtype = self.params[0].compute_dtype
+        # Mixed precision: the one cast of the step happens here, on the shard (copy-in); fp32 otherwise.
+        source = self.sharded_flat if dtype == self.sharded_flat.dtype else self.sharded_flat.to(dtype)
+        self._gather_buffer = torch.empty(s * self.slot_numel, dtype=dtype, device=source.device)
+        self._gather_handle = self.comm.all_gather(self._gather_buffer, source, "shard", async_op=async_op)
         self.state = ShardedState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -122,19 +131,23 @@ class ShardUnit:
         self.state = ShardedState.SHARDED
 
     # -- gradients (post-backward) ---------------------------------------------------------------------
-    def reduce_grads(self) -> Reduction | None:
-        """Start the reduce-scatter of the unsharded gradients; ``None`` when nothing requires grad.
+    def reduce_grads(self, sync_shards: bool = True, sync_replicas: bool = True) -> Reduction | None:
+        """Start the reduce-scatter of the unsharded gradients; ``None`` when nothing is communicated.
 
         Every rank that ran this unit in forward must call this, even when its own gradients are all
         ``None``: it then contributes zeros, and the gradient stays ``None`` only if no rank had one.
+        ``sync_shards=False`` keeps fp32 unsharded sums instead (no communication this micro-batch);
+        ``sync_replicas=False`` reduce-scatters but defers the inter-node hop.
         """
         trainable = [p for p in self.params if p.requires_grad]
         if not trainable:
             return None
-        grads = [p.unsharded.grad for p in trainable]
-        for p in trainable:
-            p.unsharded.grad = None
-        return Reduction.start(trainable, grads, self.comm)
+        if not sync_shards:
+            for p in trainable:
+                p.accumulate_unsharded_grad()
+            return None
+        grads = [p.take_unsharded_grad() for p in trainable]
+        return Reduction.start(self, trainable, grads, sync_replicas)
 
     def gathered_full(self) -> list[torch.Tensor]:
         """Full copies of every parameter (a collective in the shard group; state unchanged)."""

@@ -1,0 +1,43 @@
+"""Small frozen policies: precision per hop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes per role. ``None`` means "the parameter's own dtype" (or the previous hop's, for reductions).
+
+    Master shards and optimizer state keep the parameters' dtype (normally fp32). ``param_dtype`` is the
+    dtype of the all-gather and of compute; ``reduce_dtype`` is the intra-node reduce-scatter's;
+    ``replicate_reduce_dtype`` is the inter-node all-reduce's, so the slow hop can be bf16 (half the
+    inter-node bytes) while the fast hop stays fp32, or the reverse for stability at scale. Partial sums
+    kept across micro-batches are always fp32. ``output_dtype`` casts the root's floating outputs.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    replicate_reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "replicate_reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"MixedPrecision.{name} must be a floating torch.dtype or None, got {value!r}")
+
+    def compute(self, orig: torch.dtype) -> torch.dtype:
+        return self.param_dtype or orig
+
+    def reduce(self, orig: torch.dtype) -> torch.dtype:
+        return self.reduce_dtype or self.compute(orig)
+
+    def replicate_reduce(self, orig: torch.dtype) -> torch.dtype:
+        return self.replicate_reduce_dtype or self.reduce(orig)
+
+
+FULL_PRECISION = MixedPrecision()
