@@ -14,12 +14,14 @@ from hsdp.memory import StateBytes, state_bytes
 from hsdp.mesh import HSDPMesh, init_mesh, rank_grid
 from hsdp.model import ShardedModel
 from hsdp.optim import ShardedOptimizer
+from hsdp.policy import MixedPrecision
 from hsdp.state_dict import full_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HSDPMesh",
+    "MixedPrecision",
     "ShardedModel",
     "ShardedOptimizer",
     "StateBytes",

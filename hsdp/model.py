@@ -239,6 +239,8 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: 
 
     comm = Comm(mesh)
     _broadcast_from_rank0(comm, [a.param for a in assignments], _own_buffers(module, nested))
+    if options.mixed_precision.buffer_dtype is not None:
+        _cast_buffers(module, nested, options.mixed_precision.buffer_dtype)
     prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
     units = []
     for m in unit_modules:
@@ -268,6 +270,14 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: 
 def _own_buffers(module: nn.Module, nested: list[nn.Module]) -> list[torch.Tensor]:
     skip = {id(b) for n in nested for b in n.buffers()}
     return [b for b in module.buffers() if id(b) not in skip]
+
+
+def _cast_buffers(module: nn.Module, nested: list[nn.Module], dtype: torch.dtype) -> None:
+    skip = {id(b) for n in nested for b in n.buffers()}
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and id(b) not in skip:
+                m._buffers[name] = b.to(dtype)
 
 
 def _broadcast_from_rank0(comm: Comm, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
