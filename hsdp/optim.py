@@ -62,7 +62,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             sp = by_param[id(params[idx])]
             state[fqn[idx]] = {k: _to_dtensor(v, sp, dm) for k, v in entries.items()}
         groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in raw["param_groups"]]
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        hop_state = {name: _to_dtensor(v, sp, dm) for name, (sp, v) in _hop_residuals(self._hsdp_model).items()}
+        if hop_state:
+            out["hop_residuals"] = hop_state
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the FQN-keyed form (``DTensor`` or full tensors); other forms go to the wrapped class."""
@@ -81,7 +85,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
             sp = by_param[id(params[index[name]])]
             state[index[name]] = {k: _to_local(v, sp) for k, v in entries.items()}
         raw_groups = [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
-        return super().load_state_dict({"state": state, "param_groups": raw_groups})
+        super().load_state_dict({"state": state, "param_groups": raw_groups})
+        _load_hop_residuals(self._hsdp_model, state_dict.get("hop_residuals", {}))
+
+
+def _residual_layout(unit: Any) -> list[tuple[ShardedParam, int]]:
+    """(param, offset) in a unit's reduce slot: trainable parameters, padded chunks back to back."""
+    out, offset = [], 0
+    for p in unit.params:
+        if p.requires_grad:
+            out.append((p, offset))
+            offset += p.layout.padded_numel
+    return out
+
+
+def _hop_residuals(model: ShardedModel) -> dict[str, tuple[ShardedParam, torch.Tensor]]:
+    """Error-feedback residuals of the inter-node hop, split per parameter (so they reshard)."""
+    out = {}
+    for unit in model.units:
+        flat = getattr(unit.hop, "residuals", {}).get(unit.key)
+        if flat is None:
+            continue
+        for p, off in _residual_layout(unit):
+            out[p.fqn] = (p, flat[off: off + p.layout.local_numel].view(p.layout.local_shape))
+    return out
+
+
+def _load_hop_residuals(model: ShardedModel, saved: dict[str, Any]) -> None:
+    for unit in model.units:
+        residuals = getattr(unit.hop, "residuals", None)
+        layout = _residual_layout(unit)
+        if residuals is None or not layout or not any(p.fqn in saved for p, _ in layout):
+            continue
+        p_last, off_last = layout[-1]
+        flat = torch.zeros(off_last + p_last.layout.padded_numel, device=unit.sharded_flat.device)
+        for p, off in layout:
+            if p.fqn in saved:
+                flat[off: off + p.layout.local_numel] = _to_local(saved[p.fqn], p).reshape(-1)
+        residuals[unit.key] = flat
 
 
 def _sharded_class(orig: type) -> type:

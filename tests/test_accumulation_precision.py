@@ -142,6 +142,13 @@ def _convergence(rank: int, world: int, steps: int) -> dict[str, float]:
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
+        if name == "int8":  # the residuals are optimizer state: saved per parameter and restored exactly
+            saved = {k: v.clone() for k, v in hop.residuals.items()}
+            sd = opt.state_dict()
+            assert len(sd["hop_residuals"]) == len(list(model.parameters()))
+            hop.residuals.clear()
+            opt.load_state_dict(sd)
+            assert all(torch.equal(saved[k], hop.residuals[k]) for k in saved)
         tail = torch.stack(losses[-10:]).mean()
         torch.distributed.all_reduce(tail)
         out[name] = tail.item() / world
