@@ -1,0 +1,68 @@
+"""Markdown and plot of benchmark results (shared by bench.py and `hsdp bench`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown_table(meta: dict, results: list[dict]) -> str:
+    lines = [
+        f"# Benchmark {meta['date']}",
+        "",
+        f"Command: `{meta['command']}` (git {meta['git']})",
+        "",
+        "2 nodes x 2 ranks, gloo on CPU. Step time: median over the measured steps of the slowest rank. "
+        "Inter-node MB: bytes sent per node per step on the emulated link (kernel counters, TCP/IP headers "
+        "included); floor = 2(R-1)/R x P x 4 bytes.",
+        "",
+        "| network | system | median step s | ratio to FSDP2 HSDP | peak RSS MiB/rank | inter-node MB/step/node "
+        "| floor MB | vs floor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['network']} | {r['system']} | failed | | | | | |")
+            continue
+        inter = r["inter_node_mb_per_node"]
+        vs = None if inter is None else inter / r["floor_mb_per_node"]
+        lines.append(
+            f"| {r['network']} | {r['system']} | {r['median_step_s']:.3f} | {_fmt(r['ratio_to_fsdp2_hsdp'], '.2f')} "
+            f"| {r['peak_rss_mib']:.0f} | {_fmt(inter, '.1f')} | {r['floor_mb_per_node']:.1f} | {_fmt(vs, '.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    networks = list(dict.fromkeys(r["network"] for r in ok))
+    systems = list(dict.fromkeys(r["system"] for r in ok))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(systems))
+    for i, system in enumerate(systems):
+        xs, steps, mbs = [], [], []
+        for j, network in enumerate(networks):
+            match = [r for r in ok if r["system"] == system and r["network"] == network]
+            if match:
+                xs.append(j + i * width)
+                steps.append(match[0]["median_step_s"])
+                mbs.append(match[0]["inter_node_mb_per_node"] or 0.0)
+        axes[0].bar(xs, steps, width, label=system)
+        axes[1].bar(xs, mbs, width, label=system)
+    floor = ok[0]["floor_mb_per_node"] if ok else 0
+    axes[1].axhline(floor, color="black", linestyle="--", label="floor 2(R-1)/R·P·4")
+    for ax, title in zip(axes, ("median step time (s)", "inter-node MB per step per node")):
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(networks))], networks)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
