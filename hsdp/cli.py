@@ -23,6 +23,19 @@ def _demo(args: argparse.Namespace) -> int:
     return launch_local(args.nodes, args.nproc_per_node, ["-m", "hsdp.demo", "--steps", str(args.steps)])
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from hsdp.launch.command import run
+
+    return run(args)
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    # The arguments live with the launcher (hsdp.launch.command); argparse is all that module imports.
+    from hsdp.launch.command import add_parser
+
+    add_parser(sub).set_defaults(func=_launch)
+
+
 def _add_version(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("version", help="print the version").set_defaults(func=_version)
 
@@ -41,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_version(sub)
     _add_demo(sub)
+    _add_launch(sub)
     return parser
 
 

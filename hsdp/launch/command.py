@@ -7,6 +7,9 @@ lives in this package.
 from __future__ import annotations
 
 import argparse
+import sys
+
+USAGE_ERROR = 2  # as argparse exits on bad arguments
 
 EPILOG = """\
 examples:
@@ -31,8 +34,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="rate of each node's link, each direction, tc units: bit/kbit/mbit/gbit (default 1gbit)")
     p.add_argument("--inter-node-latency", default="0",
                    help="one-way node-to-node delay, e.g. 1ms or 500us; needs the kernel's netem (default 0)")
-    p.add_argument("--require-emulation", action="store_true",
-                   help="fail instead of falling back to loopback when the network cannot be emulated")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--require-emulation", action="store_true",
+                      help="fail instead of falling back to loopback when the network cannot be emulated")
+    mode.add_argument("--no-emulation", action="store_true",
+                      help="run the nodes on loopback on purpose (a baseline without shaping or counters)")
     p.add_argument("--stats-json", metavar="FILE", help="also write the per-node traffic report as JSON")
     p.add_argument("--cleanup", action="store_true",
                    help="remove namespaces, links and processes left by runs whose launcher died, then exit")
@@ -42,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute a parsed ``hsdp launch``; the process exit status."""
+    """Execute a parsed ``hsdp launch``; the process exit status (2 for bad arguments)."""
     from hsdp.launch.emulated import LaunchOptions, cleanup, launch
 
     if args.cleanup:
@@ -50,12 +56,12 @@ def run(args: argparse.Namespace) -> int:
     script = list(args.script_args)
     if script[:1] == ["--"]:
         script = script[1:]
-    if not script:
-        raise SystemExit("hsdp launch: nothing to run; usage: hsdp launch [options] -- SCRIPT [ARGS...]")
     try:
         options = LaunchOptions(tuple(script), nodes=args.nodes, nproc_per_node=args.nproc_per_node,
                                 bandwidth=args.inter_node_bandwidth, latency=args.inter_node_latency,
-                                require_emulation=args.require_emulation, stats_json=args.stats_json)
-    except ValueError as e:  # a bad rate, duration or node count: a usage error, not a traceback
-        raise SystemExit(f"hsdp launch: {e}") from None
+                                require_emulation=args.require_emulation, no_emulation=args.no_emulation,
+                                stats_json=args.stats_json)
+    except ValueError as e:  # a bad rate, duration, node count or no script: a usage error, not a traceback
+        print(f"hsdp launch: error: {e}\nusage: hsdp launch [options] -- SCRIPT [ARGS...]", file=sys.stderr)
+        return USAGE_ERROR
     return launch(options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from typing import Any
 
 from hsdp.launch.local import AgentSpec, Supervisor, agent_env, local_agents, torchrun_command
 from hsdp.launch.netns import (
+    PREFIX,
     ClusterSpec,
     EmulatedCluster,
     NetnsError,
@@ -44,6 +46,7 @@ from hsdp.launch.traffic import TrafficReport, node_traffic, print_report, write
 from hsdp.launch.units import parse_duration, parse_rate
 
 MASTER_PORT = 29500  # node 0's namespace is fresh: no other program can hold a port there
+USAGE_ERROR = 2  # emulation required but unavailable: the exit status of a command-line error
 MAX_NODES = 250  # one /24 holds the node addresses
 _RANK_PREFIX = "[rank${rank}]: "
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -53,7 +56,11 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class LaunchOptions:
     """One ``hsdp launch``: ``nodes`` x ``nproc_per_node`` ranks running ``script_args`` (``script.py ...``
     or ``-m module ...``) behind links of ``bandwidth`` (tc rate, e.g. ``"1gbit"``) and ``latency`` (one-way
-    node-to-node delay, e.g. ``"1ms"``; ``"0"`` for none). ``env`` adds variables for every rank."""
+    node-to-node delay, e.g. ``"1ms"``; ``"0"`` for none). ``env`` adds variables for every rank.
+
+    ``no_emulation`` runs on loopback on purpose (a baseline; no warning), ``require_emulation`` makes the
+    loopback fallback an error. ``ValueError`` on construction for an empty script, bad counts, rates or
+    durations, or both of those flags."""
 
     script_args: tuple[str, ...]
     nodes: int = 2
@@ -61,6 +68,7 @@ class LaunchOptions:
     bandwidth: str = "1gbit"
     latency: str = "0"
     require_emulation: bool = False
+    no_emulation: bool = False
     stats_json: str | None = None
     env: Mapping[str, str] | None = None
 
@@ -71,6 +79,8 @@ class LaunchOptions:
         if not 1 <= self.nodes <= MAX_NODES or self.nproc_per_node < 1:
             raise ValueError(f"nodes={self.nodes} must be in 1..{MAX_NODES} and nproc_per_node="
                              f"{self.nproc_per_node} at least 1")
+        if self.require_emulation and self.no_emulation:
+            raise ValueError("require_emulation and no_emulation contradict each other")
         parse_rate(self.bandwidth)
         parse_duration(self.latency)
 
@@ -162,7 +172,7 @@ def _finish(report: TrafficReport, stats_json: str | None) -> int:
 
 
 def _run_fallback(options: LaunchOptions) -> int:
-    with tempfile.TemporaryDirectory(prefix="hsdp-logs-") as logs:
+    with tempfile.TemporaryDirectory(prefix=f"{PREFIX}-logs-") as logs:
         agents = local_agents(options.nodes, options.nproc_per_node,
                               [*torchrun_flags(logs), *options.script_args], {**(options.env or {}),
                                                                               **rank_prefix_env()})
@@ -174,9 +184,10 @@ def _set_up(tools: Tools, options: LaunchOptions, bandwidth: int, latency: float
             parts: dict[str, Any]) -> EmulatedCluster:
     # Everything created is recorded in `parts` at once, so the caller's `finally` can remove it whatever
     # is interrupted where.
+    parts["logs"] = tempfile.mkdtemp(prefix=f"{PREFIX}-logs-")
     with allocated_run(tools) as run:
         # The reaper first: from here on even a SIGKILLed launcher leaves nothing behind.
-        parts["reaper"] = Reaper(run, tools)
+        parts["reaper"] = Reaper(run.name, tools.ip, parts["logs"])
         cluster = parts["cluster"] = EmulatedCluster(tools, ClusterSpec(options.nodes, bandwidth, latency, run))
         cluster.create_switch()  # reserves the subnet: allocations after this lock see it
     cluster.create_nodes()
@@ -191,30 +202,39 @@ def _tear_down(parts: dict[str, Any]) -> None:
             parts["cluster"].teardown()
         if "reaper" in parts:
             parts["reaper"].release()
+        if "logs" in parts:
+            shutil.rmtree(parts["logs"], ignore_errors=True)
+
+
+def _run_job(tools: Tools, cluster: EmulatedCluster, options: LaunchOptions, logs: str) -> int:
+    spec = cluster.spec
+    before = cluster.counters()
+    script = [*torchrun_flags(logs), *options.script_args]
+    code, elapsed = _run_agents(namespace_agents(tools, spec, options.nproc_per_node, script, options.env))
+    report = TrafficReport(True, spec.nodes, options.nproc_per_node, code, elapsed, spec.bandwidth_bit_s,
+                           spec.latency_s, cluster.latency_emulated, node_traffic(spec, before, cluster.counters()))
+    return _finish(report, options.stats_json)
+
+
+def _setup_failed(error: Exception, options: LaunchOptions) -> int | None:
+    if options.require_emulation:
+        _warn(f"error: network emulation required but its setup failed: {error}")
+        return USAGE_ERROR
+    _warn(f"warning: network emulation failed ({error}); running the nodes as local processes on loopback")
+    return None
 
 
 def _run_emulated(tools: Tools, options: LaunchOptions, bandwidth: int, latency: float) -> int | None:
-    """Exit status of the emulated run; ``None`` when the network could not be set up (nothing left over)."""
+    """Exit status of the emulated run; ``None`` when the network could not be set up and the caller should
+    fall back (whatever was created is removed before this returns, in every case)."""
     parts: dict[str, Any] = {}
     with _signal_handlers(_raise_interrupted):
         try:
             try:
                 cluster = _set_up(tools, options, bandwidth, latency, parts)
             except (NetnsError, ShapingError) as e:
-                if options.require_emulation:
-                    _warn(f"error: network emulation required but its setup failed: {e}")
-                    return 2
-                _warn(f"network emulation failed ({e}); falling back to local processes on loopback")
-                return None
-            spec = cluster.spec
-            before = cluster.counters()
-            with tempfile.TemporaryDirectory(prefix="hsdp-logs-") as logs:
-                script = [*torchrun_flags(logs), *options.script_args]
-                code, elapsed = _run_agents(namespace_agents(tools, spec, options.nproc_per_node, script,
-                                                             options.env))
-            report = TrafficReport(True, spec.nodes, options.nproc_per_node, code, elapsed, bandwidth, latency,
-                                   cluster.latency_emulated, node_traffic(spec, before, cluster.counters()))
-            return _finish(report, options.stats_json)
+                return _setup_failed(e, options)
+            return _run_job(tools, cluster, options, parts["logs"])
         except _Interrupted as e:
             _warn("interrupted: removing the emulated cluster")
             return 128 + e.signum
@@ -228,13 +248,15 @@ def launch(options: LaunchOptions) -> int:
 
     Prints the per-node inter-node traffic table at the end and, with ``stats_json``, writes it as JSON.
     """
+    if options.no_emulation:
+        return _run_fallback(options)
     bandwidth, latency = parse_rate(options.bandwidth), parse_duration(options.latency)
     tools = find_tools()
     reason = unavailable_reason(tools)
     if reason is not None:
         if options.require_emulation:
             _warn(f"error: network emulation required but unavailable: {reason}")
-            return 2
+            return USAGE_ERROR
         _warn(f"warning: no network emulation ({reason}); running the nodes as local processes on loopback")
         return _run_fallback(options)
     assert tools is not None

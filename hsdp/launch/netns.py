@@ -25,20 +25,19 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from hsdp.launch.reaper import list_namespaces as reaper_list_namespaces
+from hsdp.launch.reaper import remove_namespaces
 from hsdp.launch.shaping import Shaping, shape_link
 
 PREFIX = "hsdp"
 SUBNET_PREFIX = "10.213"  # 10.213.X.0/24, X unique among live runs; private (RFC 1918), never routed out
 BRIDGE = "hsdp-br"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-(\d+)-(sw|n\d+)$")
-_KILL_GRACE_S = 3.0
 
 
 class NetnsError(RuntimeError):
@@ -171,8 +170,7 @@ class LinkCounters:
 # ---------------------------------------------------------------------------------------------------------
 def list_namespaces(tools: Tools) -> list[str]:
     """Names of all named network namespaces (``ip netns list``)."""
-    out = _run([tools.ip, "-j", "netns", "list"], check=False).stdout.strip()
-    return [entry["name"] for entry in json.loads(out)] if out else []
+    return reaper_list_namespaces(tools.ip)
 
 
 def _used_subnets(tools: Tools) -> set[int]:
@@ -271,40 +269,10 @@ class EmulatedCluster:
         return remove_run(self.tools, self.spec.run)
 
 
-def _pids_in(tools: Tools, namespace: str) -> list[int]:
-    out = _run([tools.ip, "netns", "pids", namespace], check=False).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
-
-
-def _stop_processes(tools: Tools, namespaces: Sequence[str]) -> None:
-    # Only processes inside the run's own namespaces: every one of them was started by the run's launcher.
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        deadline = time.monotonic() + (_KILL_GRACE_S if sig == signal.SIGTERM else 0.0)
-        pids = [p for ns in namespaces for p in _pids_in(tools, ns)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        while pids and time.monotonic() < deadline:
-            time.sleep(0.05)
-            pids = [p for ns in namespaces for p in _pids_in(tools, ns)]
-        if not pids:
-            return
-
-
 def remove_run(tools: Tools, run: RunId) -> list[str]:
     """Delete every namespace of ``run`` after stopping the processes in it; return the names removed.
-
-    Idempotent: namespaces already gone are skipped. Nodes go first, the switch last, so a second teardown
-    racing this one (the reaper) never sees a half-removed node.
-    """
-    mine = [ns for ns in list_namespaces(tools) if RunId.from_namespace(ns) == run]
-    mine.sort(key=lambda ns: ns.endswith("-sw"))
-    _stop_processes(tools, mine)
-    removed = []
-    for ns in mine:
-        if _run([tools.ip, "netns", "del", ns], check=False).returncode == 0:
-            removed.append(ns)
-    return removed
+    Idempotent (see :func:`hsdp.launch.reaper.remove_namespaces`, which does the work)."""
+    return remove_namespaces(tools.ip, run.name)
 
 
 def cleanup_leftovers(tools: Tools) -> list[str]:
