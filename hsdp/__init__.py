@@ -9,22 +9,29 @@ sharded model is replicated across nodes (slow links)::
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
 """
 
+from hsdp.clip import clip_grad_norm_
 from hsdp.data import data_parallel_rank, data_parallel_size, distributed_sampler
 from hsdp.memory import StateBytes, state_bytes
 from hsdp.mesh import HSDPMesh, init_mesh, rank_grid
 from hsdp.model import ShardedModel
 from hsdp.optim import ShardedOptimizer
 from hsdp.policy import MixedPrecision
+from hsdp.replicas import ReplicaDivergence, check_replicas
 from hsdp.state_dict import full_state_dict
+from hsdp.watchdog import FaultPolicy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FaultPolicy",
     "HSDPMesh",
     "MixedPrecision",
+    "ReplicaDivergence",
     "ShardedModel",
     "ShardedOptimizer",
     "StateBytes",
+    "check_replicas",
+    "clip_grad_norm_",
     "data_parallel_rank",
     "data_parallel_size",
     "distributed_sampler",

@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hsdp.watchdog import FaultPolicy, start_watchdog
+
 MESH_DIM_NAMES = ("replicate", "shard")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+DEFAULT_FAULT_POLICY = FaultPolicy()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -168,15 +171,19 @@ def init_mesh(
     *,
     device_mesh: DeviceMesh | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
+    fault_policy: FaultPolicy | None = DEFAULT_FAULT_POLICY,
 ) -> HSDPMesh:
     """Build the replicate x shard mesh, initialising the default process group when needed.
 
     ``sharding_degree`` defaults to the ranks per node, which keeps all-gather and reduce-scatter on the
     fast intra-node links. ``1`` is plain replication (DDP semantics); the world size is full sharding.
     Every check runs before any collective, so a bad value fails on every rank instead of hanging.
+    ``fault_policy`` starts the dead-rank watchdog (see ``hsdp.watchdog``); ``None`` disables it.
     """
     if device_mesh is not None:
         mesh = mesh_from_device_mesh(device_mesh)
+        if fault_policy is not None:
+            start_watchdog(fault_policy)
         if sharding_degree is not None and sharding_degree != mesh.sharding_degree:
             raise ValueError(
                 f"sharding_degree={sharding_degree} disagrees with the given mesh's shard dim "
@@ -192,5 +199,7 @@ def init_mesh(
     degree = default_sharding_degree(world_size) if sharding_degree is None else sharding_degree
     validate_degree(world_size, degree)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if fault_policy is not None:
+        start_watchdog(fault_policy)
     dm = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=MESH_DIM_NAMES)
     return HSDPMesh(dm)

@@ -112,6 +112,13 @@ class ShardedModel(nn.Module):
         """Issue the next unit's all-gather while the current one computes (default on)."""
         self._hsdp_state.prefetch = enabled
 
+    def check_replicas(self) -> None:
+        """Raise :class:`hsdp.replicas.ReplicaDivergence` naming parameters whose shards differ across
+        replicas (a collective in the replicate group; call it on every rank)."""
+        from hsdp.replicas import check_replicas
+
+        check_replicas(self)
+
     def reshard(self) -> None:
         """Free every unsharded parameter (e.g. after a forward whose backward never ran)."""
         self._hsdp_state.reshard_all()

@@ -20,7 +20,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Make ``optimizer`` (built on ``model.parameters()``) a sharded optimizer; returns the same object.
 
     Each rank's optimizer steps only its own shards, so optimizer state is sharded like the parameters.
-    This is exact for element-wise optimizers (SGD, Adam, AdamW, ...). The class is swapped to a subclass
+    This is exact for element-wise optimizers (SGD, Adam, AdamW, ...). ``check_replicas_every=N`` runs
+    ``model.check_replicas()`` after every N-th step. The class is swapped to a subclass
     of both ``ShardedOptimizer`` and the original class, so LR schedulers and hooks work unchanged.
 
     An optimizer built on the unwrapped model's parameters (before wrapping, not yet stepped) is
@@ -30,11 +31,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     _hsdp_model: ShardedModel
 
-    def __new__(cls, model: ShardedModel, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    def __new__(cls, model: ShardedModel, optimizer: torch.optim.Optimizer, *,
+                check_replicas_every: int | None = None) -> ShardedOptimizer:
         _validate(model, optimizer)
+        if check_replicas_every is not None and check_replicas_every < 1:
+            raise ValueError(f"check_replicas_every must be a positive step count or None, got {check_replicas_every}")
         _repoint_params(model, optimizer)
         optimizer.__class__ = _sharded_class(type(optimizer))
         object.__setattr__(optimizer, "_hsdp_model", model)
+        object.__setattr__(optimizer, "_hsdp_check_every", check_replicas_every)
+        object.__setattr__(optimizer, "_hsdp_steps", 0)
         optimizer._patch_step_function()  # step hooks, as torch.optim.Optimizer.__init__ would install
         return optimizer  # type: ignore[return-value]
 
@@ -44,7 +50,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
-        return super().step(closure)
+        result = super().step(closure)
+        self._hsdp_steps += 1
+        if self._hsdp_check_every and self._hsdp_steps % self._hsdp_check_every == 0:
+            self._hsdp_model.check_replicas()
+        return result
 
     # -- state dict ----------------------------------------------------------------------------------
     def _index_params(self) -> list[nn.Parameter]:
