@@ -16,9 +16,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from systems import SYSTEMS
 from torch.distributed.device_mesh import init_device_mesh
 
+from hsdp.bench.systems import SYSTEMS
 from hsdp.models import GPT, preset
 
 

@@ -1,0 +1,1 @@
+"""The side-by-side benchmark (``hsdp bench``): hsdp against FSDP2 and DDP on the same work."""
