@@ -9,6 +9,15 @@ sharded model is replicated across nodes (slow links)::
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
 """
 
+from hsdp.checkpoint import (
+    CheckpointError,
+    CheckpointOptions,
+    capture_rng_state,
+    export_safetensors,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from hsdp.clip import clip_grad_norm_
 from hsdp.data import data_parallel_rank, data_parallel_size, distributed_sampler
 from hsdp.memory import StateBytes, state_bytes
@@ -23,6 +32,8 @@ from hsdp.watchdog import FaultPolicy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointOptions",
     "FaultPolicy",
     "HSDPMesh",
     "MixedPrecision",
@@ -30,13 +41,18 @@ __all__ = [
     "ShardedModel",
     "ShardedOptimizer",
     "StateBytes",
+    "capture_rng_state",
     "check_replicas",
     "clip_grad_norm_",
     "data_parallel_rank",
     "data_parallel_size",
     "distributed_sampler",
+    "export_safetensors",
     "full_state_dict",
     "init_mesh",
+    "load_checkpoint",
     "rank_grid",
+    "restore_rng_state",
+    "save_checkpoint",
     "state_bytes",
 ]

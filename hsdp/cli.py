@@ -36,6 +36,28 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     add_parser(sub).set_defaults(func=_launch)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from hsdp.checkpoint import export_safetensors
+
+    try:
+        tied = export_safetensors(args.checkpoint, args.to)
+    except ValueError as e:  # a bad path or a broken checkpoint: say which, no traceback
+        print(f"hsdp export: {e}", file=sys.stderr)
+        return 2
+    aliases = "".join(f"\n  {alias} -> {name} (tied, stored once)" for alias, name in tied.items())
+    print(f"wrote {args.to}{aliases}")
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's model weights to one .safetensors file",
+                       description="Consolidate the model weights of an hsdp (or DCP) checkpoint into a file that "
+                                   "safetensors readers and model.load_state_dict accept. Runs in one process.")
+    p.add_argument("checkpoint", help="a run directory (its latest valid checkpoint) or one step_* directory")
+    p.add_argument("--to", required=True, metavar="OUT.safetensors", help="the file to write")
+    p.set_defaults(func=_export)
+
+
 def _add_version(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("version", help="print the version").set_defaults(func=_version)
 
@@ -55,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_version(sub)
     _add_demo(sub)
     _add_launch(sub)
+    _add_export(sub)
     return parser
 
 

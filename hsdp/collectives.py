@@ -168,3 +168,42 @@ class Comm:
         if not async_op:
             handle.wait()
         return handle
+
+    # -- small control messages (checkpointing: agreeing on an error, sharing a resolved path) ----------
+    def all_gather_bytes(self, data: bytes, group: str = "world") -> list[bytes]:
+        """Every group rank's ``data``, in group-rank order: two all-gathers (lengths, padded payloads)."""
+        n = self._sizes[group]
+        if n == 1:
+            return [data]
+        device = self.mesh.device
+        lengths = torch.empty(n, dtype=torch.int64, device=device)
+        self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), group)
+        sizes = lengths.tolist()
+        longest = max(sizes)
+        if longest == 0:
+            return [b""] * n
+        gathered = torch.empty(n * longest, dtype=torch.uint8, device=device)
+        self.all_gather(gathered, _padded_bytes(data, longest, device), group)
+        rows = gathered.view(n, longest).cpu()
+        return [rows[i, : sizes[i]].numpy().tobytes() for i in range(n)]
+
+    def broadcast_bytes(self, data: bytes | None, src_group_rank: int = 0, group: str = "world") -> bytes:
+        """``data`` of the group's rank ``src_group_rank`` (ignored elsewhere; pass ``None`` there)."""
+        if self._sizes[group] == 1:
+            return data or b""
+        device = self.mesh.device
+        length = torch.tensor([len(data or b"")], dtype=torch.int64, device=device)
+        self.broadcast(length, src_group_rank, group)
+        size = int(length.item())
+        if size == 0:
+            return b""
+        payload = _padded_bytes(data or b"", size, device)
+        self.broadcast(payload, src_group_rank, group)
+        return payload.cpu().numpy().tobytes()
+
+
+def _padded_bytes(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.uint8, device=device)
+    if data:
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    return out

@@ -1,0 +1,128 @@
+"""``save_checkpoint``: a sharded DCP save committed atomically into a run directory.
+
+Protocol (each step ends in an agreement, so an error on one rank raises on all):
+  1. rank 0 picks the step and a temporary directory ``step_000010.tmp-<nonce>``;
+  2. every rank writes with DCP: each shard once (replicas hold identical shards; DCP's planner keeps one
+     copy of each and spreads them over the writers), files fsynced;
+  3. rank 0 writes ``extra.json`` (every rank's ``extra``); the files are hashed, each rank a share;
+  4. rank 0 checks that DCP's metadata references only listed files within their sizes, writes
+     ``manifest.json`` (sizes, SHA-256), renames the directory to ``step_000010`` and only then moves
+     ``latest`` to it, each step fsynced; finally older checkpoints beyond ``keep_last`` are deleted.
+
+A crash (a rank SIGKILLed while writing, a node lost) at any point leaves a ``*.tmp-*`` directory that
+loading ignores and the next successful save deletes; ``latest`` still names the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from hsdp.checkpoint.agreement import CheckpointError, on_rank0, run_agreed
+from hsdp.checkpoint.dcp_io import METADATA, check_storage, read_metadata_file
+from hsdp.checkpoint.manifest import MANIFEST, FileEntry, Manifest, hash_file
+from hsdp.checkpoint.names import check_types, optimizer_kind, save_state, tied_aliases
+from hsdp.checkpoint.options import CheckpointOptions
+from hsdp.checkpoint.resolve import is_checkpoint_dir
+from hsdp.checkpoint.rundir import atomic_write, commit_dir, next_step, prune, step_dir_name, write_latest
+from hsdp.checkpoint.spec import EXTRA
+from hsdp.collectives import Comm
+from hsdp.model import ShardedModel
+from hsdp.optim import ShardedOptimizer
+
+
+def save_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOptimizer | None = None, *,
+                    extra: Any = None, step: int | None = None, options: CheckpointOptions | None = None) -> str:
+    """Save ``model`` (and ``optimizer``) into the run directory ``path``; returns the checkpoint directory.
+
+    A collective: every rank calls it. The checkpoint goes to ``path/step_<step>`` (``step`` defaults to
+    one more than the newest checkpoint there) and ``path/latest`` moves to it only once it is complete.
+    ``extra`` is any JSON-serialisable value *per rank* (step, ``capture_rng_state()``, data position):
+    ``load_checkpoint`` gives each rank back its own. JSON, not pickle, so loading never runs code.
+    Parameters and optimizer state keep their original names and shapes (FSDP2's layout, see
+    ``hsdp.checkpoint.names``). Saving the same step again replaces that checkpoint.
+    """
+    options = options or CheckpointOptions()
+    check_types(model, optimizer)
+    comm = Comm(model.mesh)
+    mine = run_agreed(comm, "save_checkpoint", lambda: _encode_args(path, extra, step))
+    gathered = [json.loads(b) for b in comm.all_gather_bytes(mine)]
+    if len({json.dumps(g["step"]) for g in gathered}) > 1:
+        raise CheckpointError(f"save_checkpoint: ranks passed different steps {[g['step'] for g in gathered]}: "
+                              f"pass the same step on every rank")
+    target = on_rank0(comm, "save_checkpoint: preparing the run directory", lambda: _prepare(path, step))
+    tmp = target["tmp"]
+    model.reshard()  # the module must hold the sharded parameters
+    state = save_state(model, optimizer)
+    run_agreed(comm, f"save_checkpoint: writing {tmp}",
+               lambda: dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True)))
+    extras = {"world_size": comm.size("world"), "ranks": [g["extra"] for g in gathered]}
+    names = on_rank0(comm, "save_checkpoint: writing extra",
+                     lambda: _write_extra(tmp, extras, target["nonce"]))
+    share = names[comm.mesh.rank:: comm.size("world")]
+    hashes = run_agreed(comm, "save_checkpoint: hashing", lambda: _hash(tmp, share))
+    files = {k: v for b in comm.all_gather_bytes(json.dumps(hashes).encode()) for k, v in json.loads(b).items()}
+    manifest = Manifest(target["step"], comm.size("world"), (model.mesh.replicate_degree, model.mesh.sharding_degree),
+                        {k: FileEntry(*v) for k, v in files.items()},
+                        None if optimizer is None else optimizer_kind(optimizer), tied_aliases(model))
+    return on_rank0(comm, "save_checkpoint: committing", lambda: _commit(target, manifest, options))
+
+
+def _encode_args(path: Any, extra: Any, step: Any) -> bytes:
+    if not path or not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"save_checkpoint needs a run directory path, got {path!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r}: pass a non-negative int, or None for one more than the newest checkpoint")
+    try:
+        return json.dumps({"extra": extra, "step": step}).encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra must be JSON-serialisable ({e}): use dicts, lists, str, int, float, bool and None; "
+                         f"tensors via .tolist(), RNG states via hsdp.capture_rng_state()") from e
+
+
+def _prepare(path: str | os.PathLike, step: int | None) -> dict[str, Any]:
+    run_dir = os.path.abspath(os.fspath(path))
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ValueError(f"{run_dir} is a file: pass a directory to keep checkpoints in")
+    if os.path.isdir(run_dir) and is_checkpoint_dir(run_dir):
+        raise ValueError(f"{run_dir} is a checkpoint directory: pass its parent, the run directory")
+    os.makedirs(run_dir, exist_ok=True)
+    step = next_step(run_dir) if step is None else step
+    # A random nonce: two attempts at one step never share a directory. uuid4 reads os.urandom, so saving
+    # leaves the random generators of the training loop untouched (exact resume depends on that).
+    nonce = uuid.uuid4().hex[:12]
+    final = os.path.join(run_dir, step_dir_name(step))
+    tmp = f"{final}.tmp-{nonce}"
+    os.makedirs(tmp)
+    return {"run_dir": run_dir, "step": step, "final": final, "tmp": tmp, "nonce": nonce}
+
+
+def _write_extra(tmp: str, extras: dict[str, Any], nonce: str) -> list[str]:
+    atomic_write(os.path.join(tmp, EXTRA), json.dumps(extras).encode(), nonce)
+    return sorted(n for n in os.listdir(tmp) if n != MANIFEST)
+
+
+def _hash(tmp: str, names: list[str]) -> dict[str, tuple[int, str]]:
+    out = {}
+    for name in names:
+        entry, _ = hash_file(os.path.join(tmp, name))
+        out[name] = (entry.size, entry.sha256)
+    return out
+
+
+def _commit(target: dict[str, Any], manifest: Manifest, options: CheckpointOptions) -> str:
+    tmp, final = target["tmp"], target["final"]
+    if METADATA not in manifest.files:
+        raise ValueError(f"{tmp}: DCP wrote no {METADATA}: the save did not complete")
+    metadata, _ = read_metadata_file(os.path.join(tmp, METADATA))
+    check_storage(metadata, {n: e.size for n, e in manifest.files.items()}, tmp)
+    atomic_write(os.path.join(tmp, MANIFEST), manifest.to_json(), target["nonce"])
+    commit_dir(tmp, final, target["nonce"])
+    write_latest(target["run_dir"], os.path.basename(final), target["nonce"])
+    prune(target["run_dir"], options.keep_last, keep=os.path.basename(final))
+    return final
