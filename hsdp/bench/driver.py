@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--no-extras", action="store_true",
+                   help="skip the hsdp variants on the first bandwidth: bf16 and int8 inter-node hops, and "
+                        "4 micro-batches with deferred sync (hsdp and FSDP2 HSDP)")
     return p.parse_args(argv)
 
 
@@ -50,17 +53,29 @@ def _launch_command(network: str, stats: str) -> list[str]:
     return [*base, "--inter-node-bandwidth", network, "--require-emulation", "--stats-json", stats]
 
 
-def run_one(args: argparse.Namespace, network: str, system: str) -> dict:
+def jobs(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(network, system, micro-batches) in run order."""
+    networks = [b for b in args.bandwidths.split(",") if b] + ([] if args.no_loopback else ["loopback"])
+    out = [(n, s, args.micro_batches) for n in networks for s in args.systems.split(",")]
+    if networks and not args.no_extras:
+        first = networks[0]
+        out += [(first, "hsdp-bf16-hop", args.micro_batches), (first, "hsdp-int8-hop", args.micro_batches),
+                (first, "hsdp", 4), (first, "fsdp2-hsdp", 4)]
+    return out
+
+
+def run_one(args: argparse.Namespace, network: str, system: str, micro_batches: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out, stats = f"{tmp}/result.json", f"{tmp}/stats.json"
         worker = ["-m", "hsdp.bench.worker", "--system", system, "--preset", args.preset, "--batch", str(args.batch),
-                  "--seq", str(args.seq), "--micro-batches", str(args.micro_batches), "--steps", str(args.steps),
+                  "--seq", str(args.seq), "--micro-batches", str(micro_batches), "--steps", str(args.steps),
                   "--warmup", str(args.warmup), "--out", out]
         cmd = [*_launch_command(network, stats), "--", *worker]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not Path(out).exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-            return {"system": system, "network": network, "error": f"exit {proc.returncode}:\n{tail}"}
+            return {"system": system, "network": network, "micro_batches": micro_batches,
+                    "error": f"exit {proc.returncode}:\n{tail}"}
         result = json.loads(Path(out).read_text())
     result["network"] = network
     return result
@@ -68,7 +83,8 @@ def run_one(args: argparse.Namespace, network: str, system: str) -> dict:
 
 def summarise(results: list[dict]) -> list[dict]:
     """Add the floor, per-node inter-node MB/step and the ratio to FSDP2 HSDP on the same network."""
-    base = {r["network"]: r["median_step_s"] for r in results if r["system"] == "fsdp2-hsdp" and "error" not in r}
+    base = {(r["network"], r["micro_batches"]): r["median_step_s"] for r in results
+            if r["system"] == "fsdp2-hsdp" and "error" not in r}
     for r in results:
         if "error" in r:
             continue
@@ -76,22 +92,21 @@ def summarise(results: list[dict]) -> list[dict]:
         r["floor_mb_per_node"] = 2 * (replicas - 1) / replicas * r["params"] * 4 / 1e6
         sent = [node[0] for node in r["inter_node_bytes_per_step"]]
         r["inter_node_mb_per_node"] = statistics.median(sent) / 1e6 if any(sent) else None
-        r["ratio_to_fsdp2_hsdp"] = r["median_step_s"] / base[r["network"]] if r["network"] in base else None
+        key = (r["network"], r["micro_batches"])
+        r["ratio_to_fsdp2_hsdp"] = r["median_step_s"] / base[key] if key in base else None
         r["peak_rss_mib"] = max(r["peak_rss_mib_per_rank"])
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    networks = [b for b in args.bandwidths.split(",") if b] + ([] if args.no_loopback else ["loopback"])
-    systems = args.systems.split(",")
     results = []
-    for network in networks:
-        for system in systems:
-            print(f"[bench] {system} on {network} ...", flush=True)
-            r = run_one(args, network, system)
-            print(f"[bench]   {r.get('median_step_s', r.get('error'))}", flush=True)
-            results.append(r)
+    todo = jobs(args)
+    for i, (network, system, micro) in enumerate(todo, 1):
+        print(f"[bench {i}/{len(todo)}] {system} on {network}, {micro} micro-batch(es) ...", flush=True)
+        r = run_one(args, network, system, micro)
+        print(f"[bench]   median step {r.get('median_step_s', r.get('error'))}", flush=True)
+        results.append(r)
     results = summarise(results)
     write(args, results, argv)
     return 0 if all("error" not in r for r in results) else 1

@@ -19,18 +19,19 @@ def markdown_table(meta: dict, results: list[dict]) -> str:
         "Inter-node MB: bytes sent per node per step on the emulated link (kernel counters, TCP/IP headers "
         "included); floor = 2(R-1)/R x P x 4 bytes.",
         "",
-        "| network | system | median step s | ratio to FSDP2 HSDP | peak RSS MiB/rank | inter-node MB/step/node "
-        "| floor MB | vs floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| network | system | micro-batches | median step s | ratio to FSDP2 HSDP | peak RSS MiB/rank "
+        "| inter-node MB/step/node | floor MB | vs floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['network']} | {r['system']} | failed | | | | | |")
+            lines.append(f"| {r['network']} | {r['system']} | {r.get('micro_batches', '')} | failed | | | | | |")
             continue
         inter = r["inter_node_mb_per_node"]
         vs = None if inter is None else inter / r["floor_mb_per_node"]
         lines.append(
-            f"| {r['network']} | {r['system']} | {r['median_step_s']:.3f} | {_fmt(r['ratio_to_fsdp2_hsdp'], '.2f')} "
+            f"| {r['network']} | {r['system']} | {r['micro_batches']} | {r['median_step_s']:.3f} "
+            f"| {_fmt(r['ratio_to_fsdp2_hsdp'], '.2f')} "
             f"| {r['peak_rss_mib']:.0f} | {_fmt(inter, '.1f')} | {r['floor_mb_per_node']:.1f} | {_fmt(vs, '.3f')} |"
         )
     return "\n".join(lines) + "\n"
@@ -42,7 +43,7 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in results if "error" not in r]
+    ok = [r for r in results if "error" not in r and r["micro_batches"] == 1]
     networks = list(dict.fromkeys(r["network"] for r in ok))
     systems = list(dict.fromkeys(r["system"] for r in ok))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
