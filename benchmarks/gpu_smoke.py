@@ -7,11 +7,11 @@ peak memory are printed side by side and written to ``<out>/gpu_smoke_<date>.{js
 
 Precision (``--precision``), identical for both frameworks so the comparison is fair:
 
-* ``autocast-bf16`` (default on CUDA): fp32 parameters, gradients and optimizer state, matmuls in bf16
-  under ``torch.autocast``. hsdp has no mixed-precision policy, so FSDP2 gets ``MixedPrecisionPolicy()``
-  (no casting of its own): both gather fp32 parameters and reduce fp32 gradients, i.e. the same bytes on
-  the wire and the same arithmetic. FSDP2's usual ``param_dtype=bf16`` would halve its all-gather bytes,
-  a capability hsdp lacks, not a difference in how well the same work is done.
+* ``mixed-bf16`` (default on CUDA): each framework's own mixed-precision policy with the same dtypes:
+  bf16 all-gather and compute, fp32 reduce-scatter, fp32 master shards and optimizer state.
+* ``autocast-bf16``: fp32 parameters, gradients and optimizer state, matmuls in bf16
+  under ``torch.autocast``; FSDP2 gets ``MixedPrecisionPolicy()`` (no casting of its own): both gather
+  fp32 parameters and reduce fp32 gradients, the same bytes on the wire and the same arithmetic.
 * ``bf16``: the model is cast to bf16 before wrapping (pure bf16: parameters, gradients, optimizer state
   and collectives), again the same for both.
 * ``fp32`` (default on CPU): no reduced precision; the losses must then agree almost exactly.
@@ -49,12 +49,15 @@ import hsdp
 from hsdp.models import GPT, preset
 
 ROOT = Path(__file__).resolve().parents[1]
-PRECISIONS = ("autocast-bf16", "bf16", "fp32")
+PRECISIONS = ("mixed-bf16", "autocast-bf16", "bf16", "fp32")
 # Relative tolerance on each step's loss. bf16 keeps 8 significant bits (eps 2**-8 ~ 0.4%): a few ulps of
 # drift over some steps is agreement; a wrong gradient or a missed update is off by far more.
-RTOL = {"autocast-bf16": 2e-2, "bf16": 3e-2, "fp32": 1e-4}
+RTOL = {"mixed-bf16": 2e-2, "autocast-bf16": 2e-2, "bf16": 3e-2, "fp32": 1e-4}
 # What each precision means for both frameworks (the results files say which one ran).
 PRECISION_NOTES = {
+    "mixed-bf16": "fp32 master shards and optimizer state, bf16 all-gather and compute, fp32 reduce-scatter: "
+                  "hsdp MixedPrecision(param_dtype=bf16, reduce_dtype=fp32) vs FSDP2 "
+                  "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
     "autocast-bf16": "fp32 parameters, gradients, optimizer state and collectives; matmuls in bf16 under "
                      "torch.autocast; FSDP2 with MixedPrecisionPolicy() (no casting of its own)",
     "bf16": "model cast to bf16 before wrapping: bf16 parameters, gradients, optimizer state and collectives",
@@ -99,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     on_cuda = args.device == "cuda"
     args.preset = args.preset or ("gpt2-124m" if on_cuda else "tiny")
-    args.precision = args.precision or ("autocast-bf16" if on_cuda else "fp32")
+    args.precision = args.precision or ("mixed-bf16" if on_cuda else "fp32")
     args.batch_size = args.batch_size or (8 if on_cuda else 4)
     args.rtol = args.rtol if args.rtol is not None else RTOL[args.precision]
     if args.steps < 1:
@@ -160,23 +163,26 @@ def _adamw(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def wrap_hsdp(model: GPT, dm: DeviceMesh, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+def wrap_hsdp(model: GPT, dm: DeviceMesh, lr: float, precision: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     # Default wrap policy: every block of GPT.blocks is a unit, the embeddings, final norm and tied head
     # form the root unit -- the same grouping as the FSDP2 calls below.
-    sharded = hsdp.ShardedModel(model, mesh=hsdp.init_mesh(device_mesh=dm))
+    mp = hsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "mixed-bf16" else None
+    sharded = hsdp.ShardedModel(model, mesh=hsdp.init_mesh(device_mesh=dm), mixed_precision=mp)
     return sharded, hsdp.ShardedOptimizer(sharded, _adamw(list(sharded.parameters()), lr))
 
 
-def wrap_fsdp2(model: GPT, dm: DeviceMesh, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
-    # No casting by FSDP2 itself: the dtypes come from --precision, exactly as for hsdp.
-    mp = MixedPrecisionPolicy()
+def wrap_fsdp2(model: GPT, dm: DeviceMesh, lr: float, precision: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # The same policy as hsdp's for mixed-bf16; otherwise no casting of its own (dtypes from --precision).
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "mixed-bf16" else MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, mesh=dm, mp_policy=mp)
     fully_shard(model, mesh=dm, mp_policy=mp)
     return model, _adamw(list(model.parameters()), lr)
 
 
-WRAPPERS: dict[str, Callable[[GPT, DeviceMesh, float], tuple[nn.Module, torch.optim.Optimizer]]] = {
+WRAPPERS: dict[str, Callable[[GPT, DeviceMesh, float, str], tuple[nn.Module, torch.optim.Optimizer]]] = {
     "hsdp": wrap_hsdp,
     "fsdp2": wrap_fsdp2,
 }
@@ -208,7 +214,7 @@ def train(name: str, ref: GPT, dm: DeviceMesh, batches: list, args: argparse.Nam
     model = copy.deepcopy(ref).to(device)  # deepcopy keeps the tied embedding/head a single Parameter
     if args.precision == "bf16":
         model = model.to(torch.bfloat16)  # before wrapping: both frameworks shard bf16 parameters
-    model, opt = WRAPPERS[name](model, dm, args.lr)
+    model, opt = WRAPPERS[name](model, dm, args.lr, args.precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses, times = [], []
