@@ -9,6 +9,7 @@ per node every shard group stays inside a node (fast links) and every replicate 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -71,7 +72,11 @@ def default_sharding_degree(world_size: int, env: dict[str, str] | None = None) 
         local = world_size
     # A node can hold fewer ranks than it has GPUs; never exceed the world or break divisibility.
     local = max(1, min(local, world_size))
-    return local if world_size % local == 0 else 1
+    if world_size % local:
+        warnings.warn(f"{local} ranks per node do not divide the world size {world_size}: falling back to "
+                      f"sharding_degree=1 (plain replication); pass sharding_degree= to choose", stacklevel=3)
+        return 1
+    return local
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -245,7 +245,10 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: 
         _validate_unit(m, by_owner[id(m)])
 
     comm = Comm(mesh)
-    _broadcast_from_rank0(comm, [a.param for a in assignments], _own_buffers(module, nested))
+    # One flat broadcast per unit (and one for the buffers): peak extra memory is one unit, not the model.
+    for m in unit_modules:
+        _broadcast_from_rank0(comm, [a.param for a in by_owner[id(m)]])
+    _broadcast_from_rank0(comm, _own_buffers(module, nested))
     if options.mixed_precision.buffer_dtype is not None:
         _cast_buffers(module, nested, options.mixed_precision.buffer_dtype)
     prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
@@ -287,10 +290,10 @@ def _cast_buffers(module: nn.Module, nested: list[nn.Module], dtype: torch.dtype
                 m._buffers[name] = b.to(dtype)
 
 
-def _broadcast_from_rank0(comm: Comm, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
-    """Replicas start identical: one flat broadcast per (device, dtype) of every parameter and buffer."""
+def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor]) -> None:
+    """Replicas start identical: one flat broadcast per (device, dtype) of ``tensors``."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in [*params, *buffers]:
+    for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     with torch.no_grad():
         for tensors in groups.values():

@@ -27,7 +27,8 @@ def test_bad_degrees_name_the_fix(world: int, degree: int, fix: str) -> None:
 def test_default_degree_is_ranks_per_node() -> None:
     assert default_sharding_degree(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
     assert default_sharding_degree(2, {"LOCAL_WORLD_SIZE": "4"}) == 2
-    assert default_sharding_degree(6, {"LOCAL_WORLD_SIZE": "4"}) == 1  # not a divisor: replicate
+    with pytest.warns(UserWarning, match="plain replication"):
+        assert default_sharding_degree(6, {"LOCAL_WORLD_SIZE": "4"}) == 1  # not a divisor: replicate
 
 
 @pytest.mark.parametrize("rows,degree", [(3, 4), (16, 4), (17, 4), (17, 2), (1, 2), (5, 4)])
