@@ -56,7 +56,7 @@ class ShardingState:
         self.requires_all_reduce = True
         self.prefetch = True
         self._pending: list[Reduction] = []
-        self._callback_queued = False
+        self._callback_queued = False  # also "a backward is running": set by the first pre_backward
         self._handles: list[Any] = []
         self._forward_order: list[ShardUnit] = []  # pre_forward order of the previous step
         self._backward_order: list[ShardUnit] = []  # reverse post_forward order of the previous step
@@ -82,6 +82,11 @@ class ShardingState:
 
     # -- forward ---------------------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardUnit, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._callback_queued:
+            # Activation checkpointing recomputes this unit inside backward: it only needs its parameters;
+            # its post_backward is already registered from the original forward.
+            unit.wait_for_unshard()
+            return args, kwargs
         if unit is self.root_unit:
             self._pre_seen, self._post_seen = [], []
             args, kwargs = self._cast_inputs(unit, args, kwargs)
@@ -95,6 +100,8 @@ class ShardingState:
         return self._register_post_backward(unit, args, kwargs)
 
     def _post_forward(self, unit: ShardUnit, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._callback_queued:
+            return output  # recomputation in backward: the backward about to run needs the parameters
         if unit in self._post_seen:
             self._post_seen.remove(unit)
         self._post_seen.append(unit)
