@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hsdp.watchdog import FaultPolicy, start_watchdog
 
 MESH_DIM_NAMES = ("replicate", "shard")
+# Read when sharding_degree is None; set per candidate layout by `hsdp tune`.
+SHARDING_DEGREE_ENV = "HSDP_SHARDING_DEGREE"
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAULT_POLICY = FaultPolicy()
 
@@ -61,9 +64,12 @@ def grid_position(rank: int, sharding_degree: int) -> tuple[int, int]:
     return divmod(rank, sharding_degree)
 
 
-def default_sharding_degree(world_size: int, env: dict[str, str] | None = None) -> int:
-    """Ranks per node: torchrun's ``LOCAL_WORLD_SIZE``, else the local GPU count, else the world."""
+def default_sharding_degree(world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """``$HSDP_SHARDING_DEGREE`` when set (how ``hsdp tune`` tries each layout without editing the script),
+    else ranks per node: torchrun's ``LOCAL_WORLD_SIZE``, else the local GPU count, else the world."""
     env = os.environ if env is None else env
+    if env.get(SHARDING_DEGREE_ENV):
+        return _degree_from_env(env[SHARDING_DEGREE_ENV], world_size)
     if "LOCAL_WORLD_SIZE" in env:
         local = int(env["LOCAL_WORLD_SIZE"])
     elif torch.cuda.is_available():
@@ -77,6 +83,17 @@ def default_sharding_degree(world_size: int, env: dict[str, str] | None = None) 
                       f"sharding_degree=1 (plain replication); pass sharding_degree= to choose", stacklevel=3)
         return 1
     return local
+
+
+def _degree_from_env(text: str, world_size: int) -> int:
+    # A bad value must fail on every rank before any collective, like a bad argument would.
+    try:
+        degree = int(text)
+    except ValueError:
+        raise ValueError(f"{SHARDING_DEGREE_ENV}={text!r} is not an integer: set it to a divisor of the world "
+                         f"size {world_size}, or unset it for ranks per node") from None
+    validate_degree(world_size, degree)
+    return degree
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,8 +197,10 @@ def init_mesh(
 ) -> HSDPMesh:
     """Build the replicate x shard mesh, initialising the default process group when needed.
 
-    ``sharding_degree`` defaults to the ranks per node, which keeps all-gather and reduce-scatter on the
-    fast intra-node links. ``1`` is plain replication (DDP semantics); the world size is full sharding.
+    ``sharding_degree`` defaults to ``$HSDP_SHARDING_DEGREE`` when set (``hsdp tune`` sets it per candidate
+    layout), else to the ranks per node, which keeps all-gather and reduce-scatter on the fast intra-node
+    links. An explicit argument always wins over the variable. ``1`` is plain replication (DDP semantics);
+    the world size is full sharding.
     Every check runs before any collective, so a bad value fails on every rank instead of hanging.
     ``fault_policy`` starts the dead-rank watchdog (see ``hsdp.watchdog``); ``None`` disables it.
     """

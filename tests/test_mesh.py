@@ -41,3 +41,15 @@ def test_layout_chunks_match_torch_chunk(rows: int, degree: int) -> None:
         assert torch.equal(got, want)
     layout = ShardLayout((rows, 3), degree, 0)
     assert layout.padded_numel == -(-rows // degree) * 3  # every rank reserves the largest chunk
+
+
+def test_degree_from_environment_wins_over_ranks_per_node() -> None:
+    env = {"LOCAL_WORLD_SIZE": "2", "HSDP_SHARDING_DEGREE": "4"}
+    assert default_sharding_degree(8, env) == 4
+    assert default_sharding_degree(8, {**env, "HSDP_SHARDING_DEGREE": ""}) == 2  # empty: unset
+
+
+@pytest.mark.parametrize("value,fix", [("3", "choose one of"), ("two", "not an integer"), ("16", "at most 8")])
+def test_bad_degree_in_environment_names_the_fix(value: str, fix: str) -> None:
+    with pytest.raises(ValueError, match=fix):
+        default_sharding_degree(8, {"HSDP_SHARDING_DEGREE": value})
