@@ -167,3 +167,34 @@ def _activation_checkpointing(rank: int, world: int) -> float:
 
 def test_activation_checkpointing_recomputes_with_gathered_parameters() -> None:
     assert run_distributed(_activation_checkpointing, 4)[0] < 1e-5
+
+
+def _prefetch_bound(rank: int, world: int) -> dict:
+    from hsdp.runtime.unit import ShardedState, ShardUnit
+
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
+    root = model.units[0]
+    peak = {"live": 0}
+    original = ShardUnit.unshard
+
+    def counting_unshard(self: ShardUnit, async_op: bool = True) -> None:
+        original(self, async_op)
+        live = sum(u.state is not ShardedState.SHARDED for u in model.units if u is not root)
+        peak["live"] = max(peak["live"], live)
+
+    ShardUnit.unshard = counting_unshard
+    try:
+        for step in range(2):  # the second step prefetches in the order recorded by the first
+            x, y = batch(step, rank)
+            model.reset_comm_stats()
+            loss_fn(model(x), y).backward()
+    finally:
+        ShardUnit.unshard = original
+    return {"peak": peak["live"], "gathers": int(model.comm_stats()["shard"]["all_gather"]["calls"])}
+
+
+def test_prefetch_keeps_at_most_two_units_gathered() -> None:
+    r = run_distributed(_prefetch_bound, 2)[0]
+    assert r["peak"] == 2, r  # the running unit and the prefetched one (the root aside)
+    assert r["gathers"] == 4 + 3, r  # prefetching adds no all-gather
