@@ -74,7 +74,7 @@ def restore(path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOpti
     mesh = model.mesh
     comm = Comm(mesh)  # its own accounting: checkpoint traffic stays out of model.comm_stats()
     chosen, verify_bytes = _choose(comm, path, options)
-    what = f"loading checkpoint {chosen.path}"
+    what = "load_checkpoint"
     spec = on_rank0(comm, what, lambda: build_spec(chosen, model, optimizer))
     buffers = run_agreed(comm, what, lambda: allocate(spec, model))
     metadata_bytes, tensor_bytes = run_agreed(comm, what, lambda: _read(spec, buffers, mesh))
@@ -90,8 +90,7 @@ def restore(path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOpti
 def _choose(comm: Comm, path: str | os.PathLike, options: CheckpointOptions) -> tuple[Candidate, int]:
     """The first candidate whose files match their checksums (verified by replica 0, each rank a share)."""
     mesh = comm.mesh
-    found = on_rank0(comm, f"checkpoint {path!r}",
-                     lambda: [to_json(c) for c in candidates(path)])
+    found = on_rank0(comm, "load_checkpoint", lambda: [to_json(c) for c in candidates(path)])
     nbytes = 0
     for cand in map(from_json, found):
         if cand.manifest is None or options.verify != "checksum":
@@ -104,7 +103,7 @@ def _choose(comm: Comm, path: str | os.PathLike, options: CheckpointOptions) -> 
             except (InvalidCheckpoint, OSError) as e:
                 error = e
         try:
-            agree(comm, f"verifying {cand.path}", error)
+            agree(comm, "load_checkpoint: verifying checksums", error)
         except CheckpointError as e:
             if cand.explicit:
                 raise
@@ -112,7 +111,7 @@ def _choose(comm: Comm, path: str | os.PathLike, options: CheckpointOptions) -> 
                 warnings.warn(f"ignoring invalid checkpoint: {e}", stacklevel=3)
             continue
         return cand, nbytes
-    raise CheckpointError(f"checkpoint {path}: no checkpoint passed verification (see the warnings above)")
+    raise CheckpointError(f"load_checkpoint: no checkpoint in {path} passed verification (see the warnings)")
 
 
 def _read(spec: dict[str, Any], buffers: Buffers, mesh: HSDPMesh) -> tuple[int, int]:

@@ -81,8 +81,10 @@ def _check_model(where: str, found: dict[str, Entry], model: ShardedModel) -> li
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {where} is of another model: missing keys [{_names(missing)}], unexpected "
-                         f"keys [{_names(unexpected)}]: load it into the architecture it was saved from")
+        parts = [f"{label} keys [{_names(keys)}]" for label, keys in (("missing", missing), ("unexpected", unexpected))
+                 if keys]
+        raise ValueError(f"checkpoint {where} is of another model: {', '.join(parts)}: load it into the "
+                         f"architecture it was saved from")
     wrong = [f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} here" for k, v in live.items()
              if hasattr(v, "shape") and (not saved[k].is_tensor or tuple(saved[k].shape) != tuple(v.shape))]
     if wrong:
