@@ -21,6 +21,11 @@ import torch.distributed as dist
 from hsdp.collectives import Comm, Handle
 
 
+def _label(key: str) -> str:
+    """Profiler label of a unit's hop: its module name (``key``), ``root`` for the root unit."""
+    return key or "root"
+
+
 class ReplicaHop(Protocol):
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
         """Begin averaging ``buffer`` over the replicate group; in place once the handle is waited."""
@@ -37,9 +42,9 @@ class AllReduceHop:
         if comm.size("replicate") == 1:
             return Handle()
         if self.dtype is None or self.dtype == buffer.dtype:
-            return comm.all_reduce(buffer, "replicate", op=dist.ReduceOp.AVG, async_op=True)
+            return comm.all_reduce(buffer, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=_label(key))
         wire = buffer.to(self.dtype)
-        handle = comm.all_reduce(wire, "replicate", op=dist.ReduceOp.AVG, async_op=True)
+        handle = comm.all_reduce(wire, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=_label(key))
         return handle.then(lambda: buffer.copy_(wire))
 
 
@@ -73,8 +78,8 @@ class Int8ErrorFeedbackHop:
         meta = torch.cat([scale, buffer[n:].float()])
         q_all = torch.empty(r * q.numel(), dtype=torch.int8, device=buffer.device)
         meta_all = torch.empty(r * meta.numel(), device=buffer.device)
-        handles = [comm.all_gather(q_all, q.view(-1), "replicate", async_op=True),
-                   comm.all_gather(meta_all, meta, "replicate", async_op=True)]
+        handles = [comm.all_gather(q_all, q.view(-1), "replicate", async_op=True, label=_label(key)),
+                   comm.all_gather(meta_all, meta, "replicate", async_op=True, label=f"{_label(key)} scales")]
 
         def decompress() -> None:
             metas = meta_all.view(r, -1)

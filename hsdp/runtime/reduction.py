@@ -65,7 +65,8 @@ class Reduction:
         rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
         torch._chunk_cat(inputs, dim=0, num_chunks=s, out=rs_input)
         output = torch.empty(n_out, dtype=dtype, device=device)
-        handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True)
+        handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
+                                     label=unit.name)
         return cls(unit, params, output, handle, sync_replicas)
 
     def start_replica_hop(self) -> None:

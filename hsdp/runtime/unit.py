@@ -94,7 +94,8 @@ class ShardUnit:
         # Mixed precision: the one cast of the step happens here, on the shard (copy-in); fp32 otherwise.
         source = self.sharded_flat if dtype == self.sharded_flat.dtype else self.sharded_flat.to(dtype)
         self._gather_buffer = torch.empty(s * self.slot_numel, dtype=dtype, device=source.device)
-        self._gather_handle = self.comm.all_gather(self._gather_buffer, source, "shard", async_op=async_op)
+        self._gather_handle = self.comm.all_gather(self._gather_buffer, source, "shard", async_op=async_op,
+                                                  label=self.name)
         self.state = ShardedState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -153,7 +154,7 @@ class ShardUnit:
         """Full copies of every parameter (a collective in the shard group; state unchanged)."""
         s = self.sharding_degree
         out = torch.empty(s * self.slot_numel, dtype=self.sharded_flat.dtype, device=self.sharded_flat.device)
-        self.comm.all_gather(out, self.sharded_flat, "shard")
+        self.comm.all_gather(out, self.sharded_flat, "shard", label=self.name)
         pieces = out.view(s, self.slot_numel).split([p.layout.padded_numel for p in self.params], dim=1)
         return [piece.reshape(-1)[: p.unsharded.numel()].view(p.layout.global_shape).clone()
                 for p, piece in zip(self.params, pieces, strict=True)]
