@@ -58,6 +58,38 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_export)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from hsdp.train.command import run
+
+    return run(args)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    # The arguments live with the job (hsdp.train.command); argparse is all that module imports.
+    from hsdp.train.command import add_parser
+
+    add_parser(sub).set_defaults(func=_train)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from hsdp.train.report import write_report
+
+    try:
+        paths = write_report(args.run_dir)
+    except ValueError as e:
+        print(f"hsdp report: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(paths))
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="PNG plots of an hsdp train run (loss, throughput, communication)",
+                       description="Write loss.png, throughput.png and communication.png into RUN_DIR/report.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="an hsdp train run directory (e.g. runs/train)")
+    p.set_defaults(func=_report)
+
+
 def _add_version(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("version", help="print the version").set_defaults(func=_version)
 
@@ -78,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_launch(sub)
     _add_export(sub)
+    _add_train(sub)
+    _add_report(sub)
     return parser
 
 

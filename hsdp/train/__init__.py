@@ -1,0 +1,36 @@
+"""``hsdp train``: a complete training job for GPT-style models on hsdp, driven by a typed config.
+
+::
+
+    hsdp train                                  # tiny GPT, Python stdlib text, 2 emulated nodes x 2 ranks
+    hsdp train run.toml train.steps=1000        # TOML config, then section.field=value overrides
+    torchrun --nnodes N --nproc-per-node G -m hsdp.train run.toml
+
+From Python (on every rank of a launched job)::
+
+    from hsdp.train import resolve_config, run_job
+    run_job(resolve_config("run.toml", ["train.steps=100"]))
+
+Modules: ``config`` (the typed sections), ``config_io`` (TOML and overrides), ``corpus`` (text sources and
+tokenizers), ``lm`` (models and loss), ``optimizer`` (AdamW and schedule), ``loop`` (the steps),
+``metrics``, ``progress``, ``rank_warnings``, ``resume``, ``profiling``, ``summary``, ``job`` (one rank's
+run), ``command`` (the command line), ``report`` (``hsdp report``'s plots).
+"""
+
+from hsdp.train.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from hsdp.train.config_io import build_config, resolve_config, to_toml
+from hsdp.train.job import JobOutcome, run_job
+
+__all__ = [
+    "DataConfig",
+    "JobOutcome",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "build_config",
+    "resolve_config",
+    "run_job",
+    "to_toml",
+]

@@ -1,0 +1,134 @@
+"""One rank of an ``hsdp train`` job: build everything from the configuration, train, summarise.
+
+Runs on every rank (under torchrun, ``hsdp launch`` or ``hsdp train``'s own local launcher). Order:
+mesh -> run directory -> corpus -> model (rank 0's initial weights are broadcast) -> ShardedModel ->
+sharded AdamW -> resume -> loop -> summary -> text sample. Every step that touches other ranks is a
+collective, taken by all ranks in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.panel import Panel
+from rich.text import Text
+
+import hsdp
+from hsdp.textdata import TokenStream
+from hsdp.train import resume, summary
+from hsdp.train.config import RunConfig
+from hsdp.train.corpus import Corpus, load_corpus
+from hsdp.train.lm import BuiltModel, build_model, logits_of, sample
+from hsdp.train.loop import LoopResult, Services, Trainee, train
+from hsdp.train.metrics import MetricsWriter
+from hsdp.train.optimizer import build_optimizer
+from hsdp.train.profiling import StepProfiler, profile_window
+from hsdp.train.progress import Reporter
+from hsdp.train.rank_warnings import RankWarnings
+from hsdp.train.ranks import RankChannel
+from hsdp.train.rundir import RunDir, prepare_run_dir
+
+_PRECISION = {"fp32": None, "bf16": hsdp.MixedPrecision(param_dtype=torch.bfloat16)}
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What a rank's job produced: the summary (every rank holds it) and the sampled text."""
+
+    summary: dict[str, Any]
+    sample: str | None
+
+
+def replica_hop(name: str) -> Any:
+    from hsdp.hops import AllReduceHop, Int8ErrorFeedbackHop
+
+    return {"fp32": AllReduceHop(), "bf16": AllReduceHop(torch.bfloat16), "int8": Int8ErrorFeedbackHop()}[name]
+
+
+def build_trainee(cfg: RunConfig, mesh: hsdp.HSDPMesh, corpus: Corpus) -> tuple[Trainee, BuiltModel]:
+    """The wrapped model, its optimizer and this rank's token streams."""
+    torch.manual_seed(cfg.train.seed)  # rank 0's weights are broadcast; the seed makes them reproducible
+    built = build_model(cfg.model, corpus.tokenizer.vocab_size)
+    model = hsdp.ShardedModel(built.module, mesh=mesh, reshard_after_forward=cfg.parallel.reshard_after_forward,
+                              mixed_precision=_PRECISION[cfg.parallel.mixed_precision],
+                              replica_hop=replica_hop(cfg.parallel.replica_hop))
+    # Per-rank generator state from here on: dropout masks differ across ranks, as their data does.
+    torch.manual_seed(cfg.train.seed + 1 + mesh.rank)
+    optimizer = build_optimizer(model, cfg.optim)
+    batch = cfg.train.batch_size
+    streams = (TokenStream(corpus.train, built.block_size, batch, seed=cfg.train.seed, mesh=mesh),
+               TokenStream(corpus.held_out, built.block_size, batch, seed=cfg.train.seed + 1, mesh=mesh))
+    return Trainee(model, optimizer, built.kind, *streams), built
+
+
+def text_sample(t: Trainee, corpus: Corpus, cfg: RunConfig, block_size: int) -> str | None:
+    """A continuation of ``train.sample_prompt`` (every rank takes part: each token is one forward)."""
+    if not cfg.train.sample_tokens:
+        return None
+    prompt = corpus.tokenizer.encode(cfg.train.sample_prompt) or [0]
+    t.model.eval()
+    ids = sample(lambda idx: logits_of(t.model, t.kind, idx), prompt, cfg.train.sample_tokens, block_size,
+                 seed=cfg.train.seed)
+    t.model.train()
+    return corpus.tokenizer.decode(ids)
+
+
+def _services(cfg: RunConfig, channel: RankChannel, run: RunDir, console: Console, warns: RankWarnings,
+              start_step: int) -> Services:
+    end = cfg.train.stop_after or cfg.train.steps
+    window = profile_window(start_step, end, cfg.train.profile_steps)
+    writer = MetricsWriter(run.path, start_step if cfg.train.resume else None) if channel.is_root else None
+    reporter = Reporter(console, cfg.train.steps, cfg.train.log_every, channel.is_root, start_step)
+    profiler = StepProfiler(cfg.train.profile, window, run.profile, channel.mesh.rank)
+    return Services(channel, run, reporter, writer, warns, profiler)
+
+
+def _finish(cfg: RunConfig, t: Trainee, built: BuiltModel, result: LoopResult, svc: Services,
+            start_step: int) -> dict[str, Any]:
+    ranks = svc.channel.gather(summary.rank_record(t.model, t.optimizer, result))
+    out = summary.build_summary(cfg, t.model.mesh, built.n_params, result, ranks, start_step)
+    if svc.channel.is_root:
+        summary.write_summary(svc.run.summary, out)
+    return out
+
+
+def run_job(cfg: RunConfig, console: Console | None = None) -> JobOutcome:
+    """Train as configured on this rank; every rank of the job calls it. Rank 0 prints progress, the
+    summary and the sample, and writes the run directory's files."""
+    console = console or Console(highlight=False)
+    with RankWarnings(console.print) as warns:
+        mesh = hsdp.init_mesh(cfg.parallel.sharding_degree or None)
+        channel = RankChannel(mesh)
+        run = prepare_run_dir(cfg, channel)
+        corpus = load_corpus(cfg.data)
+        t, built = build_trainee(cfg, mesh, corpus)
+        start_step, loaded = resume.resume(run, t.model, t.optimizer, channel) if cfg.train.resume else (0, "")
+        if channel.is_root:
+            console.print(f"hsdp train: {mesh.replicate_degree} x {mesh.sharding_degree} mesh, {built.description}")
+            console.print(f"data: {corpus.description}")
+            console.print(f"resumed from {loaded} (step {start_step})" if loaded else f"run directory: {run.path}")
+        warns.flush(channel)
+        svc = _services(cfg, channel, run, console, warns, start_step)
+        with svc.reporter, svc.writer or contextlib.nullcontext():
+            result = train(t, cfg, svc, start_step)
+        final = _finish(cfg, t, built, result, svc, start_step)
+        outcome = JobOutcome(final, text_sample(t, corpus, cfg, built.block_size))
+        warns.flush(channel)
+    if channel.is_root:
+        _report(console, outcome, corpus, run)
+    return outcome
+
+
+def _report(console: Console, outcome: JobOutcome, corpus: Corpus, run: RunDir) -> None:
+    summary.print_summary(console, outcome.summary, corpus.description)
+    if outcome.sample is not None:
+        with open(run.sample, "w", encoding="utf-8") as f:
+            f.write(outcome.sample)
+        console.print(Panel(Text(outcome.sample), title="sample after training", expand=False))
+    if outcome.summary["trace"]:
+        console.print(f"profiler traces: {run.profile}/rank<r>.json (open in ui.perfetto.dev)")
+    console.print(f"metrics: {run.path}/metrics.jsonl; plots: hsdp report {run.path}")

@@ -1,0 +1,111 @@
+"""Per-step metrics of a training run: what is measured, and the files rank 0 writes them to.
+
+One record per optimizer step, written to ``metrics.jsonl`` and ``metrics.csv`` in the run directory (and
+to TensorBoard under ``tb/`` when the ``tensorboard`` package is installed):
+
+  ``step`` (1-based), ``loss`` (training loss averaged over the step's micro-batches and all ranks),
+  ``eval_loss`` (held-out loss, on evaluation steps only), ``lr``, ``grad_norm`` (before clipping),
+  ``tokens`` (processed by all ranks so far), ``step_s`` and ``tokens_per_s`` (this step, rank 0's
+  clock), ``shard_bytes`` / ``replicate_bytes`` (this rank's sent bytes in the intra-node shard group and
+  the inter-node replicate group: ``wire_bytes`` of ``model.comm_stats()``), ``shard_s`` /
+  ``replicate_s`` (time in those collectives, waits included) and ``mem_bytes`` (peak memory so far:
+  CUDA allocator peak on GPUs, the process's peak resident set on CPUs).
+
+On ``--resume`` the files keep the records up to the checkpoint's step and the resumed steps follow, so a
+resumed run's files read like an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import sys
+from typing import Any
+
+import torch
+
+FIELDS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens", "step_s", "tokens_per_s", "shard_bytes",
+          "replicate_bytes", "shard_s", "replicate_s", "mem_bytes")
+JSONL_NAME = "metrics.jsonl"
+CSV_NAME = "metrics.csv"
+TB_DIR = "tb"
+_TB_SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "shard_bytes", "replicate_bytes",
+               "mem_bytes")
+
+
+def comm_totals(stats: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Sent bytes and seconds per group from ``model.comm_stats()``: ``{"shard_bytes": ..., "shard_s": ...,
+    "replicate_bytes": ..., "replicate_s": ...}``."""
+    out = {}
+    for group in ("shard", "replicate"):
+        ops = stats.get(group, {}).values()
+        out[f"{group}_bytes"] = float(sum(op["wire_bytes"] for op in ops))
+        out[f"{group}_s"] = float(sum(op["seconds"] for op in ops))
+    return out
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: the CUDA allocator's on GPUs, else the peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl`` (empty when there is none)."""
+    path = os.path.join(run_dir, JSONL_NAME)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _tensorboard(log_dir: str, purge_step: int | None) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional; JSONL and CSV carry everything
+        return None
+    return SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+
+
+class MetricsWriter:
+    """Rank 0's metric files. ``resume_step``: keep the records up to that step (``None``: start empty)."""
+
+    def __init__(self, run_dir: str, resume_step: int | None = None) -> None:
+        kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step] if resume_step is not None else []
+        self._jsonl = open(os.path.join(run_dir, JSONL_NAME), "w", encoding="utf-8")  # noqa: SIM115
+        self._csv_file = open(os.path.join(run_dir, CSV_NAME), "w", encoding="utf-8", newline="")  # noqa: SIM115
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=FIELDS, extrasaction="ignore")
+        self._csv.writeheader()
+        for record in kept:
+            self._write_files(record)
+        self._tb = _tensorboard(os.path.join(run_dir, TB_DIR), None if resume_step is None else resume_step + 1)
+
+    def _write_files(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._csv.writerow(record)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one step's record (flushed: a killed run keeps every finished step)."""
+        self._write_files(record)
+        self._jsonl.flush()
+        self._csv_file.flush()
+        if self._tb is not None:
+            for name in _TB_SCALARS:
+                if record.get(name) is not None:
+                    self._tb.add_scalar(f"train/{name}", record[name], record["step"])
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._csv_file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,234 @@
+"""``hsdp train``'s single-process pieces: typed config and overrides, corpus sources and tokenizers, the
+LR schedule, metric files, the run-directory guard, progress helpers and ``hsdp report``'s plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsdp.collectives import profiler_region
+from hsdp.train.command import overrides_from, split_items
+from hsdp.train.config import DataConfig, OptimConfig, RunConfig
+from hsdp.train.config_io import apply_overrides, build_config, read_toml, resolve_config, to_toml
+from hsdp.train.corpus import char_tokens, detect_format, load_corpus, read_corpus_bytes
+from hsdp.train.lm import build_model, lm_loss, sample
+from hsdp.train.metrics import CSV_NAME, MetricsWriter, comm_totals, read_metrics
+from hsdp.train.optimizer import lr_at
+from hsdp.train.progress import format_eta
+from hsdp.train.rank_warnings import rank_ranges
+from hsdp.train.report import write_report
+from hsdp.train.rundir import start_problem
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------------
+def test_defaults_round_trip_through_toml() -> None:
+    cfg = resolve_config(None, [])
+    assert cfg == RunConfig()
+    assert (cfg.model.preset, cfg.parallel.nodes, cfg.parallel.nproc_per_node) == ("tiny", 2, 2)
+    assert build_config(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_overrides_are_typed_and_applied_in_order() -> None:
+    cfg = resolve_config(None, ["train.steps=50", "model.preset=small", 'data.extensions=[".txt"]',
+                                "optim.lr=1e-3", "optim.min_lr=0", "train.resume=true", "train.steps=60",
+                                "train.sample_prompt=import os"])
+    assert cfg.train.steps == 60 and cfg.model.preset == "small" and cfg.data.extensions == (".txt",)
+    assert cfg.optim.lr == 1e-3 and cfg.optim.min_lr == 0.0 and isinstance(cfg.optim.min_lr, float)
+    assert cfg.train.resume is True and cfg.train.sample_prompt == "import os"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.steps=0"], r"train\.steps = 0: must be at least 1"),
+    (["train.steps=abc"], r"train\.steps = 'abc': expected an integer"),
+    (["train.resume=yes"], r"train\.resume = 'yes': expected true or false"),
+    (["train.nope=1"], r"unknown field train\.nope"),
+    (["foo.x=1"], r"unknown section 'foo'"),
+    (["steps=3"], r"write section\.field=value"),
+    (["model.preset=huge"], r"model\.preset = 'huge': choose one of .*'tiny'"),
+    (["data.tokenizer=bpe"], r"data\.tokenizer = 'bpe': choose one of \['byte', 'char'\]"),
+    (["optim.min_lr=1.0"], r"optim\.min_lr = 1\.0: must not exceed optim\.lr"),
+    (["train.stop_after=500"], r"train\.stop_after = 500: exceeds train\.steps"),
+    (["parallel.replica_hop=fp8"], r"parallel\.replica_hop = 'fp8'"),
+])
+def test_bad_values_name_the_field(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_config(None, overrides)
+
+
+def test_toml_file_then_overrides_and_file_errors(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nsteps = 40\nbatch_size = 4\n[model]\npreset = "small"\n')
+    cfg = resolve_config(str(path), ["train.steps=41"])
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.model.preset) == (41, 4, "small")
+    path.write_text("[train]\nsteps = 1\nbogus = 2\n")
+    with pytest.raises(ValueError, match=r"unknown field train\.bogus in .*run\.toml"):
+        resolve_config(str(path), [])
+    path.write_text("[train\n")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        read_toml(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_toml(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match=r"train in .* must be a table"):
+        build_config({"train": 3})
+
+
+def test_resume_reads_the_saved_config_but_not_its_stop(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    saved = resolve_config(None, [f"train.out_dir={out}", "model.preset=small", "train.stop_after=5"])
+    (out / "config.toml").write_text(to_toml(saved))
+    cfg = resolve_config(None, [f"train.out_dir={out}", "train.resume=true", "train.steps=400"])
+    assert cfg.model.preset == "small" and cfg.train.steps == 400 and cfg.train.stop_after == 0
+
+
+def test_command_line_items_and_flags() -> None:
+    assert split_items(["run.toml", "train.steps=3"]) == ("run.toml", ["train.steps=3"])
+    assert split_items(["train.steps=3"]) == (None, ["train.steps=3"])
+    with pytest.raises(ValueError, match="not an override"):
+        split_items(["run.toml", "other.toml"])
+
+    class Args:
+        resume, profile, out, steps, preset, data, nodes, nproc_per_node = True, False, "r", 5, None, None, 1, None
+
+    assert overrides_from(Args()) == ["train.resume=true", "train.out_dir=r", "train.steps=5", "parallel.nodes=1"]
+    assert apply_overrides({}, ["data.source=a=b"]) == {"data": {"source": "a=b"}}
+
+
+def test_fresh_run_refuses_a_directory_holding_a_run(tmp_path: Path) -> None:
+    cfg = resolve_config(None, [f"train.out_dir={tmp_path}"])
+    assert start_problem(cfg) is None
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert "pass --resume" in start_problem(cfg)
+    assert start_problem(resolve_config(None, [f"train.out_dir={tmp_path}", "train.resume=true"])) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Corpus and models
+# ---------------------------------------------------------------------------------------------------------
+def test_text_folder_jsonl_and_char_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.txt").write_text("world ")
+    (tmp_path / "docs" / "a.txt").write_text("hello ")
+    (tmp_path / "docs" / "skip.bin").write_bytes(b"\x00\x01")
+    assert read_corpus_bytes(DataConfig(source=str(tmp_path / "docs"))) == b"hello world "
+    lines = [json.dumps({"text": f"record {i} é"}) for i in range(50)]
+    (tmp_path / "data.jsonl").write_text("\n".join(lines))
+    cfg = DataConfig(source=str(tmp_path / "data.jsonl"), tokenizer="char")
+    assert detect_format(cfg) == "jsonl"
+    corpus = load_corpus(cfg)
+    assert corpus.tokenizer.decode(corpus.train[:10]) == "record 0 é"
+    assert corpus.tokenizer.vocab_size == len(set("".join(json.loads(x)["text"] for x in lines) + "\n"))
+    with pytest.raises(ValueError, match=r"no field 'body': set data\.text_field"):
+        read_corpus_bytes(DataConfig(source=str(tmp_path / "data.jsonl"), text_field="body"))
+    with pytest.raises(ValueError, match=r"data\.source = .* does not exist"):
+        load_corpus(DataConfig(source=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match=r"set data\.extensions"):
+        load_corpus(DataConfig(source=str(tmp_path / "docs"), extensions=(".md",)))
+
+
+def test_dataset_directory_is_detected(tmp_path: Path) -> None:
+    (tmp_path / "state.json").write_text("{}")
+    cfg = DataConfig(source=str(tmp_path))
+    assert detect_format(cfg) == "dataset"
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="pip install datasets"):
+            read_corpus_bytes(cfg)
+
+
+def test_char_tokens_and_stdlib_default() -> None:
+    tok, ids = char_tokens("abca€")
+    assert tok.chars == "abc€" and ids.tolist() == [0, 1, 2, 0, 3] and tok.encode("zab") == [0, 1]
+    corpus = load_corpus(DataConfig(max_bytes=50_000))
+    assert corpus.tokenizer.vocab_size == 256 and len(corpus.train) + len(corpus.held_out) == 50_000
+    assert "standard library" in corpus.description
+
+
+def test_gpt_builds_with_the_tokenizer_vocabulary_and_samples() -> None:
+    torch.manual_seed(0)
+    built = build_model(resolve_config(None, ["model.block_size=16"]).model, vocab_size=40)
+    assert built.block_size == 16 and built.class_name == "GPT"
+    x, y = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
+    assert abs(lm_loss(built.module, "gpt", x, y).item() - math.log(40)) < 0.5  # small init: near uniform
+    ids = sample(lambda idx: built.module(idx)[0], [1, 2], 5, built.block_size)
+    assert len(ids) == 7 and ids[:2] == [1, 2] and all(0 <= i < 40 for i in ids)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min() -> None:
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(1, cfg, 100) == pytest.approx(0.1) and lr_at(10, cfg, 100) == pytest.approx(1.0)
+    assert lr_at(100, cfg, 100) == pytest.approx(0.1) and lr_at(55, cfg, 100) == pytest.approx(0.55)
+    assert lr_at(3, cfg, 3) == pytest.approx(1.0)  # a warm-up longer than the run is cut to the run
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics, progress, report
+# ---------------------------------------------------------------------------------------------------------
+def _records(steps: int) -> list[dict]:
+    return [{"step": s, "loss": 5.0 / s ** 0.3, "eval_loss": 5.2 / s ** 0.3 if s % 10 == 0 else None,
+             "lr": 1e-3, "grad_norm": 1.0, "tokens": 2048 * s, "step_s": 0.1, "tokens_per_s": 20_000 + 50 * (s % 7),
+             "shard_bytes": 1.2e6, "replicate_bytes": 4.4e5, "shard_s": 0.05, "replicate_s": 0.02 + 0.001 * (s % 5),
+             "mem_bytes": 3e8} for s in range(1, steps + 1)]
+
+
+def test_metrics_writer_keeps_records_up_to_the_resumed_step(tmp_path: Path) -> None:
+    with MetricsWriter(str(tmp_path)) as w:
+        for r in _records(6):
+            w.write(r)
+    with MetricsWriter(str(tmp_path), resume_step=3) as w:
+        w.write({**_records(4)[-1], "loss": 9.0})
+    records = read_metrics(str(tmp_path))
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["loss"] == 9.0
+    rows = (tmp_path / CSV_NAME).read_text().splitlines()
+    assert rows[0].startswith("step,loss,eval_loss") and len(rows) == 5
+
+
+def test_comm_totals_rank_ranges_eta_and_region_names() -> None:
+    stats = {"shard": {"all_gather": {"calls": 2, "bytes": 10, "wire_bytes": 5, "seconds": 0.5},
+                       "reduce_scatter": {"calls": 1, "bytes": 10, "wire_bytes": 5, "seconds": 0.25}},
+             "world": {"broadcast": {"calls": 1, "bytes": 10, "wire_bytes": 10, "seconds": 1.0}}}
+    assert comm_totals(stats) == {"shard_bytes": 10.0, "shard_s": 0.75, "replicate_bytes": 0.0, "replicate_s": 0.0}
+    assert rank_ranges([3, 0, 1, 2, 5]) == "0-3,5" and rank_ranges([4]) == "4"
+    assert format_eta(7.4) == "0:07" and format_eta(3723) == "1:02:03" and format_eta(float("nan")) == "?"
+    assert profiler_region("all_gather", "shard", "Block(blocks.0)") == "hsdp::all_gather[shard] Block(blocks.0)"
+    assert profiler_region("all_reduce", "world") == "hsdp::all_reduce[world]"
+
+
+def _colour_pixels(img: object, rgb: tuple[int, int, int], tol: int = 30) -> int:
+    import numpy as np
+
+    a = np.asarray(img.convert("RGB")).astype(int)  # type: ignore[attr-defined]
+    return int((np.abs(a - np.array(rgb)).max(axis=2) <= tol).sum())
+
+
+def test_report_writes_pngs_with_the_plotted_series(tmp_path: Path) -> None:
+    from PIL import Image
+
+    with MetricsWriter(str(tmp_path)) as w:
+        for r in _records(40):
+            w.write(r)
+    paths = write_report(str(tmp_path))
+    assert [Path(p).name for p in paths] == ["loss.png", "throughput.png", "communication.png"]
+    blue, orange, green, red = (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)
+    expected = {"loss.png": [blue, orange], "throughput.png": [green], "communication.png": [blue, red]}
+    for path in paths:
+        img = Image.open(path)
+        assert img.size == (800, 450)
+        assert len(img.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 20  # not blank: lines, text
+        for colour in expected[Path(path).name]:
+            assert _colour_pixels(img, colour) > 100, (path, colour)
+    with pytest.raises(ValueError, match="missing or empty"):
+        write_report(str(tmp_path / "nothing"))
