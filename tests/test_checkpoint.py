@@ -141,8 +141,8 @@ def _resume(rank: int, world: int, run_dir: str) -> dict:
     return {"losses": losses, "final": model_state(model), "final_optim": optim_state(opt.state_dict())}
 
 
-def test_exact_resume_is_bitwise(saved: dict) -> None:
-    resumed = run_distributed(_resume, 4, saved["run_dir"])
+def test_exact_resume_is_bitwise(saved: dict, world4: list[dict]) -> None:
+    resumed = [r["resume"] for r in world4]  # a fresh spawn: new processes, loaded before anything else
     for rank, (straight, r) in enumerate(zip(saved["ranks"], resumed)):
         assert r["losses"] == straight["losses"][5:], f"rank {rank}"
         assert same(r["final"], straight["final"]), f"rank {rank}: parameters differ"
@@ -204,8 +204,10 @@ def _reshard_load(rank: int, world: int, degree: int, run_dir: str, ref: dict) -
     return out
 
 
-def _reshard_world4(rank: int, world: int, run_dir: str, step_dir: str, ref: dict, fsdp_dir: str) -> dict:
-    out = {f"{4 // d}x{d}": _reshard_load(rank, world, d, run_dir, ref) for d in (4, 1)}
+def _world4(rank: int, world: int, run_dir: str, step_dir: str, ref: dict, fsdp_dir: str) -> dict:
+    """Fresh processes: the exact resume on 2x2 first, then the 1x4 and 4x1 reshards and FSDP2 on 2-D."""
+    out = {"resume": _resume(rank, world, run_dir)}
+    out |= {f"{4 // d}x{d}": _reshard_load(rank, world, d, run_dir, ref) for d in (4, 1)}
     out["fsdp2_2d"] = _fsdp2_both_ways(rank, world, step_dir, ref, fsdp_dir, (2, 2), 2)
     return out
 
@@ -230,10 +232,16 @@ def _single(rank: int, world: int, run_dir: str, ref: dict) -> dict:
     return {"1x1": _reshard_load(rank, world, 1, run_dir, ref)}
 
 
-def test_reshard_and_fsdp2_interop(saved: dict, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def world4(saved: dict, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    fsdp_dir = str(tmp_path_factory.mktemp("fsdp2d"))
+    return run_distributed(_world4, 4, saved["run_dir"], saved["path"], saved["ref"], fsdp_dir)
+
+
+def test_reshard_and_fsdp2_interop(saved: dict, world4: list[dict], tmp_path) -> None:
     ref, run_dir, step_dir = saved["ref"], saved["run_dir"], saved["path"]
     targets: dict[str, list[dict]] = {}
-    four = run_distributed(_reshard_world4, 4, run_dir, step_dir, ref, str(tmp_path / "fsdp2d"))
+    four = [{k: v for k, v in r.items() if k != "resume"} for r in world4]
     two = run_distributed(_reshard_world2, 2, run_dir, step_dir, ref, str(tmp_path / "fsdp1d"))
     one = run_distributed(_single, 1, run_dir, ref)
     for results in (four, two, one):

@@ -19,7 +19,6 @@ import io
 import os
 import pickle
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +169,3 @@ def dtype_of(name: str) -> torch.dtype:
         raise ValueError(f"unknown tensor dtype {name!r} in checkpoint metadata")
     return dtype
 
-
-def tensor_keys(items: Iterable[Entry]) -> list[str]:
-    return sorted(e.key for e in items if e.is_tensor)

@@ -9,7 +9,8 @@ aliases in the file's metadata (``"hsdp.tied"``: ``{"head.weight": "embed.weight
 ``safetensors.torch.load_model(model, path)`` (which restores shared tensors itself), with
 ``hsdp.checkpoint.load_safetensors(path)`` (a state dict with the aliases put back, for a strict
 ``model.load_state_dict``), or ``model.load_state_dict(load_file(path), strict=False)`` whose only
-missing keys are the aliases.
+missing keys are the aliases. A DCP checkpoint written by another tool carries no tie information: its
+tied weights are exported twice, as separate tensors.
 """
 
 from __future__ import annotations

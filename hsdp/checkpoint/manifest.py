@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 MANIFEST = "manifest.json"
 FORMAT = "hsdp-checkpoint"
@@ -124,10 +123,3 @@ def verify_checksums(ckpt_dir: str, manifest: Manifest, names: list[str]) -> int
             )
     return total
 
-
-def manifest_info(manifest: Manifest | None) -> dict[str, Any]:
-    """The non-file part of a manifest, for messages and for ``LoadResult``."""
-    if manifest is None:
-        return {}
-    return {"step": manifest.step, "world_size": manifest.world_size, "mesh": manifest.mesh,
-            "optimizer": manifest.optimizer}

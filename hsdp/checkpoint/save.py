@@ -43,7 +43,8 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: Sha
     A collective: every rank calls it. The checkpoint goes to ``path/step_<step>`` (``step`` defaults to
     one more than the newest checkpoint there) and ``path/latest`` moves to it only once it is complete.
     ``extra`` is any JSON-serialisable value *per rank* (step, ``capture_rng_state()``, data position):
-    ``load_checkpoint`` gives each rank back its own. JSON, not pickle, so loading never runs code.
+    ``load_checkpoint`` gives each rank back its own. JSON, not pickle, so loading never runs code. An LR
+    scheduler's ``state_dict()`` is plain data and fits there too.
     Parameters and optimizer state keep their original names and shapes (FSDP2's layout, see
     ``hsdp.checkpoint.names``). Saving the same step again replaces that checkpoint.
     """

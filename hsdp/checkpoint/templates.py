@@ -80,7 +80,12 @@ def assemble(spec: dict[str, Any], buffers: Buffers, model: ShardedModel) -> tup
     """The model state dict and the FQN-keyed optimizer state dict (``None`` if none was loaded)."""
     tree: dict = {}
     for t in spec["tensors"]:
-        _set(tree, tuple(t["path"]), buffers.values[t["key"]])
+        value = buffers.values[t["key"]]
+        if t["path"][0] == OPTIM and value.dim() == 0:
+            # Scalars (Adam's step) were read on the mesh device for the broadcast; torch keeps them on the
+            # CPU unless capturable/fused, and load_state_dict moves them to the device in those cases.
+            value = value.cpu()
+        _set(tree, tuple(t["path"]), value)
     for key, obj in spec["objects"].items():
         _set(tree, tuple(obj["path"]), decode_object(base64.b64decode(obj["raw"]), key))
     optim = tree.get(OPTIM)
