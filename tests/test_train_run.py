@@ -1,0 +1,112 @@
+"""``hsdp train`` end to end: the command on 2 emulated nodes x 2 ranks, and exact resume.
+
+Spawns are the cost here, so each test combines its checks: one ``hsdp train`` launch (launcher,
+progress, checkpoints, metrics, summary, profiler trace, report, the run-directory guard) and one
+4-rank spawn that runs three jobs in the same processes (straight, stopped after a checkpoint, resumed)
+plus the once-per-job warning check.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+from harness import run_distributed
+
+from hsdp.train.metrics import read_metrics
+from hsdp.train.report import write_report
+
+REPO = Path(__file__).resolve().parents[1]
+# Small and quick: 8 steps of the tiny GPT on 0.3 MB of the stdlib.
+QUICK = ["train.eval_every=4", "train.checkpoint_every=4", "train.log_every=2", "train.sample_tokens=16",
+         "data.max_bytes=300000", "optim.warmup_steps=2", "optim.lr=3e-3"]
+
+
+def _hsdp(cwd: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hsdp", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _trace_names(path: Path) -> set[str]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return {e["name"] for e in events if e.get("name", "").startswith("hsdp::")}
+
+
+def test_hsdp_train_end_to_end(tmp_path: Path) -> None:
+    proc = _hsdp(tmp_path, "train", "--steps", "8", "--profile", "train.profile_steps=2", *QUICK)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    assert "[node 0] step     8/8" in out and "eta" in out and "Per node and step" in out
+    run = tmp_path / "runs" / "train"
+    records = read_metrics(str(run))
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5  # the loss falls
+    assert records[3]["eval_loss"] is not None and records[7]["eval_loss"] is not None
+    assert (run / "metrics.csv").read_text().count("\n") == 9
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["latest", "step_000004", "step_000008"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["mesh"] == {"replicas": 2, "shards": 2, "world": 4} and len(summary["ranks"]) == 4
+    floor = summary["inter_node_floor_bytes_per_step"]
+    for node in summary["nodes"]:  # per node inter-node bytes = 2(R-1)/R x P x 4, plus padding and flags
+        assert floor <= node["replicate_bytes_per_step"] < 1.01 * floor
+    names = _trace_names(run / "profile" / "rank0.json")
+    for region in ("hsdp::all_gather[shard] Block(blocks.0)", "hsdp::all_gather[shard] GPT(root)",
+                   "hsdp::reduce_scatter[shard] Block(blocks.3)", "hsdp::all_reduce[replicate] blocks.1",
+                   "hsdp::all_reduce[replicate] root wait"):
+        assert region in names, sorted(names)
+    assert all(Path(p).stat().st_size > 10_000 for p in write_report(str(run)))
+    again = _hsdp(tmp_path, "train", "--steps", "8")  # refused before any rank starts
+    assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exact resume (in-process jobs on 4 spawned ranks)
+# ---------------------------------------------------------------------------------------------------------
+def _job(out: Path, *extra: str) -> dict:
+    from rich.console import Console
+
+    from hsdp.train import resolve_config, run_job
+
+    cfg = resolve_config(None, ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=3",
+                                "train.log_every=1", "train.sample_tokens=0", "data.max_bytes=200000",
+                                "optim.warmup_steps=2", f"train.out_dir={out}", *extra])
+    return run_job(cfg, Console(quiet=True)).summary
+
+
+def _resume_worker(rank: int, world: int, tmp: str) -> dict:
+    import hsdp
+    from hsdp.train.rank_warnings import RankWarnings
+    from hsdp.train.ranks import RankChannel
+
+    base = Path(tmp)
+    _job(base / "straight")
+    _job(base / "resumed", "train.stop_after=4")  # stops after step 4; the newest checkpoint is step 3
+    stopped = read_metrics(str(base / "resumed")) if rank == 0 else []
+    session = _job(base / "resumed", "train.resume=true")["steps"]
+    shown: list[str] = []
+    with RankWarnings(shown.append) as w:
+        for _ in range(3):  # repeated: still shown once
+            warnings.warn("every rank says this", UserWarning, stacklevel=1)
+        warnings.warn(f"only rank {rank} says this", UserWarning, stacklevel=1)
+        w.flush(RankChannel(hsdp.init_mesh()))
+    return {"stopped": stopped, "shown": shown, "session": session}
+
+
+def test_resume_continues_the_straight_run_bitwise(tmp_path: Path) -> None:
+    results = run_distributed(_resume_worker, 4, str(tmp_path), timeout=280)
+    straight, resumed = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "resumed"))
+    assert [r["step"] for r in results[0]["stopped"]] == [1, 2, 3, 4]
+    assert results[0]["session"] == {"first": 4, "last": 6, "planned": 6}  # loaded step 3, not a fresh start
+    assert [r["step"] for r in resumed] == list(range(1, 7))  # step 4 was redone, not duplicated
+    for a, b in zip(straight, resumed, strict=True):
+        for key in ("loss", "eval_loss", "grad_norm", "lr", "tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])  # bitwise: CPU fp32 and exact resume
+    assert straight[-1]["loss"] < straight[0]["loss"]
+    shown = results[0]["shown"]
+    assert sum("every rank says this" in s for s in shown) == 1
+    assert any(s.startswith("warning [ranks 0-3]") and "every rank says this" in s for s in shown)
+    assert sum("only rank" in s for s in shown) == 4 and all(not r["shown"] for r in results[1:])
