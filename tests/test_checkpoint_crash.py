@@ -113,6 +113,12 @@ def _after_crash(rank: int, world: int, run: str, ref_path: str) -> dict:
     out["warned"] = rank != 0 or any("ignoring invalid checkpoint" in w for w in caught)
     hsdp.save_checkpoint(run, model, opt, step=6, options=hsdp.CheckpointOptions(keep_last=2))
     out["keep_last=2"] = sorted(os.listdir(run)) == ["latest", "step_000005", "step_000006"]
+    step6 = _state(model, opt)
+    if rank == 0:  # a re-save of step 6 killed between its two renames: only the set-aside copy remains
+        os.rename(os.path.join(run, "step_000006"), os.path.join(run, "step_000006.old-0123abcd"))
+    torch.distributed.barrier()
+    step, state, _ = _load(run, mesh)
+    out["re-save crash: set-aside copy used"] = step == 6 and same(state, step6)
     return out
 
 

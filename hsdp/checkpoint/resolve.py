@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from hsdp.checkpoint.dcp_io import METADATA
 from hsdp.checkpoint.manifest import MANIFEST, InvalidCheckpoint, Manifest, check_sizes, read_manifest
-from hsdp.checkpoint.rundir import is_temporary, list_steps, read_latest
+from hsdp.checkpoint.rundir import OLD_MARK, is_temporary, list_steps, read_latest, set_aside_step
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,9 @@ def _explicit(path: str) -> Candidate:
 def _from_run_dir(run_dir: str) -> list[Candidate]:
     names = [name for _, name in reversed(list_steps(run_dir))]
     latest = read_latest(run_dir)
+    # Last resort: a checkpoint set aside by a re-save of its step that crashed before the new one landed.
+    aside = sorted((n for n in os.listdir(run_dir) if set_aside_step(n) is not None), key=set_aside_step)
+    names += [n for n in reversed(aside) if n.partition(OLD_MARK)[0] not in names]
     if latest is not None:
         if latest in names:
             names.remove(latest)

@@ -37,6 +37,12 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def set_aside_step(name: str) -> int | None:
+    """The step of a committed checkpoint moved aside while the same step was saved again (``.old-``)."""
+    base, mark, _ = name.partition(OLD_MARK)
+    return parse_step(base) if mark else None
+
+
 def is_temporary(name: str) -> bool:
     return TMP_MARK in name or OLD_MARK in name
 
@@ -95,6 +101,7 @@ def commit_dir(tmp: str, final: str, nonce: str) -> None:
     aside = None
     if os.path.exists(final):
         # rename() cannot replace a non-empty directory: move the old one aside first, drop it after.
+        # A crash between the two renames leaves only the aside copy: loading falls back to it.
         aside = f"{final}{OLD_MARK}{nonce}"
         os.rename(final, aside)
     os.rename(tmp, final)
