@@ -18,13 +18,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 from torch import nn
@@ -33,6 +31,8 @@ import hsdp
 from hsdp.memory import StateBytes
 from hsdp.models import GPT, preset
 from hsdp.textdata import ByteTokenizer, TokenStream, as_tokens, default_corpus_bytes, split_tokens
+from hsdp.train.progress import Reporter
+from hsdp.train.ranks import RankChannel
 
 
 @dataclass(frozen=True)
@@ -84,20 +84,18 @@ def unsharded_state_bytes(model: nn.Module) -> StateBytes:
     return StateBytes(params=nbytes(params), grads=nbytes(trainable), optimizer=adamw)
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
+def mean_over_ranks(channel: RankChannel, value: torch.Tensor) -> float:
     """The average of a scalar over every rank (a collective: all ranks must call it)."""
-    t = value.detach().float().reshape(1).clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # SUM then divide: every backend supports SUM
-    return t.item() / dist.get_world_size()
+    return channel.mean([value.detach().float().item()])[0]
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, stream: TokenStream, batches: int) -> float:
+def evaluate(model: nn.Module, stream: TokenStream, batches: int, channel: RankChannel) -> float:
     """Held-out loss averaged over ``batches`` batches per rank and over the ranks."""
     model.eval()
     losses = [model(*stream.batch(i))[1] for i in range(batches)]
     model.train()
-    return mean_over_ranks(torch.stack(losses).mean())
+    return mean_over_ranks(channel, torch.stack(losses).mean())
 
 
 def rank_record(mesh: hsdp.HSDPMesh, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
@@ -105,45 +103,6 @@ def rank_record(mesh: hsdp.HSDPMesh, model: nn.Module, opt: torch.optim.Optimize
     node = int(os.environ.get("GROUP_RANK", mesh.replicate_rank))  # torchrun's node rank
     place = {"rank": mesh.rank, "node": node, "shard": mesh.shard_rank}
     return {**place, **hsdp.state_bytes(model, opt).as_dict()}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Progress on rank 0.
-# ---------------------------------------------------------------------------------------------------------
-class Reporter:
-    """Rank 0's progress: a live rich bar on a terminal; behind a pipe (e.g. ``hsdp demo``'s line
-    prefixing, which cannot carry cursor movements) a plain line every ``log_every`` steps."""
-
-    def __init__(self, console: Console, steps: int, log_every: int, enabled: bool) -> None:
-        self.console = console
-        self.steps = steps
-        self.log_every = log_every
-        self.enabled = enabled
-        self.live = enabled and console.is_terminal
-        self._progress: Progress | None = None
-        self._task: Any = None
-
-    def __enter__(self) -> Reporter:
-        if self.live:
-            self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-                TimeElapsedColumn(), console=self.console)
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=self.steps, loss=float("nan"), tps=0.0)
-        return self
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if not self.enabled:
-            return
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
-        elif step % self.log_every == 0 or step == self.steps or step == 1:
-            self.console.print(f"step {step:>4}/{self.steps}  loss {loss:.3f}  {tokens_per_s:,.0f} tok/s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -163,7 +122,7 @@ class TrainResult:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, stream: TokenStream, cfg: DemoConfig,
-          reporter: Reporter) -> TrainResult:
+          reporter: Reporter, channel: RankChannel) -> TrainResult:
     tokens_per_step = stream.batch_size * stream.block_size * dist.get_world_size()
     losses: list[float] = []
     start = time.perf_counter()
@@ -172,7 +131,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, stream: TokenStream, cfg
         _, loss = model(*stream.batch(step))
         loss.backward()
         opt.step()
-        losses.append(mean_over_ranks(loss))
+        losses.append(mean_over_ranks(channel, loss))
         elapsed = time.perf_counter() - start
         reporter.update(step + 1, losses[-1], tokens_per_step * (step + 1) / elapsed)
     return TrainResult(losses, tokens_per_step * cfg.steps, time.perf_counter() - start)
@@ -244,6 +203,7 @@ def print_summary(console: Console, cfg: DemoConfig, mesh: hsdp.HSDPMesh, result
 # ---------------------------------------------------------------------------------------------------------
 def run(cfg: DemoConfig, mesh: hsdp.HSDPMesh, console: Console) -> None:
     is_root = mesh.rank == 0
+    channel = RankChannel(mesh)  # metric averages and records, outside the model's comm stats
     torch.manual_seed(cfg.seed)  # rank 0's initial weights are broadcast: replicas start identical
     gpt_cfg = preset(cfg.preset)
     if gpt_cfg.vocab_size != ByteTokenizer.vocab_size:
@@ -257,12 +217,11 @@ def run(cfg: DemoConfig, mesh: hsdp.HSDPMesh, console: Console) -> None:
     train_tokens, eval_tokens = split_tokens(as_tokens(default_corpus_bytes(cfg.corpus_bytes)))
     stream = TokenStream(train_tokens, gpt_cfg.block_size, cfg.batch_size, seed=cfg.seed, mesh=mesh)
     held_out = TokenStream(eval_tokens, gpt_cfg.block_size, cfg.batch_size, seed=cfg.seed + 1, mesh=mesh)
-    eval_before = evaluate(model, held_out, cfg.eval_batches)
+    eval_before = evaluate(model, held_out, cfg.eval_batches, channel)
     with Reporter(console, cfg.steps, cfg.log_every, enabled=is_root) as reporter:
-        result = train(model, opt, stream, cfg, reporter)
-    records: list[Any] = [None] * mesh.world_size
-    dist.all_gather_object(records, rank_record(mesh, model, opt))  # before zero_grad: grads count
-    eval_after = evaluate(model, held_out, cfg.eval_batches)
+        result = train(model, opt, stream, cfg, reporter, channel)
+    records = channel.gather(rank_record(mesh, model, opt))  # before zero_grad: grads count
+    eval_after = evaluate(model, held_out, cfg.eval_batches, channel)
     sample = sample_text(model, "def ", cfg.sample_tokens, cfg.seed) if cfg.sample_tokens else None
     if is_root:
         print_summary(console, cfg, mesh, result, (eval_before, eval_after), records, unsharded, n_params,

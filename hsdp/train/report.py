@@ -91,8 +91,8 @@ def plot_communication(records: list[dict[str, Any]], path: str) -> str:
     bottom.set(xlabel="step", ylabel="seconds")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize="small")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom: the legend must not cover a flat line
+        ax.legend(fontsize="small", loc="upper right", ncols=2)
     return _save(fig, path)
 
 
