@@ -90,6 +90,31 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from hsdp.planner.command import run
+
+    return run(args)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    # The arguments live with the planner (hsdp.planner.command), which imports no torch.distributed.
+    from hsdp.planner.command import add_parser
+
+    add_parser(sub).set_defaults(func=_plan)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from hsdp.planner.tune_command import run
+
+    return run(args)
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    from hsdp.planner.tune_command import add_parser
+
+    add_parser(sub).set_defaults(func=_tune)
+
+
 def _add_version(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("version", help="print the version").set_defaults(func=_version)
 
@@ -112,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_train(sub)
     _add_report(sub)
+    _add_plan(sub)
+    _add_tune(sub)
     return parser
 
 

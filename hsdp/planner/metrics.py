@@ -88,15 +88,19 @@ class StepRecorder:
 
     ``warmup`` steps are timed but not reported (allocator and gloo warm-up). ``tokens`` is tokens per rank
     per micro-batch (``batch x seq``): with ``seq_len``/``micro_batch`` it describes the spec written.
+    ``sync`` names how micro-batches synchronise (see :class:`hsdp.planner.options.TrainOptions`).
+    State bytes are read right after the first step, so zero gradients *before* each forward, not after
+    the optimizer step, or the gradients will not be counted.
     """
 
     def __init__(self, model: ShardedModel, optimizer: torch.optim.Optimizer | None = None, *,
-                 micro_batches: int = 1, warmup: int = 2, seq_len: int = 1, micro_batch: int = 1) -> None:
+                 micro_batches: int = 1, warmup: int = 2, seq_len: int = 1, micro_batch: int = 1,
+                 sync: str = "deferred") -> None:
         if not isinstance(model, ShardedModel):
             raise ValueError("StepRecorder reads hsdp's units and collectives: pass the ShardedModel")
         self.model, self.optimizer = model, optimizer
         self.micro_batches, self.warmup = micro_batches, warmup
-        self.seq_len, self.micro_batch = seq_len, micro_batch
+        self.seq_len, self.micro_batch, self.sync = seq_len, micro_batch, sync
         self.times: list[float] = []
         self._counters = (0, 0)
         self._state: dict[str, int] | None = None
@@ -148,7 +152,9 @@ class StepRecorder:
             "model": {"name": spec.name, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
                       "units": [{"name": u.name, "shapes": [list(s) for s in u.shapes],
                                  "flops_per_token": u.forward_flops_per_token} for u in spec.units]},
-            "profile": None if profile is None else vars(profile), **(extra or {}),
+            "profile": None if profile is None else vars(profile), "backend": dist.get_backend(),
+            "options": {**_engine_options(self.model), "micro_batches": self.micro_batches, "sync": self.sync},
+            **(extra or {}),
         }
 
     def write(self, path: str | None = None, profile: ComputeProfile | None = None,
@@ -161,6 +167,22 @@ class StepRecorder:
             with open(target, "w") as f:
                 json.dump(result, f)
         return result
+
+
+def _engine_options(model: ShardedModel) -> dict[str, Any]:
+    """The settings the cost model needs, read off the units (:class:`hsdp.planner.options.TrainOptions`)."""
+    units = [u for u in model.units if u.params] or model.units
+    u = units[-1]
+    dtype = u.sharded_flat.dtype
+    hop = type(u.hop).__name__
+    hop_dtype = getattr(u.hop, "dtype", None) or u.policy.replicate_reduce(dtype)
+    return {
+        "reshard_after_forward": any(x.reshard_after_forward for x in units),
+        "param_bytes": dtype.itemsize,
+        "compute_bytes": u.policy.compute(dtype).itemsize,
+        "reduce_bytes": u.policy.reduce(dtype).itemsize,
+        "replicate_dtype": "int8" if "Int8" in hop else {4: "fp32", 2: "bf16"}.get(hop_dtype.itemsize, "same"),
+    }
 
 
 def _peak_rss_bytes() -> float:

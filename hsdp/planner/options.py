@@ -123,13 +123,11 @@ class Layout:
         return f"{self.replicate}x{self.shard}"
 
     def kind(self, gpus_per_node: int) -> str:
-        """Plain words for the layout: DDP, HSDP, full shard, ..."""
+        """Plain words for the layout: DDP, HSDP (shard group vs node), full shard."""
         if self.shard == 1:
-            return "DDP (replicate only)"
+            return "DDP"
         if self.replicate == 1:
-            return "full shard (FSDP)"
+            return "full shard"
         if self.shard == gpus_per_node:
-            return "HSDP (shard = node)"
-        if self.shard < gpus_per_node:
-            return "HSDP (shard < node)"
-        return "HSDP (shard spans nodes)"
+            return "HSDP, shard = node"
+        return "HSDP, shard < node" if self.shard < gpus_per_node else "HSDP, shard > node"

@@ -124,9 +124,10 @@ def _memory_reason(best: LayoutEstimate, limit: float, model: ModelSpec, options
     m = best.memory
     per = options.precision.state_bytes_per_param
     limit_text = "no memory limit" if math.isinf(limit) else f"{fmt_bytes(limit)} usable"
+    acts = f"activations {fmt_bytes(m.activations)}" if m.activations else "activations not estimated"
     return (f"Memory: {fmt_bytes(m.total)} per GPU of {limit_text}: model state {fmt_bytes(m.state)} "
-            f"({per} B x {fmt_count(model.params)} params / S={best.layout.shard}), activations "
-            f"{fmt_bytes(m.activations)}, gathered units {fmt_bytes(m.unsharded)}.")
+            f"({per} B x {fmt_count(model.params)} params / S={best.layout.shard}), {acts}, gathered units "
+            f"{fmt_bytes(m.unsharded)}.")
 
 
 def _traffic_reason(best: LayoutEstimate, cluster: ClusterSpec) -> str:

@@ -1,0 +1,61 @@
+"""Memory and step time against shard degree (matplotlib, Agg backend: no display needed).
+
+Left: peak memory per GPU by kind, stacked, with the usable limit. Right: predicted step time split into
+compute, optimizer and exposed communication; with a tuning report, the measured step times as points.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from hsdp.planner.compare import TuneReport
+from hsdp.planner.plan import Plan
+
+_MEMORY_PARTS = ("params", "grads", "optimizer", "master", "unsharded", "accumulation", "activations")
+
+
+def plot_plan(plan: Plan, path: str | Path, report: TuneReport | None = None) -> Path:
+    """Write the figure to ``path`` (PNG, SVG or PDF by extension) and return it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(e.layout.shard) for e in plan.layouts]
+    xs = list(range(len(labels)))
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(xs)
+    for part in _MEMORY_PARTS:
+        values = [getattr(e.memory, part) / 2**30 for e in plan.layouts]
+        if any(values):
+            mem_ax.bar(xs, values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    if not math.isinf(plan.memory_limit):
+        mem_ax.axhline(plan.memory_limit / 2**30, color="black", linestyle="--", label="usable memory")
+    mem_ax.set(title="peak memory per GPU (GiB)", xlabel="shard degree S")
+    parts = {"compute": [e.step.compute_s for e in plan.layouts],
+             "optimizer": [e.step.optimizer_s for e in plan.layouts],
+             "exposed comm": [e.step.exposed_comm_s for e in plan.layouts]}
+    bottom = [0.0] * len(xs)
+    for name, values in parts.items():
+        time_ax.bar(xs, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if report is not None:
+        measured = {r.shard: r.measured_s for r in report.rows}
+        pts = [(x, measured[e.layout.shard]) for x, e in zip(xs, plan.layouts) if e.layout.shard in measured]
+        time_ax.plot([p[0] for p in pts], [p[1] for p in pts], "kD", label="measured")
+    if plan.best is not None:
+        best = plan.layouts.index(plan.best)
+        time_ax.annotate("recommended", (best, plan.best.step.step_s), xytext=(0, 6), textcoords="offset points",
+                         ha="center", va="bottom", fontsize=8)
+    time_ax.set(title="step time (s)", xlabel="shard degree S")
+    for ax in (mem_ax, time_ax):
+        ax.set_xticks(xs, labels)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{plan.model.name} on {plan.cluster.nodes} x {plan.cluster.gpus_per_node}")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
