@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state[fqn[idx]] = {k: _to_dtensor(v, sp, dm) for k, v in entries.items()}
         groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in raw["param_groups"]]
         out = {"state": state, "param_groups": groups}
-        hop_state = {name: _to_dtensor(v, sp, dm) for name, (sp, v) in _hop_residuals(self._hsdp_model).items()}
+        hop_state = {name: _residual_dtensor(v, sp, dm) for name, (sp, v) in _hop_residuals(self._hsdp_model).items()}
         if hop_state:
             out["hop_residuals"] = hop_state
         return out
@@ -121,7 +122,28 @@ def _hop_residuals(model: ShardedModel) -> dict[str, tuple[ShardedParam, torch.T
     return out
 
 
+def _residual_dtensor(value: torch.Tensor, sp: ShardedParam, device_mesh: Any) -> DTensor:
+    """Residuals differ per replica (each keeps its own rounding error): a leading replica dim, sharded
+    over the replicate mesh dim, so every replica's residual is saved, not one copy of one of them."""
+    shape = torch.Size((device_mesh.size(0), *sp.layout.global_shape))
+    return DTensor.from_local(value.unsqueeze(0), device_mesh, [Shard(0), Shard(1)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _local_residual(value: Any, sp: ShardedParam, replicate_rank: int, replicas: int) -> torch.Tensor | None:
+    if isinstance(value, DTensor):
+        if value.shape[0] != replicas:
+            return None  # another replica count: the residuals do not map; start from zero
+        if value.placements == (Shard(0), Shard(1)) and tuple(value.to_local().shape[1:]) == sp.layout.local_shape:
+            return value.to_local()[0]
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == (replicas, *sp.layout.global_shape):
+        return sp.layout.chunk(value[replicate_rank])
+    return None
+
+
 def _load_hop_residuals(model: ShardedModel, saved: dict[str, Any]) -> None:
+    mesh = model.mesh
     for unit in model.units:
         residuals = getattr(unit.hop, "residuals", None)
         layout = _residual_layout(unit)
@@ -130,8 +152,12 @@ def _load_hop_residuals(model: ShardedModel, saved: dict[str, Any]) -> None:
         p_last, off_last = layout[-1]
         flat = torch.zeros(off_last + p_last.layout.padded_numel, device=unit.sharded_flat.device)
         for p, off in layout:
-            if p.fqn in saved:
-                flat[off: off + p.layout.local_numel] = _to_local(saved[p.fqn], p).reshape(-1)
+            local = _local_residual(saved.get(p.fqn), p, mesh.replicate_rank, mesh.replicate_degree)
+            if local is None:
+                warnings.warn(f"no usable inter-node hop residual for {p.fqn} (saved on another replica count?): "
+                              f"starting it from zero", stacklevel=3)
+                continue
+            flat[off: off + p.layout.local_numel] = local.reshape(-1)
         residuals[unit.key] = flat
 
 

@@ -126,7 +126,7 @@ def test_bf16_paths_stay_within_bf16_tolerance_and_halve_inter_node_bytes() -> N
     assert r["fp32, bf16 hop"]["inter_bytes"] * 2 == fp32_hop_bytes
 
 
-def _convergence(rank: int, world: int, steps: int) -> dict[str, float]:
+def _convergence(rank: int, world: int, steps: int, ckpt_dir: str) -> dict[str, float]:
     tokens = as_tokens(default_corpus_bytes(400_000))
     out = {}
     for name, hop in (("plain", AllReduceHop()), ("int8", Int8ErrorFeedbackHop())):
@@ -149,12 +149,18 @@ def _convergence(rank: int, world: int, steps: int) -> dict[str, float]:
             hop.residuals.clear()
             opt.load_state_dict(sd)
             assert all(torch.equal(saved[k], hop.residuals[k]) for k in saved)
+            # Through a checkpoint too: each replica gets back its own residuals, not one replica's.
+            assert not all(torch.equal(v, torch.zeros_like(v)) for v in saved.values())
+            hsdp.save_checkpoint(ckpt_dir, model, opt)
+            hop.residuals.clear()
+            hsdp.load_checkpoint(ckpt_dir, model, opt)
+            assert all(torch.equal(saved[k], hop.residuals[k]) for k in saved)
         tail = torch.stack(losses[-10:]).mean()
         torch.distributed.all_reduce(tail)
         out[name] = tail.item() / world
     return out
 
 
-def test_int8_error_feedback_hop_converges_like_the_uncompressed_hop() -> None:
-    r = run_distributed(_convergence, 4, 60)[0]
+def test_int8_error_feedback_hop_converges_like_the_uncompressed_hop(tmp_path) -> None:
+    r = run_distributed(_convergence, 4, 60, str(tmp_path / "ckpt"))[0]
     assert r["int8"] <= 1.02 * r["plain"], r
