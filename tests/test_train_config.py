@@ -40,6 +40,13 @@ def test_defaults_round_trip_through_toml() -> None:
     assert build_config(tomllib.loads(to_toml(cfg))) == cfg
 
 
+def test_example_config_lists_every_field_with_its_default() -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "hsdp_train.toml"
+    table = read_toml(example)
+    assert {k: set(v) for k, v in table.items()} == {k: set(v) for k, v in tomllib.loads(to_toml(RunConfig())).items()}
+    assert resolve_config(str(example), []) == RunConfig()
+
+
 def test_overrides_are_typed_and_applied_in_order() -> None:
     cfg = resolve_config(None, ["train.steps=50", "model.preset=small", 'data.extensions=[".txt"]',
                                 "optim.lr=1e-3", "optim.min_lr=0", "train.resume=true", "train.steps=60",

@@ -30,11 +30,30 @@ Every field and its default: hsdp train --print-config
 """
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """A parser whose positionals (config file, overrides) may come before, between or after the flags,
+    as in ``hsdp train run.toml --resume train.steps=9``; plain argparse stops collecting a ``nargs="*"``
+    positional at the first flag and rejects the rest."""
+
+    _inside = False
+
+    def parse_known_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        if self._inside:  # parse_known_intermixed_args calls back into parse_known_args (Python <= 3.12)
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``train`` on the ``hsdp`` parser's ``subparsers``."""
     p = subparsers.add_parser("train", help="train a GPT-style model with HSDP (config file + overrides)",
                               description="Train a language model with HSDP.", epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.__class__ = IntermixedParser  # the subparsers action builds plain parsers; same layout, new parsing
     add_arguments(p)
     return p
 
@@ -132,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hsdp.train``: the same as ``hsdp train``."""
-    parser = argparse.ArgumentParser(prog="python -m hsdp.train", description="Train a language model with HSDP.",
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = IntermixedParser(prog="python -m hsdp.train", description="Train a language model with HSDP.",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

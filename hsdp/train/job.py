@@ -96,30 +96,58 @@ def _finish(cfg: RunConfig, t: Trainee, built: BuiltModel, result: LoopResult, s
     return out
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """Everything built before the first step."""
+
+    channel: RankChannel
+    run: RunDir
+    corpus: Corpus
+    trainee: Trainee
+    built: BuiltModel
+    start_step: int
+
+
+def _set_up(cfg: RunConfig, console: Console) -> _Setup:
+    mesh = hsdp.init_mesh(cfg.parallel.sharding_degree or None)
+    channel = RankChannel(mesh)
+    run = prepare_run_dir(cfg, channel)
+    corpus = load_corpus(cfg.data)
+    t, built = build_trainee(cfg, mesh, corpus)
+    start_step, loaded = resume.resume(run, t.model, t.optimizer, channel) if cfg.train.resume else (0, "")
+    if channel.is_root:
+        console.print(f"hsdp train: {mesh.replicate_degree} x {mesh.sharding_degree} mesh, {built.description}")
+        console.print(f"data: {corpus.description}")
+        console.print(f"resumed from {loaded} (step {start_step})" if loaded else f"run directory: {run.path}")
+    return _Setup(channel, run, corpus, t, built, start_step)
+
+
+def _complete(cfg: RunConfig, s: _Setup, console: Console) -> JobOutcome:
+    """A resumed run that had already reached ``train.steps`` (e.g. a requeued job): nothing to do."""
+    if s.channel.is_root:
+        console.print(f"{s.run.path} is complete ({s.start_step} of {cfg.train.steps} steps): raise "
+                      f"train.steps to train further")
+    return JobOutcome({"steps": {"first": s.start_step + 1, "last": s.start_step, "planned": cfg.train.steps}},
+                      None)
+
+
 def run_job(cfg: RunConfig, console: Console | None = None) -> JobOutcome:
     """Train as configured on this rank; every rank of the job calls it. Rank 0 prints progress, the
     summary and the sample, and writes the run directory's files."""
     console = console or Console(highlight=False)
     with RankWarnings(console.print) as warns:
-        mesh = hsdp.init_mesh(cfg.parallel.sharding_degree or None)
-        channel = RankChannel(mesh)
-        run = prepare_run_dir(cfg, channel)
-        corpus = load_corpus(cfg.data)
-        t, built = build_trainee(cfg, mesh, corpus)
-        start_step, loaded = resume.resume(run, t.model, t.optimizer, channel) if cfg.train.resume else (0, "")
-        if channel.is_root:
-            console.print(f"hsdp train: {mesh.replicate_degree} x {mesh.sharding_degree} mesh, {built.description}")
-            console.print(f"data: {corpus.description}")
-            console.print(f"resumed from {loaded} (step {start_step})" if loaded else f"run directory: {run.path}")
-        warns.flush(channel)
-        svc = _services(cfg, channel, run, console, warns, start_step)
+        s = _set_up(cfg, console)
+        warns.flush(s.channel)
+        if s.start_step >= cfg.train.steps:
+            return _complete(cfg, s, console)
+        svc = _services(cfg, s.channel, s.run, console, warns, s.start_step)
         with svc.reporter, svc.writer or contextlib.nullcontext():
-            result = train(t, cfg, svc, start_step)
-        final = _finish(cfg, t, built, result, svc, start_step)
-        outcome = JobOutcome(final, text_sample(t, corpus, cfg, built.block_size))
-        warns.flush(channel)
-    if channel.is_root:
-        _report(console, outcome, corpus, run)
+            result = train(s.trainee, cfg, svc, s.start_step)
+        final = _finish(cfg, s.trainee, s.built, result, svc, s.start_step)
+        outcome = JobOutcome(final, text_sample(s.trainee, s.corpus, cfg, s.built.block_size))
+        warns.flush(s.channel)
+    if s.channel.is_root:
+        _report(console, outcome, s.corpus, s.run)
     return outcome
 
 
