@@ -113,6 +113,16 @@ def test_command_line_items_and_flags() -> None:
     assert apply_overrides({}, ["data.source=a=b"]) == {"data": {"source": "a=b"}}
 
 
+def test_flags_and_overrides_mix_in_any_order() -> None:
+    from hsdp.cli import build_parser
+
+    argv = ["train", "run.toml", "--resume", "train.steps=9", "--out", "x", "data.max_bytes=5"]
+    args = build_parser().parse_args(argv)
+    assert args.items == ["run.toml", "train.steps=9", "data.max_bytes=5"] and args.resume and args.out == "x"
+    args = build_parser().parse_args(["train"])
+    assert args.items == [] and not args.resume and args.steps is None
+
+
 def test_fresh_run_refuses_a_directory_holding_a_run(tmp_path: Path) -> None:
     cfg = resolve_config(None, [f"train.out_dir={tmp_path}"])
     assert start_problem(cfg) is None
