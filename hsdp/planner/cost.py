@@ -37,6 +37,7 @@ class UnitCost:
     all_gather: float
     reduce_scatter: float
     hop: float
+    reduces: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,14 @@ def _compute_split(model: ModelSpec, cluster: ClusterSpec, profile: ComputeProfi
 
 
 def _hop(links: GroupLinks, cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions) -> tuple[str, float]:
-    elements = u.slot(shard) + u.tensors  # the reduced shard plus one "has gradient" flag per tensor
+    elements = u.trainable_slot(shard) + u.tensors  # the reduced shard plus a "has gradient" flag per tensor
     if options.replicate_dtype == "int8":
         return "all_gather", links.size * elements * options.replicate_bytes
     return "all_reduce", elements * options.replicate_bytes
+
+
+def _scatter_bytes(u: UnitSpec, shard: int, reduce_bytes: int) -> float:
+    return shard * (u.trainable_slot(shard) + u.tensors) * reduce_bytes
 
 
 def unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
@@ -88,11 +93,13 @@ def unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: Trai
     for u, (fwd, bwd) in zip(model.units, _compute_split(model, cluster, profile), strict=True):
         if options.activation_checkpointing and u is not model.root:
             bwd += fwd  # the block's forward runs again inside its backward
-        gather = collective_seconds(links.shard, cluster, "all_gather", full_elements(u, shard) * p.compute_bytes)
-        scatter = collective_seconds(links.shard, cluster, "reduce_scatter",
-                                     shard * (u.slot(shard) + u.tensors) * p.reduce_bytes)
+        # A unit without parameters gathers nothing; one without trainable ones reduces nothing.
+        gather = collective_seconds(links.shard, cluster, "all_gather", full_elements(u, shard) * p.compute_bytes) \
+            if u.numel else 0.0
+        scatter = collective_seconds(links.shard, cluster, "reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes))
         op, nbytes = _hop(links.replicate, cluster, u, shard, options)
-        out.append(UnitCost(fwd, bwd, gather, scatter, collective_seconds(links.replicate, cluster, op, nbytes)))
+        hop = collective_seconds(links.replicate, cluster, op, nbytes)
+        out.append(UnitCost(fwd, bwd, gather, scatter, hop, u.tensors > 0))
     return out
 
 
@@ -149,6 +156,8 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
         r.hopped = tl.issue("replicate", costs[r.unit].hop) if sync else r.scattered
 
     def reduce(unit: int) -> None:
+        if not costs[unit].reduces:
+            return
         if pending:
             start_hop(pending[-1])
         pending.append(_Reduction(unit, tl.issue("shard", costs[unit].reduce_scatter)))
@@ -180,10 +189,10 @@ def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainO
     syncs = sum(options.syncs_replicas(m) for m in range(k))
     reduces = sum(options.reduces_shards(m) for m in range(k))
     for u in model.units:
-        gathers = k * (1 + (options.reshard_after_forward and u is not model.root))
+        gathers = k * (1 + (options.reshard_after_forward and u is not model.root)) if u.numel else 0
         ops = [("all_gather", full_elements(u, shard) * p.compute_bytes, gathers, sl),
-               ("reduce_scatter", shard * (u.slot(shard) + u.tensors) * p.reduce_bytes, reduces, sl),
-               (*_hop(rl, cluster, u, shard, options), syncs, rl)]
+               ("reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes), reduces if u.tensors else 0, sl),
+               (*_hop(rl, cluster, u, shard, options), syncs if u.tensors else 0, rl)]
         for op, nbytes, count, links in ops:
             if links.size > 1:
                 node += count * node_bytes(links, cluster, op, nbytes)
@@ -201,7 +210,7 @@ def estimate_step(model: ModelSpec, cluster: ClusterSpec, shard: int, options: T
         _forward(tl, costs, options)
         _backward(tl, costs, options, m)
     per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
-    optimizer = per_element * sum(u.slot(shard) for u in model.units)
+    optimizer = per_element * sum(u.trainable_slot(shard) for u in model.units)
     compute = options.micro_batches * sum(c.forward + c.backward for c in costs)
     node, rank, calls = _traffic(model, cluster, shard, options)
     # Host time per byte sent is spent on the same cores as compute: added, never overlapped.

@@ -30,26 +30,28 @@ def _flops_per_token(shape: tuple[int, ...], modules: list[nn.Module]) -> float:
     return 0.0 if lookup_only else 2.0 * math.prod(shape)
 
 
-def _unit(name: str, params: list[tuple[tuple[int, ...], list[nn.Module]]]) -> UnitSpec:
-    return UnitSpec(name, tuple(_shape(s) for s, _ in params), sum(_flops_per_token(s, ms) for s, ms in params))
+def _unit(name: str, params: list[tuple[tuple[int, ...], list[nn.Module], bool]]) -> UnitSpec:
+    return UnitSpec(name, tuple(_shape(s) for s, _, trainable in params if trainable),
+                    sum(_flops_per_token(s, ms) for s, ms, _ in params),
+                    tuple(_shape(s) for s, _, trainable in params if not trainable))
 
 
 def spec_from_module(module: nn.Module, seq_len: int = 1, micro_batch: int = 1, wrap: WrapPolicy = None,
                      name: str | None = None) -> ModelSpec:
     """The spec of ``module`` as hsdp would shard it (``wrap`` as for ``ShardedModel``); frozen parameters
-    count like trainable ones, as their shards are stored the same way."""
+    (``requires_grad=False``) are stored and gathered but carry no gradient or optimizer state."""
     from hsdp.model import ShardedModel
 
     label = name or type(module).__name__
     if isinstance(module, ShardedModel):
-        units = [_unit(u.name, [(p.layout.global_shape, [s.module for s in p.slots]) for p in u.params])
-                 for u in module.units]
+        units = [_unit(u.name, [(p.layout.global_shape, [s.module for s in p.slots], p.requires_grad)
+                                for p in u.params]) for u in module.units]
         return ModelSpec(label, tuple(units), seq_len, micro_batch)
     unit_modules = select_unit_modules(module, wrap)
-    by_owner: dict[int, list[tuple[tuple[int, ...], list[nn.Module]]]] = {id(m): [] for m in unit_modules}
+    by_owner: dict[int, list[tuple[tuple[int, ...], list[nn.Module], bool]]] = {id(m): [] for m in unit_modules}
     for a in assign_params(module, unit_modules):
-        by_owner[id(a.owner)].append((tuple(a.param.shape), [s.module for s in a.slots]))
+        by_owner[id(a.owner)].append((tuple(a.param.shape), [s.module for s in a.slots], a.param.requires_grad))
     units = [_unit("root" if m is module else type(m).__name__, by_owner[id(m)]) for m in unit_modules]
     # The engine drops parameter-less non-root units; the root unit always exists.
-    units = [units[0], *[u for u in units[1:] if u.shapes]]
+    units = [units[0], *[u for u in units[1:] if u.numel]]
     return ModelSpec(label, tuple(units), seq_len, micro_batch)

@@ -2,8 +2,8 @@
 
 State (persistent, per rank, ``S`` = shard degree):
   * parameters: the unit's padded flat shard, ``sum ceil(rows/S) * row_numel`` elements per unit;
-  * gradients: the same elements (rank 0 holds full chunks, so it is the largest rank);
-  * optimizer: ``optimizer_bytes`` per element plus a scalar ``step`` per tensor (AdamW);
+  * gradients: the same elements of trainable parameters (rank 0 holds full chunks: the largest rank);
+  * optimizer: ``optimizer_bytes`` per trainable element plus a scalar ``step`` per tensor (AdamW);
   * master: a separate master copy when the precision keeps one (hsdp's fp32 shards *are* the master).
   With 16 bytes per parameter that is ``16 P / S``: 16P for DDP (S=1), 16P/N for full sharding (S=N).
 
@@ -60,9 +60,10 @@ def state_memory(model: ModelSpec, shard: int, options: TrainOptions) -> tuple[f
     """(params, grads, optimizer, master) bytes on the largest rank."""
     p = options.precision
     slot = sum(u.slot(shard) for u in model.units)
+    trainable = sum(u.trainable_slot(shard) for u in model.units)
     tensors = sum(u.tensors for u in model.units)
-    return (slot * p.param_bytes, slot * p.grad_bytes,
-            slot * p.optimizer_bytes + tensors * OPTIMIZER_STEP_BYTES, slot * p.master_bytes)
+    return (slot * p.param_bytes, trainable * p.grad_bytes,
+            trainable * p.optimizer_bytes + tensors * OPTIMIZER_STEP_BYTES, trainable * p.master_bytes)
 
 
 def unsharded_memory(model: ModelSpec, shard: int, options: TrainOptions) -> float:
@@ -85,7 +86,7 @@ def accumulation_memory(model: ModelSpec, shard: int, options: TrainOptions) -> 
         return 0.0
     if options.sync == "local":
         return 4.0 * sum(full_elements(u, shard) for u in model.units)
-    return 4.0 * sum(u.slot(shard) + u.tensors for u in model.units)
+    return 4.0 * sum(u.trainable_slot(shard) + u.tensors for u in model.units)
 
 
 def activation_memory(model: ModelSpec, options: TrainOptions, profile: ComputeProfile | None = None) -> float:

@@ -151,6 +151,7 @@ class StepRecorder:
             "inter_node_bytes_per_step": self._per_node_bytes(steps), "comm_per_step": comm,
             "model": {"name": spec.name, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
                       "units": [{"name": u.name, "shapes": [list(s) for s in u.shapes],
+                                 "frozen": [list(s) for s in u.frozen],
                                  "flops_per_token": u.forward_flops_per_token} for u in spec.units]},
             "profile": None if profile is None else vars(profile), "backend": dist.get_backend(),
             "options": {**_engine_options(self.model), "micro_batches": self.micro_batches, "sync": self.sync},

@@ -25,17 +25,23 @@ class UnitSpec:
     name: str
     shapes: tuple[Shape, ...]
     forward_flops_per_token: float = 0.0
+    frozen: tuple[Shape, ...] = ()  # stored and gathered, but no gradient, optimizer state or reduction
 
     @property
     def numel(self) -> int:
-        return sum(r * c for r, c in self.shapes)
+        return sum(r * c for r, c in self.shapes + self.frozen)
 
     @property
     def tensors(self) -> int:
+        """Trainable tensors: each adds one flag to the reductions and one ``step`` to AdamW's state."""
         return len(self.shapes)
 
     def slot(self, sharding_degree: int) -> int:
         """Elements each rank stores: padded chunks of ``ceil(rows / S)`` rows, back to back."""
+        return sum(-(-r // sharding_degree) * c for r, c in self.shapes + self.frozen)
+
+    def trainable_slot(self, sharding_degree: int) -> int:
+        """The part of :meth:`slot` with gradients: what the reduce-scatter and the hop carry."""
         return sum(-(-r // sharding_degree) * c for r, c in self.shapes)
 
 
@@ -203,7 +209,7 @@ def _rescale_attention(u: UnitSpec, old_seq: int, new_seq: int) -> UnitSpec:
     attn = max(0.0, u.forward_flops_per_token - 2.0 * matmul)
     if attn == 0:
         return u
-    return UnitSpec(u.name, u.shapes, 2.0 * matmul + attn * new_seq / old_seq)
+    return UnitSpec(u.name, u.shapes, 2.0 * matmul + attn * new_seq / old_seq, u.frozen)
 
 
 def uniform(name: str, params: float, units: int, seq_len: int = 1, micro_batch: int = 1,

@@ -130,8 +130,8 @@ class Measured:
 
 def spec_from_metrics(metrics: dict[str, Any]) -> ModelSpec:
     m = metrics["model"]
-    units = tuple(UnitSpec(u["name"], tuple((int(r), int(c)) for r, c in u["shapes"]), float(u["flops_per_token"]))
-                  for u in m["units"])
+    units = tuple(UnitSpec(u["name"], tuple((int(r), int(c)) for r, c in u["shapes"]), float(u["flops_per_token"]),
+                           tuple((int(r), int(c)) for r, c in u.get("frozen", ()))) for u in m["units"])
     return ModelSpec(m["name"], units, int(m["seq_len"]), int(m["micro_batch"]))
 
 
