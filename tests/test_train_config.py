@@ -155,15 +155,24 @@ def test_text_folder_jsonl_and_char_tokenizer(tmp_path: Path) -> None:
         load_corpus(DataConfig(source=str(tmp_path / "docs"), extensions=(".md",)))
 
 
-def test_dataset_directory_is_detected(tmp_path: Path) -> None:
-    (tmp_path / "state.json").write_text("{}")
-    cfg = DataConfig(source=str(tmp_path))
-    assert detect_format(cfg) == "dataset"
+def test_datasets_directory_is_read(tmp_path: Path) -> None:
     try:
-        import datasets  # noqa: F401
-    except ImportError:
+        import datasets
+    except ImportError:  # optional: without it the error names the fix
+        (tmp_path / "state.json").write_text("{}")
+        assert detect_format(DataConfig(source=str(tmp_path))) == "dataset"
         with pytest.raises(ValueError, match="pip install datasets"):
-            read_corpus_bytes(cfg)
+            read_corpus_bytes(DataConfig(source=str(tmp_path)))
+        return
+    splits = {"train": datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(3)], "n": [1, 2, 3]}),
+              "test": datasets.Dataset.from_dict({"text": ["held"], "n": [0]})}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    assert read_corpus_bytes(DataConfig(source=str(tmp_path / "dd"))) == b"doc 0\n\ndoc 1\n\ndoc 2\n\n"
+    splits["train"].save_to_disk(str(tmp_path / "one"))
+    cfg = DataConfig(source=str(tmp_path / "one"), text_field="body")
+    assert detect_format(cfg) == "dataset"
+    with pytest.raises(ValueError, match=r"columns \['text', 'n'\], not 'body': set data\.text_field"):
+        read_corpus_bytes(cfg)
 
 
 def test_char_tokens_and_stdlib_default() -> None:
@@ -211,6 +220,11 @@ def test_metrics_writer_keeps_records_up_to_the_resumed_step(tmp_path: Path) -> 
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["loss"] == 9.0
     rows = (tmp_path / CSV_NAME).read_text().splitlines()
     assert rows[0].startswith("step,loss,eval_loss") and len(rows) == 5
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:  # optional: JSONL and CSV carry everything
+        return
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
 
 
 def test_comm_totals_rank_ranges_eta_and_region_names() -> None:
