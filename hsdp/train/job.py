@@ -116,9 +116,11 @@ def _set_up(cfg: RunConfig, console: Console) -> _Setup:
     t, built = build_trainee(cfg, mesh, corpus)
     start_step, loaded = resume.resume(run, t.model, t.optimizer, channel) if cfg.train.resume else (0, "")
     if channel.is_root:
-        console.print(f"hsdp train: {mesh.replicate_degree} x {mesh.sharding_degree} mesh, {built.description}")
-        console.print(f"data: {corpus.description}")
-        console.print(f"resumed from {loaded} (step {start_step})" if loaded else f"run directory: {run.path}")
+        console.print(f"hsdp train: {mesh.replicate_degree} x {mesh.sharding_degree} mesh, {built.description}",
+                      markup=False)
+        console.print(f"data: {corpus.description}", markup=False)
+        console.print(f"resumed from {loaded} (step {start_step})" if loaded else f"run directory: {run.path}",
+                      markup=False)
     return _Setup(channel, run, corpus, t, built, start_step)
 
 
@@ -126,7 +128,7 @@ def _complete(cfg: RunConfig, s: _Setup, console: Console) -> JobOutcome:
     """A resumed run that had already reached ``train.steps`` (e.g. a requeued job): nothing to do."""
     if s.channel.is_root:
         console.print(f"{s.run.path} is complete ({s.start_step} of {cfg.train.steps} steps): raise "
-                      f"train.steps to train further")
+                      f"train.steps to train further", markup=False)
     return JobOutcome({"steps": {"first": s.start_step + 1, "last": s.start_step, "planned": cfg.train.steps}},
                       None)
 
@@ -135,7 +137,8 @@ def run_job(cfg: RunConfig, console: Console | None = None) -> JobOutcome:
     """Train as configured on this rank; every rank of the job calls it. Rank 0 prints progress, the
     summary and the sample, and writes the run directory's files."""
     console = console or Console(highlight=False)
-    with RankWarnings(console.print) as warns:
+    # Plain text: a warning or a path may contain "[...]", which rich would read as markup.
+    with RankWarnings(lambda line: console.print(line, markup=False)) as warns:
         s = _set_up(cfg, console)
         warns.flush(s.channel)
         if s.start_step >= cfg.train.steps:
@@ -158,5 +161,5 @@ def _report(console: Console, outcome: JobOutcome, corpus: Corpus, run: RunDir) 
             f.write(outcome.sample)
         console.print(Panel(Text(outcome.sample), title="sample after training", expand=False))
     if outcome.summary["trace"]:
-        console.print(f"profiler traces: {run.profile}/rank<r>.json (open in ui.perfetto.dev)")
-    console.print(f"metrics: {run.path}/metrics.jsonl; plots: hsdp report {run.path}")
+        console.print(f"profiler traces: {run.profile}/rank<r>.json (open in ui.perfetto.dev)", markup=False)
+    console.print(f"metrics: {run.path}/metrics.jsonl; plots: hsdp report {run.path}", markup=False)

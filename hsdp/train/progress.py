@@ -75,7 +75,7 @@ class Reporter:
     def note(self, text: str) -> None:
         """A line above the bar (evaluation results, checkpoints, warnings)."""
         if self.enabled:
-            self.console.print(text)
+            self.console.print(text, markup=False)  # paths may contain "[...]"
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 import hsdp
 from hsdp.train.config import RunConfig
@@ -93,7 +94,7 @@ def run_table(summary: dict[str, Any], data: str) -> Table:
     t.add_row("mesh", f"{m['replicas']} replicas x {m['shards']} shards ({m['world']} ranks)")
     t.add_row("model", f"{summary['model']['kind']} '{summary['model']['preset']}', "
                        f"{summary['model']['params']:,} parameters")
-    t.add_row("data", data)
+    t.add_row("data", Text(data))  # Text: a path may contain "[...]", which rich would read as markup
     t.add_row("steps", f"{s['first']}..{s['last']} of {s['planned']}")
     if summary["loss_first"] is not None:
         t.add_row("train loss", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
