@@ -53,6 +53,7 @@ def build_trainee(cfg: RunConfig, mesh: hsdp.HSDPMesh, corpus: Corpus) -> tuple[
     """The wrapped model, its optimizer and this rank's token streams."""
     torch.manual_seed(cfg.train.seed)  # rank 0's weights are broadcast; the seed makes them reproducible
     built = build_model(cfg.model, corpus.tokenizer.vocab_size)
+    built.module.to(mesh.device)  # this rank's GPU under NCCL (init_mesh selected it), else the CPU
     model = hsdp.ShardedModel(built.module, mesh=mesh, reshard_after_forward=cfg.parallel.reshard_after_forward,
                               mixed_precision=_PRECISION[cfg.parallel.mixed_precision],
                               replica_hop=replica_hop(cfg.parallel.replica_hop))
@@ -71,8 +72,9 @@ def text_sample(t: Trainee, corpus: Corpus, cfg: RunConfig, block_size: int) -> 
         return None
     prompt = corpus.tokenizer.encode(cfg.train.sample_prompt) or [0]
     t.model.eval()
-    ids = sample(lambda idx: logits_of(t.model, t.kind, idx), prompt, cfg.train.sample_tokens, block_size,
-                 seed=cfg.train.seed)
+    device = t.model.mesh.device
+    ids = sample(lambda idx: logits_of(t.model, t.kind, idx.to(device)), prompt, cfg.train.sample_tokens,
+                 block_size, seed=cfg.train.seed)
     t.model.train()
     return corpus.tokenizer.decode(ids)
 

@@ -88,7 +88,8 @@ def sample(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: list[int],
     g = torch.Generator().manual_seed(seed)
     idx = torch.tensor([prompt], dtype=torch.long)
     for _ in range(tokens):
-        logits = logits_fn(idx[:, -block_size:])[:, -1, :].float() / temperature
+        # On the CPU: the generator is a CPU one, whatever device the model runs on.
+        logits = logits_fn(idx[:, -block_size:])[:, -1, :].float().cpu() / temperature
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
         idx = torch.cat([idx, torch.multinomial(probs, 1, generator=g)], dim=1)

@@ -85,8 +85,10 @@ def tokens_per_step(cfg: RunConfig, stream: TokenStream) -> int:
 def forward_backward(t: Trainee, step: int, accum: int) -> torch.Tensor:
     """Run the step's micro-batches; returns this rank's mean loss (detached)."""
     total = torch.zeros((), dtype=torch.float64)
+    device = t.model.mesh.device
     for micro in range(accum):
         x, y = t.train.batch((step - 1) * accum + micro)  # the data position is a function of the step
+        x, y = x.to(device), y.to(device)
         last = micro == accum - 1
         with contextlib.nullcontext() if last else t.model.no_sync():
             loss = lm_loss(t.model, t.kind, x, y)
@@ -113,7 +115,9 @@ def train_step(t: Trainee, cfg: RunConfig, step: int) -> tuple[torch.Tensor, flo
 def evaluate(t: Trainee, batches: int, channel: RankChannel) -> float:
     """Held-out loss: the same ``batches`` batches per rank every time, averaged over them and the ranks."""
     t.model.eval()
-    losses = [lm_loss(t.model, t.kind, *t.held_out.batch(i)).double() for i in range(batches)]
+    device = t.model.mesh.device
+    losses = [lm_loss(t.model, t.kind, *(b.to(device) for b in t.held_out.batch(i))).double().cpu()
+              for i in range(batches)]
     t.model.train()
     return channel.mean([torch.stack(losses).mean().item()])[0]
 
