@@ -8,11 +8,43 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from hsdp.planner.compare import TuneReport
 from hsdp.planner.plan import Plan
 
 _MEMORY_PARTS = ("params", "grads", "optimizer", "master", "unsharded", "accumulation", "activations")
+
+
+def _memory_panel(ax: Any, plan: Plan, xs: list[int]) -> None:
+    bottom = [0.0] * len(xs)
+    for part in _MEMORY_PARTS:
+        values = [getattr(e.memory, part) / 2**30 for e in plan.layouts]
+        if any(values):
+            ax.bar(xs, values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    if not math.isinf(plan.memory_limit):
+        ax.axhline(plan.memory_limit / 2**30, color="black", linestyle="--", label="usable memory")
+    ax.set(title="peak memory per GPU (GiB)", xlabel="shard degree S")
+
+
+def _time_panel(ax: Any, plan: Plan, xs: list[int], report: TuneReport | None) -> None:
+    parts = {"compute": [e.step.compute_s for e in plan.layouts],
+             "optimizer": [e.step.optimizer_s for e in plan.layouts],
+             "exposed comm": [e.step.exposed_comm_s for e in plan.layouts]}
+    bottom = [0.0] * len(xs)
+    for name, values in parts.items():
+        ax.bar(xs, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if report is not None:
+        measured = {r.shard: r.measured_s for r in report.rows}
+        pts = [(x, measured[e.layout.shard]) for x, e in zip(xs, plan.layouts) if e.layout.shard in measured]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "kD", label="measured")
+    if plan.best is not None:
+        best = plan.layouts.index(plan.best)
+        ax.annotate("recommended", (best, plan.best.step.step_s), xytext=(0, 6), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set(title="step time (s)", xlabel="shard degree S")
 
 
 def plot_plan(plan: Plan, path: str | Path, report: TuneReport | None = None) -> Path:
@@ -25,31 +57,8 @@ def plot_plan(plan: Plan, path: str | Path, report: TuneReport | None = None) ->
     labels = [str(e.layout.shard) for e in plan.layouts]
     xs = list(range(len(labels)))
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    bottom = [0.0] * len(xs)
-    for part in _MEMORY_PARTS:
-        values = [getattr(e.memory, part) / 2**30 for e in plan.layouts]
-        if any(values):
-            mem_ax.bar(xs, values, bottom=bottom, label=part)
-            bottom = [b + v for b, v in zip(bottom, values)]
-    if not math.isinf(plan.memory_limit):
-        mem_ax.axhline(plan.memory_limit / 2**30, color="black", linestyle="--", label="usable memory")
-    mem_ax.set(title="peak memory per GPU (GiB)", xlabel="shard degree S")
-    parts = {"compute": [e.step.compute_s for e in plan.layouts],
-             "optimizer": [e.step.optimizer_s for e in plan.layouts],
-             "exposed comm": [e.step.exposed_comm_s for e in plan.layouts]}
-    bottom = [0.0] * len(xs)
-    for name, values in parts.items():
-        time_ax.bar(xs, values, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    if report is not None:
-        measured = {r.shard: r.measured_s for r in report.rows}
-        pts = [(x, measured[e.layout.shard]) for x, e in zip(xs, plan.layouts) if e.layout.shard in measured]
-        time_ax.plot([p[0] for p in pts], [p[1] for p in pts], "kD", label="measured")
-    if plan.best is not None:
-        best = plan.layouts.index(plan.best)
-        time_ax.annotate("recommended", (best, plan.best.step.step_s), xytext=(0, 6), textcoords="offset points",
-                         ha="center", va="bottom", fontsize=8)
-    time_ax.set(title="step time (s)", xlabel="shard degree S")
+    _memory_panel(mem_ax, plan, xs)
+    _time_panel(time_ax, plan, xs, report)
     for ax in (mem_ax, time_ax):
         ax.set_xticks(xs, labels)
         ax.legend(fontsize=8)
