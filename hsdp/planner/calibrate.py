@@ -45,6 +45,7 @@ class Measurement:
     step_s: float
     inter_node_bytes: float | None = None
     state_bytes: float | None = None
+    run_medians: tuple[float, ...] = ()  # each launch's own median: the spread shows the noise
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,13 @@ def rank_bytes(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) 
     return wire_factor(op, links.size, cluster.reduce_scatter_factor) * nbytes
 
 
+def link_seconds(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> float:
+    """How long one collective occupies the busiest node's inter-node link (0 when it stays in nodes)."""
+    if links.size <= 1 or not links.crosses_nodes:
+        return 0.0
+    return node_bytes(links, cluster, op, nbytes) / cluster.inter_bandwidth
+
+
 def collective_seconds(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> float:
     """Duration of one collective of ``nbytes`` on every group of the kind at once (0 for a group of 1:
     the engine makes that a local copy, counted as compute)."""

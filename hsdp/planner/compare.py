@@ -61,6 +61,7 @@ class Row:
     predicted_inter_node_bytes: float
     measured_state_bytes: float | None
     predicted_state_bytes: float
+    run_medians: tuple[float, ...] = ()
 
     @property
     def error(self) -> float:
@@ -114,6 +115,6 @@ def analyse(measured: Measured, nominal: ClusterSpec, options: TrainOptions) -> 
         step = estimate_step(model, cal.cluster, m.shard, options, cal.profile)
         rows.append(Row(m.shard, m.step_s, estimate_step(model, nominal, m.shard, options, profile).step_s,
                         step.step_s, held_out.get(m.shard), m.inter_node_bytes, step.inter_node_bytes,
-                        m.state_bytes, estimate_memory(model, m.shard, options).state))
+                        m.state_bytes, estimate_memory(model, m.shard, options).state, m.run_medians))
     plan = make_plan(model, cal.cluster, options, cal.profile, headroom=0.0)
     return TuneReport(measured, nominal, cal, options, tuple(rows), plan)

@@ -12,9 +12,10 @@ process group is. Per micro-batch:
             reduce-scatter, and a wait for every hop;
   step      the optimizer over this rank's ``P / S`` elements.
 
-What the estimate leaves out: contention between the two process groups on a shared link (only when
-a shard group spans nodes *and* R > 1), and CPU time the collectives steal from compute on CPU-only ranks
-(``hsdp tune`` calibrates it into the effective rates).
+When both kinds of group cross nodes (a shard group spans nodes *and* R > 1), their collectives share
+each node's link: a collective that needs the link starts only once the other group's transfer has left
+it (bandwidth shared in aggregate, the order simplified). CPU time the collectives take from compute on
+CPU-only ranks is the cluster's ``host_s_per_byte``, which ``hsdp tune`` calibrates.
 """
 
 from __future__ import annotations
@@ -22,10 +23,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hsdp.planner.cluster import ClusterSpec
-from hsdp.planner.comm import GroupLinks, collective_seconds, group_links, node_bytes, rank_bytes
+from hsdp.planner.comm import GroupLinks, collective_seconds, group_links, link_seconds, node_bytes, rank_bytes
 from hsdp.planner.memory import full_elements
 from hsdp.planner.model import ComputeProfile, ModelSpec, UnitSpec
 from hsdp.planner.options import TrainOptions
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective: its duration, and how much of it holds the inter-node link."""
+
+    seconds: float = 0.0
+    link_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -34,9 +43,9 @@ class UnitCost:
 
     forward: float
     backward: float
-    all_gather: float
-    reduce_scatter: float
-    hop: float
+    all_gather: Transfer
+    reduce_scatter: Transfer
+    hop: Transfer
     reduces: bool = True
 
 
@@ -81,6 +90,10 @@ def _hop(links: GroupLinks, cluster: ClusterSpec, u: UnitSpec, shard: int, optio
     return "all_reduce", elements * options.replicate_bytes
 
 
+def _transfer(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> Transfer:
+    return Transfer(collective_seconds(links, cluster, op, nbytes), link_seconds(links, cluster, op, nbytes))
+
+
 def _scatter_bytes(u: UnitSpec, shard: int, reduce_bytes: int) -> float:
     return shard * (u.trainable_slot(shard) + u.tensors) * reduce_bytes
 
@@ -94,11 +107,10 @@ def unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: Trai
         if options.activation_checkpointing and u is not model.root:
             bwd += fwd  # the block's forward runs again inside its backward
         # A unit without parameters gathers nothing; one without trainable ones reduces nothing.
-        gather = collective_seconds(links.shard, cluster, "all_gather", full_elements(u, shard) * p.compute_bytes) \
-            if u.numel else 0.0
-        scatter = collective_seconds(links.shard, cluster, "reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes))
-        op, nbytes = _hop(links.replicate, cluster, u, shard, options)
-        hop = collective_seconds(links.replicate, cluster, op, nbytes)
+        gather = _transfer(links.shard, cluster, "all_gather", full_elements(u, shard) * p.compute_bytes) \
+            if u.numel else Transfer()
+        scatter = _transfer(links.shard, cluster, "reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes))
+        hop = _transfer(links.replicate, cluster, *_hop(links.replicate, cluster, u, shard, options))
         out.append(UnitCost(fwd, bwd, gather, scatter, hop, u.tensors > 0))
     return out
 
@@ -109,12 +121,18 @@ class _Timeline:
     def __init__(self) -> None:
         self.cpu = 0.0
         self.free = {"shard": 0.0, "replicate": 0.0}
+        self.link_free = 0.0  # when the inter-node link is next free of the *other* group's transfers
+        self.link_group = ""
         self.busy = 0.0
 
-    def issue(self, group: str, seconds: float) -> float:
+    def issue(self, group: str, t: Transfer) -> float:
         start = max(self.free[group], self.cpu)
-        self.free[group] = start + seconds
-        self.busy += seconds
+        if t.link_s > 0:
+            if self.link_group != group:
+                start = max(start, self.link_free)
+            self.link_free, self.link_group = start + t.link_s, group
+        self.free[group] = start + t.seconds
+        self.busy += t.seconds
         return self.free[group]
 
     def wait(self, end: float) -> None:

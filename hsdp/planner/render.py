@@ -15,7 +15,7 @@ from hsdp.planner.units import fmt_bytes, fmt_seconds
 
 PLAN_COLUMNS = ("layout", "kind", "state/GPU", "peak/GPU", "fits", "step", "compute", "exposed comm",
                 "inter-node GB/node/step", "tokens/s")
-TUNE_COLUMNS = ("S", "measured s", "nominal s", "calibrated s", "error", "held-out s", "held-out error",
+TUNE_COLUMNS = ("S", "measured s", "runs", "nominal s", "calibrated s", "error", "held-out s", "held-out error",
                 "inter-node MB/node/step measured", "predicted", "state bytes measured", "predicted")
 
 
@@ -60,7 +60,8 @@ def tune_rows(report: TuneReport) -> list[list[str]]:
         mark = "* " if r.shard == report.recommended_shard else ""
         inter = "n/a" if r.measured_inter_node_bytes is None else f"{r.measured_inter_node_bytes / 1e6:.1f}"
         state = "n/a" if r.measured_state_bytes is None else f"{r.measured_state_bytes:,.0f}"
-        out.append([f"{mark}{r.shard}", f"{r.measured_s:.3f}", f"{r.nominal_s:.3f}", f"{r.calibrated_s:.3f}",
+        runs = "/".join(f"{x:.2f}" for x in sorted(r.run_medians))
+        out.append([f"{mark}{r.shard}", f"{r.measured_s:.3f}", runs, f"{r.nominal_s:.3f}", f"{r.calibrated_s:.3f}",
                     _pct(r.error), "n/a" if r.held_out_s is None else f"{r.held_out_s:.3f}", _pct(r.held_out_error),
                     inter, f"{r.predicted_inter_node_bytes / 1e6:.1f}", state, f"{r.predicted_state_bytes:,.0f}"])
     return out
@@ -74,6 +75,12 @@ def constants_line(report: TuneReport) -> str:
             f"per collective, {v.get('host_s_per_byte', 0) * 1e9:.2f} ns of compute lost per byte sent")
 
 
+LEGEND = ("measured: median of every measured step of every run; runs: each run's own median; nominal: the "
+          "model before calibration; calibrated: constants fitted to all measured layouts; held-out: constants "
+          "fitted to the other layouts only. Inter-node bytes: link counters (TCP/IP headers included) against "
+          "the predicted payload. State bytes: hsdp.state_bytes on the largest rank against the prediction.")
+
+
 def print_tune(report: TuneReport, console: Console | None = None) -> None:
     console = console or _console()
     table = Table(title=f"hsdp tune: {report.measured.model.name} on {report.measured.world_size} ranks "
@@ -83,6 +90,7 @@ def print_tune(report: TuneReport, console: Console | None = None) -> None:
     for row in tune_rows(report):
         table.add_row(*row)
     console.print(table)
+    console.print(LEGEND, style="dim", highlight=False)
     console.print(constants_line(report), highlight=False)
     fastest = report.measured_fastest.shard
     vs = report.recommended_vs_fastest()

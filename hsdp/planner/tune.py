@@ -147,7 +147,7 @@ def _measurement(degree: int, runs: Sequence[dict[str, Any]]) -> Measurement:
     steps = [t for r in runs for t in r["step_s"]]
     sent = [max(node[0] for node in r["inter_node_bytes_per_step"]) for r in runs]
     return Measurement(degree, statistics.median(steps), statistics.median(sent) if any(sent) else None,
-                       max(r["state_bytes"]["total"] for r in runs))
+                       max(r["state_bytes"]["total"] for r in runs), tuple(r["median_step_s"] for r in runs))
 
 
 def summarise(results: Sequence[dict[str, Any]]) -> Measured:

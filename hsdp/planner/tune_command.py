@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[str, Any]]) -> Path:
     """``tune_<date>[_<tag>]``: JSON (report, command, every run), Markdown (command, tables), PNG."""
     from hsdp.planner.plot import plot_plan
-    from hsdp.planner.render import TUNE_COLUMNS, constants_line, markdown, tune_rows
+    from hsdp.planner.render import LEGEND, TUNE_COLUMNS, constants_line, markdown, tune_rows
 
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
@@ -123,7 +123,7 @@ def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[st
     text = [f"# hsdp tune {stamp}{' (' + tag + ')' if tag else ''}", "", f"Command: `{command}` (git {meta['git']})",
             "", f"{report.measured.model.name}, {report.measured.model.params:,} parameters, "
             f"{report.measured.world_size} ranks ({report.measured.nproc_per_node} per node).", "",
-            markdown(TUNE_COLUMNS, tune_rows(report)), constants_line(report), "",
+            markdown(TUNE_COLUMNS, tune_rows(report)), LEGEND, "", constants_line(report), "",
             f"Recommended S={report.recommended_shard}; measured fastest S={report.measured_fastest.shard}"
             + ("" if vs is None else f"; the recommendation measured {vs:+.1%} against the fastest") + ".", "",
             *[f"- {line}" for line in report.plan.reasons], "", f"![plot]({name}.png)", ""]
