@@ -46,12 +46,12 @@ def _total_norm(model: ShardedModel, grads: list[torch.Tensor], p: float) -> tor
     if math.isinf(p):
         local = torch.stack([g.detach().abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
         total = local.max().float().reshape(1)
-        comm.all_reduce(total, "shard", op=dist.ReduceOp.MAX)
+        comm.all_reduce(total, "shard", op=dist.ReduceOp.MAX, label="grad norm")
         return total[0]
     local = torch.zeros(1, device=device, dtype=torch.float32)
     for g in grads:
         local += torch.linalg.vector_norm(g.detach(), p, dtype=torch.float32) ** p
-    comm.all_reduce(local, "shard", op=dist.ReduceOp.SUM)
+    comm.all_reduce(local, "shard", op=dist.ReduceOp.SUM, label="grad norm")
     return local[0] ** (1.0 / p)
 
 

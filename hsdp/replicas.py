@@ -36,7 +36,7 @@ def check_replicas(model: ShardedModel) -> None:
     mine = shard_checksums(model).to(model.mesh.device)
     r = comm.size("replicate")
     everyone = torch.empty(r * mine.numel(), dtype=mine.dtype, device=mine.device)
-    comm.all_gather(everyone, mine.reshape(-1), "replicate")
+    comm.all_gather(everyone, mine.reshape(-1), "replicate", label="check_replicas")
     table = everyone.view(r, *mine.shape).cpu()
     differ = (table != table[0]).any(dim=0).any(dim=-1)
     if differ.any():
