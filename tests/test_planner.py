@@ -150,7 +150,7 @@ def test_ring_links() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(nodes=0), dict(gpu_memory=0), dict(inter_bandwidth=-1.0),
-                                 dict(reduce_scatter_factor=3.0), dict(host_s_per_byte=-1.0)])
+                                 dict(reduce_scatter_factor=3.0), dict(host_s_per_inter_byte=-1.0)])
 def test_bad_cluster_names_the_field(bad: dict) -> None:
     base = dict(nodes=2, gpus_per_node=2, gpu_memory=1.0, intra_bandwidth=1.0, inter_bandwidth=1.0, compute_rate=1.0)
     with pytest.raises(ValueError, match=next(iter(bad))):

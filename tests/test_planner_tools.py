@@ -90,7 +90,7 @@ def estimate_layout_pair(model, options: TrainOptions) -> tuple[float, float]:
 def _truth() -> tuple[ClusterSpec, ComputeProfile]:
     cluster = emulated_cluster(2, 2, "1gbit")
     true = replace(cluster, intra_bandwidth=90e6, inter_bandwidth=110e6, collective_overhead=2.5e-3,
-                   host_s_per_byte=2e-9)
+                   host_s_per_intra_byte=1e-9, host_s_per_inter_byte=4e-9)
     return true, ComputeProfile(0.12, 0.2, 1.2e-8)
 
 
@@ -174,3 +174,16 @@ def test_tune_launches_each_degree_through_hsdp_launch() -> None:
     with pytest.raises(ValueError, match="choose from"):
         TuneRun(degrees=(3,))
     assert math.isinf(emulated_cluster(2, 2, "1gbit").gpu_memory)
+
+
+def test_hsdp_plan_custom_shape_metrics_file_and_missing_model(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--layers", "40", "--hidden", "5120", "--ffn", "13824", "--nodes", "4", "--json", "-"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["params"] == pytest.approx(model_preset("13b").params, rel=0.01)  # Llama-13B's shape
+    runs = _synthetic_runs(tmp_path)
+    assert main(["plan", "--metrics", str(runs / "s2.json"), "--nodes", "2", "--gpus-per-node", "2",
+                 "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["params"] == model_preset("small").params
+    assert main(["plan", "--nodes", "2"]) == 2
+    assert "no model" in capsys.readouterr().err

@@ -8,7 +8,9 @@ Fitted constants (what a datasheet does not tell you about *this* cluster and mo
 | ``intra_bandwidth`` | effective bytes/s of a ring edge inside a node | given, x4.5 |
 | ``inter_bandwidth`` | effective bytes/s out of a node | given, x1.2 |
 | ``collective_overhead`` | fixed seconds per collective call | given, x7 |
-| ``host_s_per_byte`` | compute seconds lost per byte sent (CPU ranks) | given, x7 |
+| ``latency_scale`` | x the given per-ring-step latencies (long rings pay per step) | 1, x7 |
+| ``host_s_per_intra_byte`` | compute seconds lost per byte sent inside a node (CPU ranks) | given, x7 |
+| ``host_s_per_inter_byte`` | compute seconds lost per byte sent to another node (CPU ranks) | given, x7 |
 
 Each measured layout contributes ``(log predicted - log measured) / 0.05``; each constant a prior term
 ``(log value - log centre) / log spread``. With as few layouts as constants the priors keep the fit
@@ -31,9 +33,11 @@ from hsdp.planner.model import ComputeProfile, ModelSpec
 from hsdp.planner.options import TrainOptions
 
 MEASUREMENT_SIGMA = 0.05  # log units: step-time medians on a shared machine are about this noisy
-CLUSTER_PARAMS = ("intra_bandwidth", "inter_bandwidth", "collective_overhead", "host_s_per_byte")
+CLUSTER_PARAMS = ("intra_bandwidth", "inter_bandwidth", "collective_overhead", "host_s_per_intra_byte",
+                  "host_s_per_inter_byte")
 PRIOR_SPREAD = {"compute_scale": 1.6, "intra_bandwidth": 4.5, "inter_bandwidth": 1.2,
-                "collective_overhead": 7.0, "host_s_per_byte": 7.0}
+                "collective_overhead": 7.0, "host_s_per_intra_byte": 7.0, "host_s_per_inter_byte": 7.0,
+                "latency_scale": 7.0}
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ def apply(cluster: ClusterSpec, profile: ComputeProfile | None, values: dict[str
     """Constants ``values`` (by name, see the module table) applied to a cluster and profile."""
     scale = values.get("compute_scale", 1.0)
     fields = {k: v for k, v in values.items() if k in CLUSTER_PARAMS}
+    latency = values.get("latency_scale", 1.0)
+    fields.update(intra_latency=cluster.intra_latency * latency, inter_latency=cluster.inter_latency * latency)
     if profile is None:
         fields["compute_rate"] = cluster.compute_rate / scale
         fields["optimizer_s_per_element"] = cluster.optimizer_s_per_element * scale
@@ -76,7 +82,8 @@ def apply(cluster: ClusterSpec, profile: ComputeProfile | None, values: dict[str
 
 
 def _initial(cluster: ClusterSpec) -> dict[str, float]:
-    return {"compute_scale": 1.0, **{k: max(getattr(cluster, k), 1e-12) for k in CLUSTER_PARAMS}}
+    return {"compute_scale": 1.0, "latency_scale": 1.0,
+            **{k: max(getattr(cluster, k), 1e-12) for k in CLUSTER_PARAMS}}
 
 
 def _residuals(model: ModelSpec, options: TrainOptions, cluster: ClusterSpec, profile: ComputeProfile | None,

@@ -26,9 +26,10 @@ class ClusterSpec:
         every collective call (launch, synchronisation, Python on the CPU);
       * ``compute_rate``: FLOP/s one rank achieves on the model (peak x utilisation), and
         ``optimizer_s_per_element`` the optimizer step's seconds per parameter element it owns;
-      * ``host_s_per_byte``: compute time lost per byte a rank sends, which overlap cannot hide: 0 on GPUs
-        (DMA engines move the bytes), about a nanosecond on CPU ranks whose cores also run the copies and
-        the TCP stack;
+      * ``host_s_per_intra_byte`` / ``host_s_per_inter_byte``: compute time lost per byte a rank sends
+        inside its node / to another node, which overlap cannot hide: 0 on GPUs (DMA engines move the
+        bytes), nanoseconds on CPU ranks whose cores also run the copies and the TCP stack (more per byte
+        over a 1500-byte-MTU link than over loopback's 64 KiB);
       * ``reduce_scatter_factor``: wire bytes of a reduce-scatter relative to a ring one: 1 for NCCL, 2 for
         gloo, which runs it as an all-reduce (measured on the emulated cluster: 1.50 x buffer over a node
         boundary at 4 ranks, where a ring would send 0.75 x).
@@ -46,7 +47,8 @@ class ClusterSpec:
     inter_latency: float = 10e-6
     collective_overhead: float = 20e-6
     optimizer_s_per_element: float = 1e-11
-    host_s_per_byte: float = 0.0
+    host_s_per_intra_byte: float = 0.0
+    host_s_per_inter_byte: float = 0.0
     reduce_scatter_factor: float = 1.0
     name: str = ""
 
@@ -59,7 +61,7 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{field_name} must be positive, got {value!r}: pass it with a "
                                  f"unit, e.g. --gpu-memory 80GiB, --inter-node-bandwidth 50GB/s")
         for field_name in ("intra_latency", "inter_latency", "collective_overhead", "optimizer_s_per_element",
-                           "host_s_per_byte"):
+                           "host_s_per_intra_byte", "host_s_per_inter_byte"):
             if getattr(self, field_name) < 0 or math.isnan(getattr(self, field_name)):
                 raise ValueError(f"ClusterSpec.{field_name} must be zero or positive")
         if self.reduce_scatter_factor not in (1.0, 2.0):

@@ -26,13 +26,16 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce")
 class GroupLinks:
     """The rings of one kind of group (every shard group, or every replicate group) in one layout.
 
-    ``node_out_edges``: the most ring edges that leave one node, over all groups of the kind together.
+    ``node_out_edges``: the most ring edges that leave one node, over all groups of the kind together;
+    ``crossing_fraction``: the share of all ring edges that leave their node (what an average rank sends
+    over the inter-node link).
     """
 
     size: int
     crosses_nodes: bool
     has_intra: bool
     node_out_edges: int
+    crossing_fraction: float = 0.0
 
 
 def groups(world_size: int, shard: int, kind: str) -> list[list[int]]:
@@ -59,7 +62,8 @@ def group_links(cluster: ClusterSpec, shard: int, kind: str) -> GroupLinks:
                     out_edges[a // g] += 1
                 else:
                     has_intra = True
-    return GroupLinks(size, max(out_edges) > 0, has_intra, max(out_edges))
+    edges = len(members) * size if size > 1 else 1
+    return GroupLinks(size, max(out_edges) > 0, has_intra, max(out_edges), sum(out_edges) / edges)
 
 
 def wire_factor(op: str, n: int, reduce_scatter_factor: float = 1.0) -> float:
@@ -87,6 +91,12 @@ def node_bytes(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) 
 def rank_bytes(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> float:
     """Bytes one rank sends to its ring neighbour for one collective of ``nbytes``."""
     return wire_factor(op, links.size, cluster.reduce_scatter_factor) * nbytes
+
+
+def rank_split_bytes(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> tuple[float, float]:
+    """(inside the node, to another node): bytes an average rank sends for one collective."""
+    sent = rank_bytes(links, cluster, op, nbytes)
+    return sent * (1 - links.crossing_fraction), sent * links.crossing_fraction
 
 
 def link_seconds(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> float:

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from hsdp.planner.cluster import ClusterSpec
+from hsdp.planner.model import ComputeProfile, ModelSpec, TransformerShape, transformer
 from hsdp.planner.options import PRECISIONS, REPLICATE_DTYPES, SYNC_MODES, TrainOptions, precision
 from hsdp.planner.plan import DEFAULT_HEADROOM, Plan, make_plan
 from hsdp.planner.presets import GPUS, INTER_LINKS, INTRA_LINKS, gpu, inter_link, intra_link, model_preset
@@ -48,7 +49,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description="Estimate every (replicate, shard) layout of a cluster and recommend "
                                           "the fastest that fits, with reasons.",
                               epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a model size or preset, e.g. 7b, 70b, gpt2-124m")
+    p.add_argument("--model", default=None, help="a model size or preset, e.g. 7b, 70b, gpt2-124m")
+    p.add_argument("--layers", type=int, default=None, help="a custom decoder instead: blocks (with --hidden)")
+    p.add_argument("--hidden", type=int, default=None, help="custom decoder: hidden size")
+    p.add_argument("--heads", type=int, default=None, help="custom decoder: attention heads (default hidden/128)")
+    p.add_argument("--vocab", type=int, default=32000, help="custom decoder: vocabulary (default 32000)")
+    p.add_argument("--ffn", type=int, default=None, help="custom decoder: gated (SwiGLU) MLP width (default: "
+                                                          "a 4x GELU MLP)")
+    p.add_argument("--metrics", default=None, help="take the model's units and a measured compute profile from "
+                                                    "a metrics file (hsdp.planner.metrics)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch (default 1)")
     p.add_argument("--nodes", type=int, required=True)
@@ -107,10 +116,29 @@ def parse_degrees(text: str | None) -> list[int] | None:
         raise ValueError(f"--degrees {text!r}: give a comma list of integers, e.g. 4,8,16") from None
 
 
+def model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ComputeProfile | None]:
+    """A preset, a custom decoder shape, or the units and profile of a metrics file."""
+    if args.metrics:
+        from hsdp.planner.tune import load_metrics, spec_from_metrics
+
+        metrics = load_metrics([args.metrics])[0]
+        profile = metrics.get("profile")
+        return spec_from_metrics(metrics), None if not profile else ComputeProfile(
+            profile["forward_s"], profile["backward_s"], profile["optimizer_s_per_element"])
+    if args.layers and args.hidden:
+        heads = args.heads or max(1, args.hidden // 128)
+        shape = TransformerShape(args.layers, args.hidden, heads, args.vocab, ffn=args.ffn or 0,
+                                 gated=bool(args.ffn), tied=False, bias=False)
+        return transformer("custom", shape, args.seq_len or 2048, args.micro_batch), None
+    if args.model:
+        return model_preset(args.model, args.seq_len, args.micro_batch), None
+    raise ValueError("no model: pass --model (e.g. 7b), or --layers and --hidden, or --metrics FILE")
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
-    model = model_preset(args.model, args.seq_len, args.micro_batch)
-    return make_plan(model, cluster_from_args(args), options_from_args(args), degrees=parse_degrees(args.degrees),
-                     headroom=args.headroom)
+    model, profile = model_from_args(args)
+    return make_plan(model, cluster_from_args(args), options_from_args(args), profile,
+                     degrees=parse_degrees(args.degrees), headroom=args.headroom)
 
 
 def _json_safe(x: Any) -> Any:

@@ -23,19 +23,22 @@ from hsdp.planner.units import parse_bandwidth
 
 # What the emulated CPU cluster looks like before calibration: gloo over loopback inside a node (a few
 # hundred MB/s, CPU-bound), the shaped link between nodes (about 94% of the rate carries payload after
-# TCP/IP headers), a millisecond per collective, gloo's reduce-scatter-as-all-reduce.
+# TCP/IP headers), a millisecond per collective plus 50 us per ring step, gloo's reduce-scatter-as-all-reduce.
 CPU_INTRA_BANDWIDTH = 200e6
 LINK_EFFICIENCY = 0.94
 CPU_COLLECTIVE_OVERHEAD = 1e-3
 CPU_HOST_S_PER_BYTE = 1e-9
+CPU_STEP_LATENCY = 50e-6  # one ring step of gloo over TCP: a send and a receive through the kernel
 
 
 def emulated_cluster(nodes: int, nproc_per_node: int, bandwidth: str, gpu_memory: float = math.inf,
                      backend: str = "gloo") -> ClusterSpec:
     """Nominal constants of ``hsdp launch``'s emulated cluster (``bandwidth`` in tc units, e.g. ``1gbit``)."""
     return ClusterSpec(nodes, nproc_per_node, gpu_memory, CPU_INTRA_BANDWIDTH,
-                       parse_bandwidth(bandwidth) * LINK_EFFICIENCY, 1e12, intra_latency=0.0, inter_latency=0.0,
-                       collective_overhead=CPU_COLLECTIVE_OVERHEAD, host_s_per_byte=CPU_HOST_S_PER_BYTE,
+                       parse_bandwidth(bandwidth) * LINK_EFFICIENCY, 1e12, intra_latency=CPU_STEP_LATENCY,
+                       inter_latency=CPU_STEP_LATENCY,
+                       collective_overhead=CPU_COLLECTIVE_OVERHEAD, host_s_per_intra_byte=CPU_HOST_S_PER_BYTE,
+                       host_s_per_inter_byte=CPU_HOST_S_PER_BYTE,
                        reduce_scatter_factor=2.0 if backend == "gloo" else 1.0, name="emulated")
 
 

@@ -15,7 +15,7 @@ process group is. Per micro-batch:
 When both kinds of group cross nodes (a shard group spans nodes *and* R > 1), their collectives share
 each node's link: a collective that needs the link starts only once the other group's transfer has left
 it (bandwidth shared in aggregate, the order simplified). CPU time the collectives take from compute on
-CPU-only ranks is the cluster's ``host_s_per_byte``, which ``hsdp tune`` calibrates.
+CPU-only ranks is the cluster's ``host_s_per_*_byte``, which ``hsdp tune`` calibrates.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hsdp.planner.cluster import ClusterSpec
-from hsdp.planner.comm import GroupLinks, collective_seconds, group_links, link_seconds, node_bytes, rank_bytes
+from hsdp.planner.comm import GroupLinks, collective_seconds, group_links, link_seconds, node_bytes, rank_split_bytes
 from hsdp.planner.memory import full_elements
 from hsdp.planner.model import ComputeProfile, ModelSpec, UnitSpec
 from hsdp.planner.options import TrainOptions
@@ -53,7 +53,8 @@ class UnitCost:
 class StepEstimate:
     """One optimizer step on one rank. ``exposed_comm_s`` is what overlap did not hide: ``step_s`` minus
     compute and optimizer. Bytes are per step: ``inter_node_bytes`` sent by the busiest node to other
-    nodes (what a link counter shows), ``rank_wire_bytes`` sent by one rank over any link."""
+    nodes (what a link counter shows), ``rank_wire_bytes`` sent by one rank over any link and
+    ``rank_inter_bytes`` the part of it that leaves the node (an average rank)."""
 
     step_s: float
     compute_s: float
@@ -62,6 +63,7 @@ class StepEstimate:
     comm_busy_s: float
     inter_node_bytes: float
     rank_wire_bytes: float
+    rank_inter_bytes: float
     collectives: int
 
     def as_dict(self) -> dict[str, float]:
@@ -198,11 +200,19 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
             tl.wait(r.hopped)  # type: ignore[arg-type]
 
 
-def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions) -> tuple[float, float, int]:
-    """(inter-node bytes per node, wire bytes per rank, collective calls) per optimizer step."""
+@dataclass(frozen=True)
+class _Traffic:
+    node: float  # bytes the busiest node sends to other nodes
+    rank_intra: float  # bytes an average rank sends inside its node
+    rank_inter: float  # ... and to other nodes
+    calls: int
+
+
+def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions) -> _Traffic:
+    """Bytes and collective calls of one optimizer step."""
     sl, rl = group_links(cluster, shard, "shard"), group_links(cluster, shard, "replicate")
     p, k = options.precision, options.micro_batches
-    node = rank = 0.0
+    node = intra = inter = 0.0
     calls = 0
     syncs = sum(options.syncs_replicas(m) for m in range(k))
     reduces = sum(options.reduces_shards(m) for m in range(k))
@@ -214,9 +224,9 @@ def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainO
         for op, nbytes, count, links in ops:
             if links.size > 1:
                 node += count * node_bytes(links, cluster, op, nbytes)
-                rank += count * rank_bytes(links, cluster, op, nbytes)
-                calls += count
-    return node, rank, calls
+                a, b = rank_split_bytes(links, cluster, op, nbytes)
+                intra, inter, calls = intra + count * a, inter + count * b, calls + count
+    return _Traffic(node, intra, inter, calls)
 
 
 def estimate_step(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
@@ -230,7 +240,9 @@ def estimate_step(model: ModelSpec, cluster: ClusterSpec, shard: int, options: T
     per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
     optimizer = per_element * sum(u.trainable_slot(shard) for u in model.units)
     compute = options.micro_batches * sum(c.forward + c.backward for c in costs)
-    node, rank, calls = _traffic(model, cluster, shard, options)
+    t = _traffic(model, cluster, shard, options)
     # Host time per byte sent is spent on the same cores as compute: added, never overlapped.
-    step = tl.cpu + optimizer + cluster.host_s_per_byte * rank
-    return StepEstimate(step, compute, optimizer, max(0.0, step - compute - optimizer), tl.busy, node, rank, calls)
+    host = cluster.host_s_per_intra_byte * t.rank_intra + cluster.host_s_per_inter_byte * t.rank_inter
+    step = tl.cpu + optimizer + host
+    return StepEstimate(step, compute, optimizer, max(0.0, step - compute - optimizer), tl.busy, t.node,
+                        t.rank_intra + t.rank_inter, t.rank_inter, t.calls)

@@ -36,13 +36,21 @@ def _unit(name: str, params: list[tuple[tuple[int, ...], list[nn.Module], bool]]
                     tuple(_shape(s) for s, _, trainable in params if not trainable))
 
 
+def _class_name(module: nn.Module) -> str:
+    from hsdp.model import ShardedModel
+
+    # A ShardedModel's class is a generated subclass (ShardedGPT): name the user's class.
+    bases = [b for b in type(module).__mro__ if not issubclass(b, ShardedModel)]
+    return bases[0].__name__ if isinstance(module, ShardedModel) and bases else type(module).__name__
+
+
 def spec_from_module(module: nn.Module, seq_len: int = 1, micro_batch: int = 1, wrap: WrapPolicy = None,
                      name: str | None = None) -> ModelSpec:
     """The spec of ``module`` as hsdp would shard it (``wrap`` as for ``ShardedModel``); frozen parameters
     (``requires_grad=False``) are stored and gathered but carry no gradient or optimizer state."""
     from hsdp.model import ShardedModel
 
-    label = name or type(module).__name__
+    label = name or _class_name(module)
     if isinstance(module, ShardedModel):
         units = [_unit(u.name, [(p.layout.global_shape, [s.module for s in p.slots], p.requires_grad)
                                 for p in u.params]) for u in module.units]

@@ -88,19 +88,20 @@ class StepRecorder:
 
     ``warmup`` steps are timed but not reported (allocator and gloo warm-up). ``tokens`` is tokens per rank
     per micro-batch (``batch x seq``): with ``seq_len``/``micro_batch`` it describes the spec written.
-    ``sync`` names how micro-batches synchronise (see :class:`hsdp.planner.options.TrainOptions`).
+    ``sync`` names how micro-batches synchronise (see :class:`hsdp.planner.options.TrainOptions`);
+    ``name`` labels the model in reports (default: its class).
     State bytes are read right after the first step, so zero gradients *before* each forward, not after
     the optimizer step, or the gradients will not be counted.
     """
 
     def __init__(self, model: ShardedModel, optimizer: torch.optim.Optimizer | None = None, *,
                  micro_batches: int = 1, warmup: int = 2, seq_len: int = 1, micro_batch: int = 1,
-                 sync: str = "deferred") -> None:
+                 sync: str = "deferred", name: str | None = None) -> None:
         if not isinstance(model, ShardedModel):
             raise ValueError("StepRecorder reads hsdp's units and collectives: pass the ShardedModel")
         self.model, self.optimizer = model, optimizer
         self.micro_batches, self.warmup = micro_batches, warmup
-        self.seq_len, self.micro_batch, self.sync = seq_len, micro_batch, sync
+        self.seq_len, self.micro_batch, self.sync, self.name = seq_len, micro_batch, sync, name
         self.times: list[float] = []
         self._counters = (0, 0)
         self._state: dict[str, int] | None = None
@@ -140,7 +141,7 @@ class StepRecorder:
         per_rank = _gather_floats([float(state["total"]), _peak_rss_bytes()])
         comm = {g: {op: {k: v / steps for k, v in s.items()} for op, s in ops.items()}
                 for g, ops in self.model.comm_stats().items()}
-        spec = spec_from_module(self.model, self.seq_len, self.micro_batch)
+        spec = spec_from_module(self.model, self.seq_len, self.micro_batch, name=self.name)
         mesh = self.model.mesh
         return {
             "format": FORMAT, "world_size": mesh.world_size, "sharding_degree": mesh.sharding_degree,

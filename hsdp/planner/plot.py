@@ -17,15 +17,17 @@ _MEMORY_PARTS = ("params", "grads", "optimizer", "master", "unsharded", "accumul
 
 
 def _memory_panel(ax: Any, plan: Plan, xs: list[int]) -> None:
+    # GiB for real models, MiB for the small ones tuned on CPUs.
+    unit, scale = ("GiB", 2**30) if max(e.memory.total for e in plan.layouts) >= 2**30 else ("MiB", 2**20)
     bottom = [0.0] * len(xs)
     for part in _MEMORY_PARTS:
-        values = [getattr(e.memory, part) / 2**30 for e in plan.layouts]
+        values = [getattr(e.memory, part) / scale for e in plan.layouts]
         if any(values):
             ax.bar(xs, values, bottom=bottom, label=part)
             bottom = [b + v for b, v in zip(bottom, values)]
     if not math.isinf(plan.memory_limit):
-        ax.axhline(plan.memory_limit / 2**30, color="black", linestyle="--", label="usable memory")
-    ax.set(title="peak memory per GPU (GiB)", xlabel="shard degree S")
+        ax.axhline(plan.memory_limit / scale, color="black", linestyle="--", label="usable memory")
+    ax.set(title=f"peak memory per GPU ({unit})", xlabel="shard degree S")
 
 
 def _time_panel(ax: Any, plan: Plan, xs: list[int], report: TuneReport | None) -> None:

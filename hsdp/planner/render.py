@@ -72,7 +72,9 @@ def constants_line(report: TuneReport) -> str:
     return (f"calibrated: compute x{v.get('compute_scale', 1):.2f} of the profile, intra-node "
             f"{v.get('intra_bandwidth', 0) / 1e6:.0f} MB/s per ring edge, inter-node "
             f"{v.get('inter_bandwidth', 0) / 1e6:.1f} MB/s per node, {v.get('collective_overhead', 0) * 1e3:.2f} ms "
-            f"per collective, {v.get('host_s_per_byte', 0) * 1e9:.2f} ns of compute lost per byte sent")
+            f"per collective (ring steps x{v.get('latency_scale', 1):.2g}), compute lost per byte sent "
+            f"{v.get('host_s_per_intra_byte', 0) * 1e9:.2f} ns inside a node, "
+            f"{v.get('host_s_per_inter_byte', 0) * 1e9:.2f} ns to another node")
 
 
 LEGEND = ("measured: median of every measured step of every run; runs: each run's own median; nominal: the "

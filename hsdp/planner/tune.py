@@ -104,12 +104,18 @@ def collect(run: TuneRun, workdir: Path, echo: Any = print) -> list[dict[str, An
 
 
 def load_metrics(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Metrics files (or directories of them) written by earlier runs."""
+    """Metrics files (or directories of them) written by earlier runs; a ``hsdp tune --out`` results file
+    stands for the runs it holds."""
     files: list[Path] = []
     for p in map(Path, paths):
         files += sorted(f for f in p.glob("*.json") if not f.name.endswith(".traffic.json")) if p.is_dir() else [p]
-    out = [json.loads(f.read_text()) for f in files]
-    bad = [str(f) for f, r in zip(files, out) if r.get("format") != "hsdp-metrics/1"]
+    out: list[dict[str, Any]] = []
+    bad = []
+    for f in files:
+        data = json.loads(f.read_text())
+        runs = data["runs"] if isinstance(data.get("runs"), list) and "report" in data else [data]
+        bad += [str(f) for r in runs if r.get("format") != "hsdp-metrics/1" and "error" not in r]
+        out += runs
     if bad:
         raise ValueError(f"not hsdp metrics files: {bad}; write them with hsdp.planner.metrics.StepRecorder")
     return out

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                                 reshard_after_forward=not args.no_reshard_after_forward)
     optimizer = hsdp.ShardedOptimizer(sharded, torch.optim.AdamW(sharded.parameters(), lr=3e-4, foreach=True))
     recorder = StepRecorder(sharded, optimizer, micro_batches=args.micro_batches, warmup=args.warmup,
-                            seq_len=args.seq, micro_batch=args.batch)
+                            seq_len=args.seq, micro_batch=args.batch, name=f"GPT {args.preset}")
     losses = []
     for _ in range(args.warmup + args.steps):
         batches = _batches(cfg, args, g)
