@@ -102,6 +102,8 @@ def print_tune(report: TuneReport, console: Console | None = None) -> None:
         console.print(f"- {line}", highlight=False)
     for failure in report.measured.failures:
         console.print(f"[red]failed: {failure}[/red]")
+    for warning in report.measured.warnings:
+        console.print(f"[yellow]warning: {warning}[/yellow]")
 
 
 def markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -82,10 +82,15 @@ def run_candidate(run: TuneRun, degree: int, metrics_path: Path, log_path: Path)
                                   timeout=run.timeout_s).returncode
         except subprocess.TimeoutExpired:
             code = -1
-    if code != 0 or not metrics_path.exists():
+    if not metrics_path.exists():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         return {"sharding_degree": degree, "error": f"exit {code}; last lines of {log_path}:\n{tail}"}
-    return json.loads(metrics_path.read_text())
+    result = json.loads(metrics_path.read_text())
+    if code != 0:
+        # Rank 0 writes the file only after every rank finished its measured steps: a rank that dies
+        # while shutting down (seen once: an abort in teardown) does not spoil the measurements.
+        result["warning"] = f"exit {code} after the metrics were written; see {log_path}"
+    return result
 
 
 def collect(run: TuneRun, workdir: Path, echo: Any = print) -> list[dict[str, Any]]:
@@ -96,11 +101,16 @@ def collect(run: TuneRun, workdir: Path, echo: Any = print) -> list[dict[str, An
         for degree in run.candidate_degrees:
             name = f"s{degree}_r{rep}"
             result = run_candidate(run, degree, workdir / f"{name}.json", workdir / f"{name}.log")
-            status = result.get("error", "").splitlines()[0] if "error" in result else \
-                f"median step {result['median_step_s']:.3f} s"
-            echo(f"[tune] S={degree} repeat {rep + 1}/{run.repeats}: {status}")
+            echo(f"[tune] S={degree} repeat {rep + 1}/{run.repeats}: {_status(result)}")
             results.append(result)
     return results
+
+
+def _status(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return result["error"].splitlines()[0]
+    warning = f" ({result['warning']})" if "warning" in result else ""
+    return f"median step {result['median_step_s']:.3f} s{warning}"
 
 
 def load_metrics(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
@@ -132,6 +142,7 @@ class Measured:
     micro_batches: int
     measurements: tuple[Measurement, ...]
     failures: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
 
 def spec_from_metrics(metrics: dict[str, Any]) -> ModelSpec:
@@ -167,7 +178,8 @@ def summarise(results: Sequence[dict[str, Any]]) -> Measured:
     first = ok[0]
     return Measured(spec_from_metrics(first), _pooled_profile(ok), first["world_size"], first["nproc_per_node"],
                     first["micro_batches"], measurements,
-                    tuple(f"S={r['sharding_degree']}: {r['error']}" for r in results if "error" in r))
+                    tuple(f"S={r['sharding_degree']}: {r['error']}" for r in results if "error" in r),
+                    tuple(f"S={r['sharding_degree']}: {r['warning']}" for r in ok if "warning" in r))
 
 
 def default_workdir() -> Path:

@@ -126,7 +126,9 @@ def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[st
             markdown(TUNE_COLUMNS, tune_rows(report)), LEGEND, "", constants_line(report), "",
             f"Recommended S={report.recommended_shard}; measured fastest S={report.measured_fastest.shard}"
             + ("" if vs is None else f"; the recommendation measured {vs:+.1%} against the fastest") + ".", "",
-            *[f"- {line}" for line in report.plan.reasons], "", f"![plot]({name}.png)", ""]
+            *[f"- {line}" for line in report.plan.reasons], "",
+            *[f"Failed run: {x}" for x in report.measured.failures],
+            *[f"Warning: {x}" for x in report.measured.warnings], f"![plot]({name}.png)", ""]
     (out / f"{name}.md").write_text("\n".join(text))
     return out / f"{name}.md"
 
