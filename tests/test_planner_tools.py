@@ -187,3 +187,11 @@ def test_hsdp_plan_custom_shape_metrics_file_and_missing_model(tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["model"]["params"] == model_preset("small").params
     assert main(["plan", "--nodes", "2"]) == 2
     assert "no model" in capsys.readouterr().err
+
+
+def test_a_run_that_aborted_after_writing_its_metrics_is_kept_with_a_warning(tmp_path: Path) -> None:
+    runs = load_metrics([_synthetic_runs(tmp_path)])
+    runs[0]["warning"] = "exit -6 after the metrics were written"
+    failed = {"sharding_degree": 4, "error": "exit 1; no metrics"}
+    measured = summarise([*runs, failed])
+    assert len(measured.measurements) == 3 and measured.warnings and measured.failures
