@@ -21,7 +21,7 @@ demo: venv
 
 test: venv
 	$(BIN)/ruff check hsdp tests examples benchmarks
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: venv
 	$(BIN)/ruff check hsdp tests examples benchmarks
