@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hsdp.planner.cluster import ClusterSpec, valid_degrees
 from hsdp.planner.cost import StepEstimate, estimate_step
@@ -165,18 +165,23 @@ def _runner_up_reason(estimates: Sequence[LayoutEstimate], best: LayoutEstimate)
             f"node per step, {fmt_seconds(r.step.exposed_comm_s)} exposed){extra}.")
 
 
-def _advice(best: LayoutEstimate, options: TrainOptions) -> str | None:
+def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, options: TrainOptions) -> str | None:
+    """When communication is a large part of the step, which inter-node hop dtype would shorten it (each
+    estimated, not guessed: an int8 hop all-gathers, so its bytes grow with R and it can lose to bf16)."""
     s = best.step
-    if s.exposed_comm_s < 0.15 * s.step_s:
+    if s.exposed_comm_s < 0.15 * s.step_s or best.layout.replicate == 1:
         return None
-    tips = []
-    if options.replicate_dtype in ("same", "fp32") and s.inter_node_bytes > 0:
-        tips.append("a bf16 inter-node hop (half the bytes)")
-    if options.sync == "every" or options.micro_batches == 1:
-        tips.append("more micro-batches per step with deferred sync (the hop runs once per step)")
-    if not tips:
+    gains = []
+    for dtype in ("bf16", "int8"):
+        variant = replace(options, replicate_dtype=dtype)
+        if variant.replicate_bytes >= options.replicate_bytes and dtype != "int8":
+            continue
+        step = estimate_step(model, cluster, best.layout.shard, variant).step_s
+        if step < 0.95 * s.step_s:
+            gains.append(f"--inter-node-dtype {dtype} ({step / s.step_s - 1:+.0%} step time)")
+    if not gains:
         return None
-    return f"Communication is {s.exposed_comm_s / s.step_s:.0%} of the step; consider {' or '.join(tips)}."
+    return f"Communication is {s.exposed_comm_s / s.step_s:.0%} of the step; consider {' or '.join(gains)}."
 
 
 def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cluster: ClusterSpec,
@@ -193,5 +198,5 @@ def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cl
              f"{cluster.world_size} GPUs.",
              _memory_reason(best, limit, model, options), _traffic_reason(best, cluster)]
     lines += [x for x in (_runner_up_reason(estimates, best), _rejected_reason(estimates, limit),
-                          _advice(best, options)) if x]
+                          _advice(best, model, cluster, options)) if x]
     return lines
