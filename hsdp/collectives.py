@@ -103,8 +103,11 @@ class Handle:
         if self._stats is not None:
             self._stats.seconds += time.perf_counter() - self._start
         self.done = True
+        # A finished work still references its input and output buffers: drop it so they can be freed.
+        self._work, self._after = None, []
         if self._on_done is not None:
-            self._on_done()
+            on_done, self._on_done = self._on_done, None
+            on_done()
 
 
 def profiler_region(op: str, group: str, label: str = "") -> str:

@@ -73,6 +73,7 @@ class Reduction:
         if self.stage is not Stage.REDUCE_SCATTER:
             return
         self._handle.wait()
+        self._handle = Handle()  # release the reduce-scatter input (a full unit of gradients) now
         unit = self.unit
         if unit.partial is not None or not self.sync_replicas:
             # fp32 partial sums: low-precision accumulation across micro-batches loses accuracy.
@@ -81,6 +82,8 @@ class Reduction:
             else:
                 unit.partial += self.output
             if not self.sync_replicas:
+                # Summed into the partial: do not hold the buffer until the end of backward (a view would).
+                self.output = self.output.new_empty(0)
                 self.stage = Stage.DONE
                 return
             self.output, unit.partial = unit.partial, None
