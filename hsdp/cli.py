@@ -119,6 +119,12 @@ def _add_version(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("version", help="print the version").set_defaults(func=_version)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # Listed for `hsdp --help`; main() hands every argument after `bench` to the benchmark's own parser.
+    sub.add_parser("bench", help="hsdp against FSDP2 (HSDP, full shard) and DDP on the same work "
+                                 "(see `hsdp bench --help`)", add_help=False)
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train a tiny GPT with HSDP on emulated nodes of this machine",
                        description="Start one torchrun agent per emulated node (loopback) and run hsdp.demo.")
@@ -139,10 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_plan(sub)
     _add_tune(sub)
+    _add_bench(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from hsdp.bench.driver import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     func: Command = args.func
     return func(args)

@@ -28,7 +28,8 @@ DEFAULT_SYSTEMS = "hsdp,fsdp2-hsdp,fsdp2-full,ddp"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="hsdp bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=DEFAULT_SYSTEMS, help="comma list; also hsdp-bf16-hop, hsdp-int8-hop")
     p.add_argument("--bandwidths", default="1gbit,200mbit", help="emulated inter-node rates ('' for none)")
     p.add_argument("--no-loopback", action="store_true", help="skip the plain-loopback runs")
