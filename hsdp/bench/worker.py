@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hsdp.bench.systems import SYSTEMS
 from hsdp.models import GPT, preset
+from hsdp.planner.metrics import link_counters
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,19 +41,9 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _link_counters() -> tuple[int, int]:
-    """(tx, rx) bytes of this node's inter-node link; (0, 0) when not on an emulated cluster."""
-    iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    base = f"/sys/class/net/{iface}/statistics"
-    if not iface or iface == "lo" or not os.path.isdir(base):
-        return 0, 0
-    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-        return int(tx.read()), int(rx.read())
-
-
 def _inter_node_bytes_per_node(before: tuple[int, int], world: int) -> list[list[int]]:
     """Per node: [sent, received] during the measured steps (local rank 0 of each node reads its link)."""
-    after = _link_counters()
+    after = link_counters()
     mine = torch.tensor([after[0] - before[0], after[1] - before[1]], dtype=torch.int64)
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         mine.zero_()
@@ -91,7 +82,7 @@ def main() -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             dist.barrier()
-            counters = _link_counters()
+            counters = link_counters()
         batches = [(t[:, :-1], t[:, 1:]) for t in
                    (torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
                     for _ in range(args.micro_batches))]
