@@ -151,7 +151,7 @@ def test_launcher_stops_every_node_when_one_fails(tmp_path: Path, capfd: pytest.
         import os, sys, time
         # One write per line: two ranks of a node share the agent's pipe, and torchrun runs Python
         # unbuffered, so print()'s separate pieces could interleave with the other rank's.
-        sys.stdout.write("hello from rank " + os.environ["RANK"] + "\n")
+        sys.stdout.write("hello from rank " + os.environ["RANK"] + "\\n")
         sys.stdout.flush()
         if os.environ["RANK"] == "3":
             sys.exit(7)
