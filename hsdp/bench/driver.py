@@ -2,9 +2,9 @@
 
 Every (network, system) pair runs as its own job of 2 nodes x 2 ranks: on an emulated cluster (network
 namespaces, inter-node links shaped by tc) at each ``--bandwidths`` value, and on plain loopback. Reports
-median step time, the ratio to FSDP2 HSDP, peak RSS per rank, and inter-node bytes per step read from the
-link counters against the floor ``2 (R-1)/R x P x 4`` bytes per node. Writes JSON, a dated Markdown table
-with the exact command, and a plot to ``--out``.
+median step time, the ratio to FSDP2 HSDP, peak tensor memory and peak RSS per rank, and inter-node bytes
+per step read from the link counters against the floor ``2 (R-1)/R x P x 4`` bytes per node. Writes JSON,
+a dated Markdown table with the exact command, and a plot to ``--out``.
 
     hsdp bench                       # the full matrix (tens of minutes on 2 cores)
     hsdp bench --bandwidths 1gbit --systems hsdp,fsdp2-hsdp --steps 5
@@ -83,19 +83,21 @@ def run_one(args: argparse.Namespace, network: str, system: str, micro_batches: 
 
 
 def summarise(results: list[dict]) -> list[dict]:
-    """Add the floor, per-node inter-node MB/step and the ratio to FSDP2 HSDP on the same network."""
-    base = {(r["network"], r["micro_batches"]): r["median_step_s"] for r in results
-            if r["system"] == "fsdp2-hsdp" and "error" not in r}
-    for r in results:
-        if "error" in r:
-            continue
+    """Add the floor, per-node inter-node MB/step, peaks over ranks and the ratios to FSDP2 HSDP on the same
+    network and micro-batch count."""
+    ok = [r for r in results if "error" not in r]
+    for r in ok:
         replicas = r["world"] // r["sharding_degree"]
         r["floor_mb_per_node"] = 2 * (replicas - 1) / replicas * r["params"] * 4 / 1e6
         sent = [node[0] for node in r["inter_node_bytes_per_step"]]
         r["inter_node_mb_per_node"] = statistics.median(sent) / 1e6 if any(sent) else None
-        key = (r["network"], r["micro_batches"])
-        r["ratio_to_fsdp2_hsdp"] = r["median_step_s"] / base[key] if key in base else None
         r["peak_rss_mib"] = max(r["peak_rss_mib_per_rank"])
+        r["peak_tensor_mib"] = max(r["peak_tensor_mib_per_rank"])
+    base = {(r["network"], r["micro_batches"]): r for r in ok if r["system"] == "fsdp2-hsdp"}
+    for r in ok:
+        ref = base.get((r["network"], r["micro_batches"]))
+        r["ratio_to_fsdp2_hsdp"] = r["median_step_s"] / ref["median_step_s"] if ref else None
+        r["tensor_peak_ratio_to_fsdp2_hsdp"] = r["peak_tensor_mib"] / ref["peak_tensor_mib"] if ref else None
     return results
 
 

@@ -17,22 +17,26 @@ def markdown_table(meta: dict, results: list[dict]) -> str:
         "",
         "2 nodes x 2 ranks, gloo on CPU. Step time: median over the measured steps of the slowest rank. "
         "Inter-node MB: bytes sent per node per step on the emulated link (kernel counters, TCP/IP headers "
-        "included); floor = 2(R-1)/R x P x 4 bytes.",
+        "included); floor = 2(R-1)/R x P x 4 bytes. Peak tensor MiB: the most bytes of live tensors on any "
+        "rank during one step (PyTorch's MemTracker on CPU; max_memory_allocated on CUDA); peak RSS: the "
+        "process's resident set over the timed steps (allocator and interpreter included, noisy).",
         "",
-        "| network | system | micro-batches | median step s | ratio to FSDP2 HSDP | peak RSS MiB/rank "
-        "| inter-node MB/step/node | floor MB | vs floor |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| network | system | micro-batches | median step s | ratio to FSDP2 HSDP | peak tensor MiB/rank "
+        "| memory ratio | peak RSS MiB/rank | inter-node MB/step/node | floor MB | vs floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['network']} | {r['system']} | {r.get('micro_batches', '')} | failed | | | | | |")
+            lines.append(f"| {r['network']} | {r['system']} | {r.get('micro_batches', '')} | failed |"
+                         + " |" * 7)
             continue
         inter = r["inter_node_mb_per_node"]
         vs = None if inter is None else inter / r["floor_mb_per_node"]
         lines.append(
             f"| {r['network']} | {r['system']} | {r['micro_batches']} | {r['median_step_s']:.3f} "
-            f"| {_fmt(r['ratio_to_fsdp2_hsdp'], '.2f')} "
-            f"| {r['peak_rss_mib']:.0f} | {_fmt(inter, '.1f')} | {r['floor_mb_per_node']:.1f} | {_fmt(vs, '.3f')} |"
+            f"| {_fmt(r['ratio_to_fsdp2_hsdp'], '.2f')} | {r['peak_tensor_mib']:.1f} "
+            f"| {_fmt(r['tensor_peak_ratio_to_fsdp2_hsdp'], '.3f')} | {r['peak_rss_mib']:.0f} "
+            f"| {_fmt(inter, '.1f')} | {r['floor_mb_per_node']:.1f} | {_fmt(vs, '.3f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -46,21 +50,24 @@ def plot(results: list[dict], path: Path) -> None:
     ok = [r for r in results if "error" not in r and r["micro_batches"] == 1]
     networks = list(dict.fromkeys(r["network"] for r in ok))
     systems = list(dict.fromkeys(r["system"] for r in ok))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     width = 0.8 / max(1, len(systems))
     for i, system in enumerate(systems):
-        xs, steps, mbs = [], [], []
+        xs, steps, mbs, mems = [], [], [], []
         for j, network in enumerate(networks):
             match = [r for r in ok if r["system"] == system and r["network"] == network]
             if match:
                 xs.append(j + i * width)
                 steps.append(match[0]["median_step_s"])
                 mbs.append(match[0]["inter_node_mb_per_node"] or 0.0)
+                mems.append(match[0]["peak_tensor_mib"])
         axes[0].bar(xs, steps, width, label=system)
         axes[1].bar(xs, mbs, width, label=system)
+        axes[2].bar(xs, mems, width, label=system)
     floor = ok[0]["floor_mb_per_node"] if ok else 0
     axes[1].axhline(floor, color="black", linestyle="--", label="floor 2(R-1)/R·P·4")
-    for ax, title in zip(axes, ("median step time (s)", "inter-node MB per step per node")):
+    titles = ("median step time (s)", "inter-node MB per step per node", "peak tensor MiB per rank")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(networks))], networks)
         ax.set_title(title)
         ax.legend(fontsize=8)

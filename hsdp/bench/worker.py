@@ -3,6 +3,7 @@
 Every system sees the same initial weights (seeded), the same batches and the same optimizer. Step time is
 the wall time of forward + backward + optimizer step, measured on every rank between barriers and
 reported as the slowest rank per step; the median over the measured steps (after warm-up) is the figure.
+Peak tensor memory comes from one more step, run under a memory tracker (see ``peak_memory``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from hsdp.bench.peak_memory import measure_step_peak
 from hsdp.bench.systems import SYSTEMS
 from hsdp.models import GPT, preset
 from hsdp.planner.metrics import link_counters
@@ -53,6 +55,13 @@ def _inter_node_bytes_per_node(before: tuple[int, int], world: int) -> list[list
     return [everyone[i].tolist() for i in range(0, world, local)]
 
 
+def _gather_floats(values: list[float], world: int) -> list[list[float]]:
+    mine = torch.tensor(values, dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
 def _step(w, batches, vocab: int) -> float:
     for i, (x, y) in enumerate(batches):
         w.set_sync(i == len(batches) - 1)
@@ -77,15 +86,19 @@ def main() -> None:
     rss_before = _peak_rss_mib()
     w = SYSTEMS[args.system](model, dm, 3e-4)
     g = torch.Generator().manual_seed(1000 + rank)
+
+    def next_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(t[:, :-1], t[:, 1:]) for t in
+                (torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+                 for _ in range(args.micro_batches))]
+
     times, losses = [], []
     counters = (0, 0)
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             dist.barrier()
             counters = link_counters()
-        batches = [(t[:, :-1], t[:, 1:]) for t in
-                   (torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-                    for _ in range(args.micro_batches))]
+        batches = next_batches()
         dist.barrier()
         t0 = time.perf_counter()
         losses.append(_step(w, batches, cfg.vocab_size))
@@ -93,16 +106,19 @@ def main() -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
     per_node = _inter_node_bytes_per_node(counters, world)
-    peak = torch.tensor([_peak_rss_mib()])
-    peaks = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(peaks, peak)
+    rss_peak = _peak_rss_mib()  # of the timed steps: the tracked step below allocates bookkeeping of its own
+    batches = next_batches()
+    memory_loss, tensor_peak = measure_step_peak(lambda: _step(w, batches, cfg.vocab_size), w.model, w.optimizer,
+                                                 torch.device("cpu"))
+    peaks = _gather_floats([rss_peak, tensor_peak / 2**20], world)
     measured = times[args.warmup:]
     result = {
         "system": args.system, "preset": args.preset, "params": n_params, "world": world, "sharding_degree": s,
         "batch": args.batch, "seq": args.seq, "micro_batches": args.micro_batches,
         "median_step_s": statistics.median(measured), "step_s": measured, "losses": losses,
-        "peak_rss_mib_per_rank": [p.item() for p in peaks], "rss_before_wrap_mib": rss_before,
-        "optimizer_steps": args.warmup + args.steps,
+        "peak_rss_mib_per_rank": [p[0] for p in peaks], "rss_before_wrap_mib": rss_before,
+        "peak_tensor_mib_per_rank": [p[1] for p in peaks], "memory_step_loss": memory_loss,
+        "optimizer_steps": args.warmup + args.steps + 1,
         # Link counters of the measured steps, which include each step's barrier and timing all-reduce
         # (a few bytes) and the TCP/IP headers.
         "inter_node_bytes_per_step": [[b / args.steps for b in node] for node in per_node],

@@ -50,6 +50,8 @@ class Reduction:
     @classmethod
     def start(cls, unit: ShardUnit, params: list[ShardedParam], grads: list[torch.Tensor | None],
               sync_replicas: bool) -> Reduction:
+        """Copy ``grads`` into the reduce-scatter input and issue it. Consumes ``grads`` (the list is
+        emptied): the unsharded gradients are freed before the output is allocated, as in FSDP2."""
         comm, s = unit.comm, unit.sharding_degree
         device = unit.sharded_flat.device
         dtype = unit.policy.reduce(params[0].dtype)
@@ -64,6 +66,8 @@ class Reduction:
         # ND: (S, slot + n_flags); row r is what rank r receives, padded chunk by chunk; casts on the way.
         rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
         torch._chunk_cat(inputs, dim=0, num_chunks=s, out=rs_input)
+        grads.clear()
+        inputs.clear()
         output = torch.empty(n_out, dtype=dtype, device=device)
         handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
                                      label=unit.name)

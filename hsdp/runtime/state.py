@@ -168,8 +168,7 @@ class ShardingState:
         unit.pending_post_backward -= 1
         if unit.pending_post_backward > 0:
             return  # used again earlier in forward: its backward is still to come
-        self._reduce(unit)
-        unit.reshard()
+        self._reduce(unit)  # reshards the unit too
 
     def _reduce(self, unit: ShardUnit) -> None:
         reduction = unit.reduce_grads(self.requires_gradient_sync, self.requires_all_reduce)

@@ -133,7 +133,11 @@ class ShardUnit:
 
     # -- gradients (post-backward) ---------------------------------------------------------------------
     def reduce_grads(self, sync_shards: bool = True, sync_replicas: bool = True) -> Reduction | None:
-        """Start the reduce-scatter of the unsharded gradients; ``None`` when nothing is communicated.
+        """Take the unsharded gradients, reshard, and start their reduce-scatter; ``None`` when nothing is
+        communicated.
+
+        Resharding comes first (as in FSDP2's post_backward) so that the unit's unsharded parameters are
+        freed before the reduce-scatter buffers are allocated: that moment is the peak of many steps.
 
         Every rank that ran this unit in forward must call this, even when its own gradients are all
         ``None``: it then contributes zeros, and the gradient stays ``None`` only if no rank had one.
@@ -142,12 +146,15 @@ class ShardUnit:
         """
         trainable = [p for p in self.params if p.requires_grad]
         if not trainable:
+            self.reshard()
             return None
         if not sync_shards:
             for p in trainable:
                 p.accumulate_unsharded_grad()
+            self.reshard()
             return None
         grads = [p.take_unsharded_grad() for p in trainable]
+        self.reshard()
         return Reduction.start(self, trainable, grads, sync_replicas)
 
     def gathered_full(self) -> list[torch.Tensor]:
