@@ -69,6 +69,11 @@ class Watchdog:
         if self._stop.is_set():
             return
         self._stop.set()
+        # Wait for the thread to leave any store call: a daemon thread still inside C++ when the interpreter
+        # finalizes is ended by pthread_exit, which aborts the process ("terminate called without an active
+        # exception") after all the work is done. Bounded: a store whose host is gone must not stall exit.
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.policy.interval)
         with contextlib.suppress(Exception):  # the store's host may be gone already at shutdown
             self.store.add(f"hsdp/done/{self.rank}", 1)
 

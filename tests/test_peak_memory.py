@@ -26,8 +26,8 @@ def test_peak_counts_live_tensors_and_their_frees() -> None:
         c = torch.empty(MIB // 2)  # 2 MiB: the peak is b + c, not a + b + c
         return b.numel() + c.numel()
 
-    out, peak = measure_step_peak(step, model, optimizer, torch.device("cpu"))
-    assert out == MIB // 8 + MIB // 2
+    out, peak = measure_step_peak([step], model, optimizer, torch.device("cpu"))
+    assert out == [MIB // 8 + MIB // 2]
     assert peak == 256 * 256 * 4 + int(2.5 * MIB)
 
 
@@ -49,7 +49,8 @@ def _peaks(rank: int, world: int, cfg: GPTConfig, n_seq: int) -> dict[str, tuple
             return loss.item()
 
         step()  # optimizer state exists from here on, as in a long run
-        out[system] = measure_step_peak(step, w.model, w.optimizer, torch.device("cpu"))
+        losses, peak = measure_step_peak([step], w.model, w.optimizer, torch.device("cpu"))
+        out[system] = (losses[0], peak)
     return out
 
 

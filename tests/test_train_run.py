@@ -1,23 +1,32 @@
 """``hsdp train`` end to end: the command on 2 emulated nodes x 2 ranks, and exact resume.
 
 Spawns are the cost here, so each test combines its checks: one ``hsdp train`` launch (launcher,
-progress, checkpoints, metrics, summary, profiler trace, report, the run-directory guard) and one
-4-rank spawn that runs three jobs in the same processes (straight, stopped after a checkpoint, resumed)
-plus the once-per-job warning check.
+progress, checkpoints, metrics, summary, profiler trace, report, the run-directory guard), one launch
+stopped by SIGTERM, and one 4-rank spawn that runs five jobs in the same processes (straight; stopped
+after a checkpoint, resumed; preempted by a SIGTERM to one rank, resumed) plus the once-per-job warning
+check.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import pytest
 from harness import run_distributed
 
 from hsdp.train.metrics import read_metrics
 from hsdp.train.report import write_report
+
+if TYPE_CHECKING:
+    from hsdp.train.job import JobOutcome
 
 REPO = Path(__file__).resolve().parents[1]
 # Small and quick: 8 steps of the tiny GPT on 0.3 MB of the stdlib.
@@ -63,10 +72,31 @@ def test_hsdp_train_end_to_end(tmp_path: Path) -> None:
     assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
 
 
+def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path: Path) -> None:
+    # The launcher passes SIGTERM to every node's agent and worker, as a scheduler's preemption would.
+    cmd = [sys.executable, "-m", "hsdp", "train", "--steps", "300", "train.checkpoint_every=0",
+           "train.log_every=1", "data.max_bytes=300000"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "runs" / "train" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 150
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out[-3000:] + err[-3000:]
+    last = read_metrics(str(tmp_path / "runs" / "train"))[-1]["step"]
+    assert 3 <= last < 300 and f"stopped by SIGTERM after step {last}" in out
+    ckpts = sorted(p.name for p in (tmp_path / "runs" / "train" / "checkpoints").iterdir())
+    assert ckpts == ["latest", f"step_{last:06d}"]  # checkpoints were off: this one is the signal's
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Exact resume (in-process jobs on 4 spawned ranks)
 # ---------------------------------------------------------------------------------------------------------
-def _job(out: Path, *extra: str) -> dict:
+def _run(out: Path, *extra: str) -> JobOutcome:
     from rich.console import Console
 
     from hsdp.train import resolve_config, run_job
@@ -74,7 +104,29 @@ def _job(out: Path, *extra: str) -> dict:
     cfg = resolve_config(None, ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=3",
                                 "train.log_every=1", "train.sample_tokens=0", "data.max_bytes=200000",
                                 "optim.warmup_steps=2", f"train.out_dir={out}", *extra])
-    return run_job(cfg, Console(quiet=True)).summary
+    return run_job(cfg, Console(quiet=True))
+
+
+def _job(out: Path, *extra: str) -> dict:
+    return _run(out, *extra).summary
+
+
+def _preempted(out: Path, rank: int) -> JobOutcome:
+    """A job in which rank 3 alone gets SIGTERM after step 3, as from a scheduler that signals one node."""
+    from hsdp.train import loop
+
+    original = loop.after_step
+
+    def after_step(t: Any, cfg: Any, svc: Any, record: dict, result: Any) -> None:
+        original(t, cfg, svc, record, result)
+        if rank == 3 and record["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    loop.after_step = after_step
+    try:
+        return _run(out)
+    finally:
+        loop.after_step = original
 
 
 def _resume_worker(rank: int, world: int, tmp: str) -> dict:
@@ -87,17 +139,29 @@ def _resume_worker(rank: int, world: int, tmp: str) -> dict:
     _job(base / "resumed", "train.stop_after=4")  # stops after step 4; the newest checkpoint is step 3
     stopped = read_metrics(str(base / "resumed")) if rank == 0 else []
     session = _job(base / "resumed", "train.resume=true")["steps"]
+    preempted = _preempted(base / "preempted", rank)
+    preempted_steps = sorted(p.name for p in (base / "preempted" / "checkpoints").iterdir())
+    after_preemption = _job(base / "preempted", "train.resume=true")["steps"]
     shown: list[str] = []
     with RankWarnings(shown.append) as w:
         for _ in range(3):  # repeated: still shown once
             warnings.warn("every rank says this", UserWarning, stacklevel=1)
         warnings.warn(f"only rank {rank} says this", UserWarning, stacklevel=1)
         w.flush(RankChannel(hsdp.init_mesh()))
-    return {"stopped": stopped, "shown": shown, "session": session}
+    return {"stopped": stopped, "shown": shown, "session": session, "preempted": preempted.stopped,
+            "preempted_steps": preempted.summary["steps"], "preempted_checkpoints": preempted_steps,
+            "after_preemption": after_preemption}
 
 
-def test_resume_continues_the_straight_run_bitwise(tmp_path: Path) -> None:
-    results = run_distributed(_resume_worker, 4, str(tmp_path), timeout=280)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    """One 4-rank spawn for the in-process jobs of the tests below: ``(per-rank results, base directory)``."""
+    base = tmp_path_factory.mktemp("jobs")
+    return run_distributed(_resume_worker, 4, str(base), timeout=280), base
+
+
+def test_resume_continues_the_straight_run_bitwise(jobs: tuple[list[dict], Path]) -> None:
+    results, tmp_path = jobs
     straight, resumed = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "resumed"))
     assert [r["step"] for r in results[0]["stopped"]] == [1, 2, 3, 4]
     assert results[0]["session"] == {"first": 4, "last": 6, "planned": 6}  # loaded step 3, not a fresh start
@@ -110,3 +174,17 @@ def test_resume_continues_the_straight_run_bitwise(tmp_path: Path) -> None:
     assert sum("every rank says this" in s for s in shown) == 1
     assert any(s.startswith("warning [ranks 0-3]") and "every rank says this" in s for s in shown)
     assert sum("only rank" in s for s in shown) == 4 and all(not r["shown"] for r in results[1:])
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_a_checkpoint(jobs: tuple[list[dict], Path]) -> None:
+    # The SIGTERM reaches rank 3 only, after step 3: every rank stops after step 4, the next all-reduce.
+    results, tmp_path = jobs
+    for r in results:
+        assert r["preempted"] is True and r["preempted_steps"] == {"first": 1, "last": 4, "planned": 6}
+        assert r["preempted_checkpoints"] == ["latest", "step_000003", "step_000004"]  # 4: saved on the signal
+        assert r["after_preemption"] == {"first": 5, "last": 6, "planned": 6}
+    straight, preempted = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "preempted"))
+    assert [r["step"] for r in preempted] == list(range(1, 7))
+    for a, b in zip(straight, preempted, strict=True):
+        for key in ("loss", "eval_loss", "grad_norm", "lr", "tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])

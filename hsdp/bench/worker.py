@@ -9,18 +9,20 @@ Peak tensor memory comes from one more step, run under a memory tracker (see ``p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from hsdp.bench.peak_memory import measure_step_peak
-from hsdp.bench.systems import SYSTEMS
+from hsdp.bench.systems import SYSTEMS, Wrapped
 from hsdp.models import GPT, preset
 from hsdp.planner.metrics import link_counters
 
@@ -62,14 +64,26 @@ def _gather_floats(values: list[float], world: int) -> list[list[float]]:
     return [t.tolist() for t in everyone]
 
 
-def _step(w, batches, vocab: int) -> float:
-    for i, (x, y) in enumerate(batches):
+def _step_parts(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Callable[[], float | None]]:
+    """One optimizer step as callables: each micro-batch's forward and backward (returning its loss), then
+    the optimizer step."""
+
+    def micro_batch(i: int, x: torch.Tensor, y: torch.Tensor) -> float:
         w.set_sync(i == len(batches) - 1)
         _, loss = w.model(x, y)
         (loss / len(batches)).backward()
-    w.optimizer.step()
-    w.optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+        return loss.item()
+
+    def optimizer_step() -> None:
+        w.optimizer.step()
+        w.optimizer.zero_grad(set_to_none=True)
+
+    return [functools.partial(micro_batch, i, x, y) for i, (x, y) in enumerate(batches)] + [optimizer_step]
+
+
+def _step(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Train one step; the last micro-batch's loss."""
+    return [part() for part in _step_parts(w, batches)][-2]
 
 
 def main() -> None:
@@ -101,15 +115,14 @@ def main() -> None:
         batches = next_batches()
         dist.barrier()
         t0 = time.perf_counter()
-        losses.append(_step(w, batches, cfg.vocab_size))
+        losses.append(_step(w, batches))
         elapsed = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
     per_node = _inter_node_bytes_per_node(counters, world)
     rss_peak = _peak_rss_mib()  # of the timed steps: the tracked step below allocates bookkeeping of its own
-    batches = next_batches()
-    memory_loss, tensor_peak = measure_step_peak(lambda: _step(w, batches, cfg.vocab_size), w.model, w.optimizer,
-                                                 torch.device("cpu"))
+    results, tensor_peak = measure_step_peak(_step_parts(w, next_batches()), w.model, w.optimizer,
+                                             torch.device("cpu"))
     peaks = _gather_floats([rss_peak, tensor_peak / 2**20], world)
     measured = times[args.warmup:]
     result = {
@@ -117,7 +130,7 @@ def main() -> None:
         "batch": args.batch, "seq": args.seq, "micro_batches": args.micro_batches,
         "median_step_s": statistics.median(measured), "step_s": measured, "losses": losses,
         "peak_rss_mib_per_rank": [p[0] for p in peaks], "rss_before_wrap_mib": rss_before,
-        "peak_tensor_mib_per_rank": [p[1] for p in peaks], "memory_step_loss": memory_loss,
+        "peak_tensor_mib_per_rank": [p[1] for p in peaks], "memory_step_loss": results[-2],
         "optimizer_steps": args.warmup + args.steps + 1,
         # Link counters of the measured steps, which include each step's barrier and timing all-reduce
         # (a few bytes) and the TCP/IP headers.

@@ -109,19 +109,21 @@ def _error(message: str) -> int:
 
 
 def run_rank(config: RunConfig) -> int:
-    """Run the job as this rank; 2 (after one message from rank 0) when the run may not start."""
+    """Run the job as this rank; 2 (after one message from rank 0) when the run may not start, 143 when a
+    SIGTERM stopped it after a checkpoint."""
     import torch.distributed as dist
 
     from hsdp.train.job import run_job
+    from hsdp.train.preemption import STOP_EXIT_STATUS
 
     try:
-        run_job(config)
+        outcome = run_job(config)
     except ValueError as e:  # every rank raises the same agreed error: print it once
         return _error(str(e)) if os.environ.get("RANK", "0") == "0" else USAGE_ERROR
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    return STOP_EXIT_STATUS if outcome.stopped else 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -121,7 +121,9 @@ class TrainConfig:
     on ``eval_batches`` batches per rank, every ``checkpoint_every`` steps a checkpoint is saved (the
     newest ``keep_checkpoints`` are kept; one more at the last step); 0 disables either. ``stop_after`` N
     ends the job after step N as an interruption would (the schedule still plans for ``steps``; continue
-    with ``--resume``). ``profile`` records ``profile_steps`` steps with ``torch.profiler``."""
+    with ``--resume``). ``profile`` records ``profile_steps`` steps with ``torch.profiler``. With
+    ``save_on_signal`` a SIGTERM (preemption) ends the job after the current step with a checkpoint there
+    and exit status 143; false leaves SIGTERM's default (the process dies at once)."""
 
     SECTION: ClassVar[str] = "train"
     steps: int = 300
@@ -140,6 +142,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     profile: bool = False
     profile_steps: int = 3
+    save_on_signal: bool = True
 
     def __post_init__(self) -> None:
         _at_least(self.SECTION, self, ("steps", "batch_size", "grad_accum", "log_every", "eval_batches",

@@ -37,10 +37,12 @@ _PRECISION = {"fp32": None, "bf16": hsdp.MixedPrecision(param_dtype=torch.bfloat
 
 @dataclass(frozen=True)
 class JobOutcome:
-    """What a rank's job produced: the summary (every rank holds it) and the sampled text."""
+    """What a rank's job produced: the summary (every rank holds it) and the sampled text; ``stopped`` when a
+    SIGTERM ended it early (after a checkpoint)."""
 
     summary: dict[str, Any]
     sample: str | None
+    stopped: bool = False
 
 
 def replica_hop(name: str) -> Any:
@@ -149,7 +151,9 @@ def run_job(cfg: RunConfig, console: Console | None = None) -> JobOutcome:
         with svc.reporter, svc.writer or contextlib.nullcontext():
             result = train(s.trainee, cfg, svc, s.start_step)
         final = _finish(cfg, s.trainee, s.built, result, svc, s.start_step)
-        outcome = JobOutcome(final, text_sample(s.trainee, s.corpus, cfg, s.built.block_size))
+        # No sample after a SIGTERM: the grace period before SIGKILL is for the checkpoint.
+        text = None if result.stopped_by_signal else text_sample(s.trainee, s.corpus, cfg, s.built.block_size)
+        outcome = JobOutcome(final, text, result.stopped_by_signal)
         warns.flush(s.channel)
     if s.channel.is_root:
         _report(console, outcome, s.corpus, s.run)
@@ -165,3 +169,7 @@ def _report(console: Console, outcome: JobOutcome, corpus: Corpus, run: RunDir) 
     if outcome.summary["trace"]:
         console.print(f"profiler traces: {run.profile}/rank<r>.json (open in ui.perfetto.dev)", markup=False)
     console.print(f"metrics: {run.path}/metrics.jsonl; plots: hsdp report {run.path}", markup=False)
+    if outcome.stopped:
+        last = outcome.summary["steps"]["last"]
+        console.print(f"stopped by SIGTERM after step {last} (checkpoint saved): continue with hsdp train "
+                      f"--resume and the same configuration", markup=False)

@@ -5,7 +5,8 @@ hop runs once per step), gradient clipping over the whole sharded gradient, an A
 scheduled learning rate. Each step's communication is read from ``model.comm_stats()`` (reset at the
 step's start, so evaluation and sampling traffic are not counted) and published as one metrics record.
 Every function here is called on every rank in the same order: evaluation, metric averages, warnings and
-checkpoints are collectives.
+checkpoints are collectives. A SIGTERM on any rank (``train.save_on_signal``) ends the loop on every rank
+after the same step, with a checkpoint there (see ``hsdp.train.preemption``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hsdp.train.config import RunConfig
 from hsdp.train.lm import lm_loss
 from hsdp.train.metrics import MetricsWriter, comm_totals, peak_memory_bytes
 from hsdp.train.optimizer import lr_at, set_lr
+from hsdp.train.preemption import StopSignals
 from hsdp.train.profiling import StepProfiler
 from hsdp.train.progress import Reporter
 from hsdp.train.rank_warnings import RankWarnings
@@ -61,9 +63,11 @@ class LoopResult:
 
     records: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
+    checkpoint_step: int | None = None  # the step of the newest of ``checkpoints``
     shard_bytes: float = 0.0  # this rank's, summed over the session's steps
     replicate_bytes: float = 0.0
     trace: str | None = None
+    stopped_by_signal: bool = False  # a rank got SIGTERM: every rank stopped after the last record's step
 
     @property
     def steps(self) -> int:
@@ -122,19 +126,22 @@ def evaluate(t: Trainee, batches: int, channel: RankChannel) -> float:
     return channel.mean([torch.stack(losses).mean().item()])[0]
 
 
-def step_record(t: Trainee, cfg: RunConfig, step: int, channel: RankChannel) -> dict[str, Any]:
-    """Run step ``step`` and measure it."""
+def step_record(t: Trainee, cfg: RunConfig, step: int, channel: RankChannel,
+                stop_requested: bool) -> tuple[dict[str, Any], bool]:
+    """Run step ``step`` and measure it; also ``True`` when some rank asked to stop (the same on every rank:
+    the request travels in the loss average)."""
     t.model.reset_comm_stats()
     loss, grad_norm, seconds = train_step(t, cfg, step)
     comm = comm_totals(t.model.comm_stats())
-    mean_loss = channel.mean([loss.item()])[0]
+    mean_loss, stop_votes = channel.mean([loss.item(), float(stop_requested)])
     if not math.isfinite(mean_loss):
         raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optim.lr or set optim.grad_clip")
     n_tokens = tokens_per_step(cfg, t.train)
-    return {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
-            "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
-            "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
-            "mem_bytes": peak_memory_bytes(t.model.mesh.device)}
+    record = {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
+              "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
+              "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
+              "mem_bytes": peak_memory_bytes(t.model.mesh.device)}
+    return record, stop_votes > 0
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -152,23 +159,42 @@ def after_step(t: Trainee, cfg: RunConfig, svc: Services, record: dict[str, Any]
     if step % cfg.train.log_every == 0 or step == cfg.train.steps:
         svc.warnings.flush(svc.channel)
     if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
-        result.checkpoints.append(resume.save(svc.run, t.model, t.optimizer, step, cfg.train.keep_checkpoints))
+        checkpoint(t, cfg, svc, result, step)
         svc.reporter.note(f"step {step}: checkpoint {result.checkpoints[-1]}")
 
 
+def checkpoint(t: Trainee, cfg: RunConfig, svc: Services, result: LoopResult, step: int) -> None:
+    """Save the state after ``step`` (a collective)."""
+    result.checkpoints.append(resume.save(svc.run, t.model, t.optimizer, step, cfg.train.keep_checkpoints))
+    result.checkpoint_step = step
+
+
+def stop_on_signal(t: Trainee, cfg: RunConfig, svc: Services, result: LoopResult) -> None:
+    """Every rank: checkpoint the last step (unless it just was) so that ``--resume`` continues there."""
+    step = result.records[-1]["step"]
+    if result.checkpoint_step != step:
+        checkpoint(t, cfg, svc, result, step)
+    result.stopped_by_signal = True
+    svc.reporter.note(f"step {step}: stopping on SIGTERM; checkpoint {result.checkpoints[-1]}")
+
+
 def train(t: Trainee, cfg: RunConfig, svc: Services, start_step: int) -> LoopResult:
-    """Steps ``start_step + 1`` to ``train.steps`` (or ``train.stop_after``)."""
+    """Steps ``start_step + 1`` to ``train.steps`` (or ``train.stop_after``), or until a SIGTERM."""
     result = LoopResult()
     end = cfg.train.stop_after or cfg.train.steps
-    for step in range(start_step + 1, end + 1):
-        svc.profiler.before(step)
-        record = step_record(t, cfg, step, svc.channel)
-        result.trace = svc.profiler.after(step) or result.trace
-        if _due(step, cfg.train.eval_every, cfg.train.steps):
-            record["eval_loss"] = evaluate(t, cfg.train.eval_batches, svc.channel)
-        result.records.append(record)
-        result.shard_bytes += record["shard_bytes"]
-        result.replicate_bytes += record["replicate_bytes"]
-        after_step(t, cfg, svc, record, result)
+    with StopSignals(cfg.train.save_on_signal) as signals:
+        for step in range(start_step + 1, end + 1):
+            svc.profiler.before(step)
+            record, stopping = step_record(t, cfg, step, svc.channel, signals.requested)
+            result.trace = svc.profiler.after(step) or result.trace
+            if _due(step, cfg.train.eval_every, cfg.train.steps):
+                record["eval_loss"] = evaluate(t, cfg.train.eval_batches, svc.channel)
+            result.records.append(record)
+            result.shard_bytes += record["shard_bytes"]
+            result.replicate_bytes += record["replicate_bytes"]
+            after_step(t, cfg, svc, record, result)
+            if stopping:
+                stop_on_signal(t, cfg, svc, result)
+                break
     result.trace = svc.profiler.close() or result.trace
     return result
