@@ -70,7 +70,9 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(networks))], networks)
         ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    # One legend for the three panels, below them (inside, it would cover the tallest bars).
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
