@@ -9,25 +9,74 @@ sharded model is replicated across nodes (slow links)::
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
 """
 
-from hsdp.checkpoint import (
-    CheckpointError,
-    CheckpointOptions,
-    capture_rng_state,
-    export_safetensors,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
-from hsdp.clip import clip_grad_norm_
-from hsdp.data import data_parallel_rank, data_parallel_size, distributed_sampler
-from hsdp.memory import StateBytes, state_bytes
-from hsdp.mesh import HSDPMesh, init_mesh, rank_grid
-from hsdp.model import ShardedModel
-from hsdp.optim import ShardedOptimizer
-from hsdp.policy import MixedPrecision
-from hsdp.replicas import ReplicaDivergence, check_replicas
-from hsdp.state_dict import full_state_dict
-from hsdp.watchdog import FaultPolicy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The public names, each from the module that defines it. They are imported on first use (PEP 562), so
+# `import hsdp` and the command line's torch-free subcommands (`hsdp version`, `hsdp plan`, `--help`) do not
+# pay for importing torch.
+_EXPORTS = {
+    "CheckpointError": "hsdp.checkpoint",
+    "CheckpointOptions": "hsdp.checkpoint",
+    "capture_rng_state": "hsdp.checkpoint",
+    "export_safetensors": "hsdp.checkpoint",
+    "load_checkpoint": "hsdp.checkpoint",
+    "restore_rng_state": "hsdp.checkpoint",
+    "save_checkpoint": "hsdp.checkpoint",
+    "clip_grad_norm_": "hsdp.clip",
+    "data_parallel_rank": "hsdp.data",
+    "data_parallel_size": "hsdp.data",
+    "distributed_sampler": "hsdp.data",
+    "StateBytes": "hsdp.memory",
+    "state_bytes": "hsdp.memory",
+    "HSDPMesh": "hsdp.mesh",
+    "init_mesh": "hsdp.mesh",
+    "rank_grid": "hsdp.mesh",
+    "ShardedModel": "hsdp.model",
+    "ShardedOptimizer": "hsdp.optim",
+    "MixedPrecision": "hsdp.policy",
+    "ReplicaDivergence": "hsdp.replicas",
+    "check_replicas": "hsdp.replicas",
+    "full_state_dict": "hsdp.state_dict",
+    "FaultPolicy": "hsdp.watchdog",
+}
+
+if TYPE_CHECKING:
+    from hsdp.checkpoint import (
+        CheckpointError,
+        CheckpointOptions,
+        capture_rng_state,
+        export_safetensors,
+        load_checkpoint,
+        restore_rng_state,
+        save_checkpoint,
+    )
+    from hsdp.clip import clip_grad_norm_
+    from hsdp.data import data_parallel_rank, data_parallel_size, distributed_sampler
+    from hsdp.memory import StateBytes, state_bytes
+    from hsdp.mesh import HSDPMesh, init_mesh, rank_grid
+    from hsdp.model import ShardedModel
+    from hsdp.optim import ShardedOptimizer
+    from hsdp.policy import MixedPrecision
+    from hsdp.replicas import ReplicaDivergence, check_replicas
+    from hsdp.state_dict import full_state_dict
+    from hsdp.watchdog import FaultPolicy
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hsdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __version__ = "0.1.0"
 

@@ -17,9 +17,24 @@ tokenizers), ``lm`` (models and loss), ``optimizer`` (AdamW and schedule), ``loo
 run), ``command`` (the command line), ``report`` (``hsdp report``'s plots).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from hsdp.train.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from hsdp.train.config_io import build_config, resolve_config, to_toml
-from hsdp.train.job import JobOutcome, run_job
+
+if TYPE_CHECKING:
+    from hsdp.train.job import JobOutcome, run_job
+
+
+def __getattr__(name: str) -> Any:
+    # The job needs torch; the command line's parser and the configuration do not (`hsdp --help` stays fast).
+    if name in ("JobOutcome", "run_job"):
+        from hsdp.train import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module 'hsdp.train' has no attribute {name!r}")
 
 __all__ = [
     "DataConfig",
