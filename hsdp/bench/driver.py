@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole job list this many times, interleaved (A B A B, so drifts in machine load "
+                        "hit every system alike); each figure is the median over the repeats")
     p.add_argument("--no-extras", action="store_true",
                    help="skip the hsdp variants on the first bandwidth: bf16 and int8 inter-node hops, and "
                         "4 micro-batches with deferred sync (hsdp and FSDP2 HSDP)")
@@ -101,16 +104,38 @@ def summarise(results: list[dict]) -> list[dict]:
     return results
 
 
+def combine_repeats(runs: list[dict]) -> list[dict]:
+    """One result per (network, system, micro-batches): the run with the median step time (an odd count
+    picks the middle run; an even one the faster middle), with every run's median step time alongside.
+    A job that failed in any repeat is reported as failed."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["network"], r["system"], r["micro_batches"]), []).append(r)
+    out = []
+    for group in groups.values():
+        failed = [r for r in group if "error" in r]
+        if failed:
+            out.append(failed[0])
+            continue
+        ordered = sorted(group, key=lambda r: r["median_step_s"])
+        chosen = dict(ordered[(len(ordered) - 1) // 2])
+        chosen["repeats_median_step_s"] = [r["median_step_s"] for r in group]
+        out.append(chosen)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = []
-    todo = jobs(args)
+    if args.repeat < 1:
+        raise SystemExit(f"hsdp bench: error: --repeat must be at least 1, got {args.repeat}")
+    runs = []
+    todo = jobs(args) * args.repeat
     for i, (network, system, micro) in enumerate(todo, 1):
         print(f"[bench {i}/{len(todo)}] {system} on {network}, {micro} micro-batch(es) ...", flush=True)
         r = run_one(args, network, system, micro)
         print(f"[bench]   median step {r.get('median_step_s', r.get('error'))}", flush=True)
-        results.append(r)
-    results = summarise(results)
+        runs.append(r)
+    results = summarise(combine_repeats(runs))
     write(args, results, argv)
     return 0 if all("error" not in r for r in results) else 1
 

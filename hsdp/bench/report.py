@@ -9,6 +9,14 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _step_cell(r: dict) -> str:
+    """The step time; with repeats, the median run's and the range of every run's median."""
+    runs = r.get("repeats_median_step_s", [])
+    if len(runs) < 2:
+        return f"{r['median_step_s']:.3f}"
+    return f"{r['median_step_s']:.3f} ({min(runs):.3f}-{max(runs):.3f})"
+
+
 def markdown_table(meta: dict, results: list[dict]) -> str:
     lines = [
         f"# Benchmark {meta['date']}",
@@ -20,6 +28,9 @@ def markdown_table(meta: dict, results: list[dict]) -> str:
         "included); floor = 2(R-1)/R x P x 4 bytes. Peak tensor MiB: the most bytes of live tensors on any "
         "rank during one step (PyTorch's MemTracker on CPU; max_memory_allocated on CUDA); peak RSS: the "
         "process's resident set over the timed steps (allocator and interpreter included, noisy).",
+        *([f"With --repeat {meta['args']['repeat']}, the job list ran that many times, interleaved; each row is "
+           "the run with the median step time, and the step column gives the range over the runs."]
+          if meta.get("args", {}).get("repeat", 1) > 1 else []),
         "",
         "| network | system | micro-batches | median step s | ratio to FSDP2 HSDP | peak tensor MiB/rank "
         "| memory ratio | peak RSS MiB/rank | inter-node MB/step/node | floor MB | vs floor |",
@@ -33,7 +44,7 @@ def markdown_table(meta: dict, results: list[dict]) -> str:
         inter = r["inter_node_mb_per_node"]
         vs = None if inter is None else inter / r["floor_mb_per_node"]
         lines.append(
-            f"| {r['network']} | {r['system']} | {r['micro_batches']} | {r['median_step_s']:.3f} "
+            f"| {r['network']} | {r['system']} | {r['micro_batches']} | {_step_cell(r)} "
             f"| {_fmt(r['ratio_to_fsdp2_hsdp'], '.2f')} | {r['peak_tensor_mib']:.1f} "
             f"| {_fmt(r['tensor_peak_ratio_to_fsdp2_hsdp'], '.3f')} | {r['peak_rss_mib']:.0f} "
             f"| {_fmt(inter, '.1f')} | {r['floor_mb_per_node']:.1f} | {_fmt(vs, '.3f')} |"
