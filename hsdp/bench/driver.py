@@ -8,6 +8,7 @@ a dated Markdown table with the exact command, and a plot to ``--out``.
 
     hsdp bench                       # the full matrix (tens of minutes on 2 cores)
     hsdp bench --bandwidths 1gbit --systems hsdp,fsdp2-hsdp --steps 5
+    hsdp bench --systems hsdp,fsdp2-hsdp --no-extras --repeat 3     # ratios robust to a noisy machine
 """
 
 from __future__ import annotations
