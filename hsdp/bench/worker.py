@@ -45,23 +45,21 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _inter_node_bytes_per_node(before: tuple[int, int], world: int) -> list[list[int]]:
-    """Per node: [sent, received] during the measured steps (local rank 0 of each node reads its link)."""
-    after = link_counters()
-    mine = torch.tensor([after[0] - before[0], after[1] - before[1]], dtype=torch.int64)
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        mine.zero_()
-    everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return [everyone[i].tolist() for i in range(0, world, local)]
-
-
-def _gather_floats(values: list[float], world: int) -> list[list[float]]:
-    mine = torch.tensor(values, dtype=torch.float64)
+def _gather(values: list[int] | list[float], world: int, dtype: torch.dtype) -> list[list]:
+    """Every rank's ``values``, in rank order."""
+    mine = torch.tensor(values, dtype=dtype)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     return [t.tolist() for t in everyone]
+
+
+def _inter_node_bytes_per_node(before: tuple[int, int], world: int) -> list[list[int]]:
+    """Per node: [sent, received] during the measured steps (local rank 0 of each node reads its link)."""
+    after = link_counters()
+    reads_link = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    mine = [after[0] - before[0], after[1] - before[1]] if reads_link else [0, 0]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return _gather(mine, world, torch.int64)[::local]
 
 
 def _step_parts(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Callable[[], float | None]]:
@@ -123,7 +121,7 @@ def main() -> None:
     rss_peak = _peak_rss_mib()  # of the timed steps: the tracked step below allocates bookkeeping of its own
     results, tensor_peak = measure_step_peak(_step_parts(w, next_batches()), w.model, w.optimizer,
                                              torch.device("cpu"))
-    peaks = _gather_floats([rss_peak, tensor_peak / 2**20], world)
+    peaks = _gather([rss_peak, tensor_peak / 2**20], world, torch.float64)
     measured = times[args.warmup:]
     result = {
         "system": args.system, "preset": args.preset, "params": n_params, "world": world, "sharding_degree": s,
