@@ -41,6 +41,7 @@ _EXPORTS = {
     "check_replicas": "hsdp.replicas",
     "full_state_dict": "hsdp.state_dict",
     "FaultPolicy": "hsdp.watchdog",
+    "PreemptionGuard": "hsdp.preemption",
 }
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from hsdp.model import ShardedModel
     from hsdp.optim import ShardedOptimizer
     from hsdp.policy import MixedPrecision
+    from hsdp.preemption import PreemptionGuard
     from hsdp.replicas import ReplicaDivergence, check_replicas
     from hsdp.state_dict import full_state_dict
     from hsdp.watchdog import FaultPolicy
@@ -86,6 +88,7 @@ __all__ = [
     "FaultPolicy",
     "HSDPMesh",
     "MixedPrecision",
+    "PreemptionGuard",
     "ReplicaDivergence",
     "ShardedModel",
     "ShardedOptimizer",

@@ -113,8 +113,8 @@ def run_rank(config: RunConfig) -> int:
     SIGTERM stopped it after a checkpoint."""
     import torch.distributed as dist
 
+    from hsdp.preemption import STOP_EXIT_STATUS
     from hsdp.train.job import run_job
-    from hsdp.train.preemption import STOP_EXIT_STATUS
 
     try:
         outcome = run_job(config)

@@ -6,7 +6,7 @@ scheduled learning rate. Each step's communication is read from ``model.comm_sta
 step's start, so evaluation and sampling traffic are not counted) and published as one metrics record.
 Every function here is called on every rank in the same order: evaluation, metric averages, warnings and
 checkpoints are collectives. A SIGTERM on any rank (``train.save_on_signal``) ends the loop on every rank
-after the same step, with a checkpoint there (see ``hsdp.train.preemption``).
+after the same step, with a checkpoint there (see ``hsdp.preemption``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 import hsdp
+from hsdp.preemption import StopSignals
 from hsdp.textdata import TokenStream
 from hsdp.train import resume
 from hsdp.train.config import RunConfig
 from hsdp.train.lm import lm_loss
 from hsdp.train.metrics import MetricsWriter, comm_totals, peak_memory_bytes
 from hsdp.train.optimizer import lr_at, set_lr
-from hsdp.train.preemption import StopSignals
 from hsdp.train.profiling import StepProfiler
 from hsdp.train.progress import Reporter
 from hsdp.train.rank_warnings import RankWarnings
