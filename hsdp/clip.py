@@ -29,7 +29,7 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
         raise ValueError("hsdp.clip_grad_norm_ expects a ShardedModel; use torch.nn.utils.clip_grad_norm_ otherwise")
     if on_nonfinite not in ("warn", "skip", "error"):
         raise ValueError(f"on_nonfinite must be 'warn', 'skip' or 'error', got {on_nonfinite!r}")
-    grads = [p.sharded.grad for p in model.sharded_params() if p.sharded.grad is not None]
+    grads = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
     total = _total_norm(model, grads, float(norm_type))
     if not torch.isfinite(total):
         _handle_nonfinite(model, total, on_nonfinite)

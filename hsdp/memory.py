@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hsdp.model import ShardedModel
 
@@ -28,6 +29,9 @@ class StateBytes:
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds: a DTensor's local chunk, not its global size."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     return t.numel() * t.element_size()
 
 
@@ -41,7 +45,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     """This rank's model-state bytes, for a ShardedModel or a plain module."""
     if isinstance(model, ShardedModel):
         params = sum(_nbytes(u.sharded_flat) for u in model.units)
-        grads = sum(_nbytes(p.sharded.grad) for p in model.sharded_params() if p.sharded.grad is not None)
+        grads = sum(_nbytes(g) for g in (p.grad_local for p in model.sharded_params()) if g is not None)
     else:
         params = sum(_nbytes(p) for p in model.parameters())
         grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)

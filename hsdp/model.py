@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hsdp.collectives import Comm
 from hsdp.hops import AllReduceHop, ReplicaHop
 from hsdp.mesh import HSDPMesh, init_mesh
 from hsdp.policy import FULL_PRECISION, MixedPrecision
+from hsdp.runtime.dtensor import as_sharded
 from hsdp.runtime.sharded_param import ShardedParam, ShardLayout
 from hsdp.runtime.state import ShardingState
 from hsdp.runtime.unit import ShardUnit
@@ -32,8 +32,12 @@ class ShardedModel(nn.Module):
     methods and ``state_dict`` keys stay those of the original model.
 
     Semantics:
-      * Parameters are split in dim-0 chunks across the ``S`` ranks of a shard group; ``parameters()``
-        yields this rank's chunks, so any element-wise optimizer built on them updates only its shard.
+      * Parameters are split in dim-0 chunks across the ``S`` ranks of a shard group. Between steps
+        ``parameters()`` yields ``DTensor`` parameters of the original shapes, placements
+        ``(Replicate(), Shard(0))`` on ``mesh.device_mesh``: ``numel()``, norms (``clip_grad_norm_``),
+        ``state_dict()`` of this module or any parent, and DCP see the global tensors, while an
+        element-wise optimizer updates only this rank's chunk (in place, no copy). Inside forward and
+        backward the module sees plain, full-shape tensors.
       * Units: by default every block of a repeated stack (e.g. transformer layers) is one unit and the
         rest is the root unit; ``wrap`` takes module classes or a predicate. Each unit's parameters are
         all-gathered (one collective) before it runs and, when ``reshard_after_forward`` (default), freed
@@ -129,47 +133,40 @@ class ShardedModel(nn.Module):
     # -- state dict ----------------------------------------------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """Original keys and shapes; sharded parameters as ``DTensor`` with placements
-        ``(Replicate(), Shard(0))`` on the mesh (the layout FSDP2 uses), buffers as plain tensors."""
+        ``(Replicate(), Shard(0))`` on the mesh (the layout FSDP2 uses), buffers as plain tensors. A parent
+        module's ``state_dict()`` holds the same DTensors (the parameters are DTensors between steps)."""
         sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if destination is not None:
-            return sd  # called by a parent module's state_dict: the outermost call converts
-        dm = self._hsdp_mesh.device_mesh
+        # Mid-step (a unit still unsharded) the slots hold the plain unsharded faces: report the shards.
         for p in self.sharded_params():
-            value = _as_dtensor(p, dm)
+            value = p.sharded if keep_vars else p.sharded.detach()
             for slot in p.slots:
                 if prefix + slot.fqn in sd:
                     sd[prefix + slot.fqn] = value
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Accept sharded (``DTensor``) or full tensors under the original keys; keeps this rank's chunk."""
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Accept sharded (``DTensor``, any layout) or full tensors under the original keys; keeps this
+        rank's chunk. The same conversion runs when a parent module's ``load_state_dict`` reaches this one."""
         if assign:
             raise ValueError("assign=True would replace the sharded parameters: load with assign=False")
-        local = dict(state_dict)
-        for p in self.sharded_params():
+        return super().load_state_dict(state_dict, strict=strict)
+
+
+def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                              local_metadata: dict[str, Any], *args: Any) -> None:
+    """Runs before ``module`` (a root ShardedModel) loads, also from a parent's ``load_state_dict``: put the
+    sharded parameters back in their slots and turn full tensors into this rank's DTensor chunk, so that
+    ``nn.Module``'s ``param.copy_(value)`` copies shard into shard."""
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError("assign=True would replace the sharded parameters: load with assign=False")
+    state: ShardingState = module._hsdp_state
+    state.reshard_all()
+    for unit in state.units:
+        for p in unit.params:
             for slot in p.slots:
-                if slot.fqn in local:
-                    local[slot.fqn] = _local_chunk(local[slot.fqn], p)
-        self._hsdp_state.reshard_all()
-        return super().load_state_dict(local, strict=strict)
-
-
-def _as_dtensor(p: ShardedParam, device_mesh: Any) -> DTensor:
-    shape = torch.Size(p.layout.global_shape)
-    return DTensor.from_local(p.sharded.detach(), device_mesh, [Replicate(), Shard(0)], run_check=False,
-                              shape=shape, stride=torch.empty(shape, device="meta").stride())
-
-
-def _local_chunk(value: Any, p: ShardedParam) -> Any:
-    """This rank's chunk of a full tensor or of a DTensor of any layout (saved on another mesh, say)."""
-    if isinstance(value, DTensor):
-        local = value.to_local()
-        if value.placements == (Replicate(), Shard(0)) and tuple(local.shape) == p.layout.local_shape:
-            return local
-        value = value.full_tensor()
-    if isinstance(value, torch.Tensor) and tuple(value.shape) == p.layout.global_shape:
-        return p.layout.chunk(value)
-    return value  # wrong shape: let nn.Module.load_state_dict report it
+                key = prefix + slot.fqn
+                if key in state_dict:
+                    state_dict[key] = as_sharded(state_dict[key], p.layout, p.device_mesh)
 
 
 def _sharded_class(orig: type) -> type:
@@ -275,6 +272,9 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: 
     object.__setattr__(module, "_hsdp_mesh", mesh)
     for child in nested:
         object.__setattr__(child, "_hsdp_state", state)
+        child._hsdp_load_hook.remove()
+    hook = module._register_load_state_dict_pre_hook(_load_state_dict_pre_hook, with_module=True)
+    object.__setattr__(module, "_hsdp_load_hook", hook)
 
 
 def _own_buffers(module: nn.Module, nested: list[nn.Module]) -> list[torch.Tensor]:

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from hsdp.model import ShardedModel
+from hsdp.runtime.dtensor import is_hsdp_layout, local_chunk
 from hsdp.runtime.sharded_param import ShardedParam
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -68,10 +69,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params = self._index_params()
         dm = self._hsdp_model.mesh.device_mesh
         fqn = [by_param[id(p)].fqn for p in params]
-        state = {}
-        for idx, entries in raw["state"].items():
-            sp = by_param[id(params[idx])]
-            state[fqn[idx]] = {k: _to_dtensor(v, sp, dm) for k, v in entries.items()}
+        # Per-parameter state is already DTensor (built like the DTensor parameters): only rename.
+        state = {fqn[idx]: dict(entries) for idx, entries in raw["state"].items()}
         groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in raw["param_groups"]]
         out = {"state": state, "param_groups": groups}
         hop_state = {name: _residual_dtensor(v, sp, dm) for name, (sp, v) in _hop_residuals(self._hsdp_model).items()}
@@ -94,7 +93,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {}
         for name, entries in state_dict["state"].items():
             sp = by_param[id(params[index[name]])]
-            state[index[name]] = {k: _to_local(v, sp) for k, v in entries.items()}
+            state[index[name]] = {k: _as_state_of(v, sp) for k, v in entries.items()}
         raw_groups = [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
         super().load_state_dict({"state": state, "param_groups": raw_groups})
         _load_hop_residuals(self._hsdp_model, state_dict.get("hop_residuals", {}))
@@ -209,19 +208,12 @@ def _repoint_params(model: ShardedModel, optimizer: torch.optim.Optimizer) -> No
         group["params"] = new
 
 
-def _to_dtensor(value: Any, sp: ShardedParam, device_mesh: Any) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) != sp.layout.local_shape:
+def _as_state_of(value: Any, sp: ShardedParam) -> Any:
+    """Per-parameter state (full, or DTensor in any layout) as a DTensor chunk that owns its memory (a view
+    would keep the whole loaded tensor alive); scalars and other shapes unchanged."""
+    if isinstance(value, DTensor) and is_hsdp_layout(value, sp.layout):
         return value
-    shape = torch.Size(sp.layout.global_shape)
-    return DTensor.from_local(value, device_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
-
-
-def _to_local(value: Any, sp: ShardedParam) -> Any:
-    if isinstance(value, DTensor):
-        if value.placements == (Replicate(), Shard(0)) and tuple(value.to_local().shape) == sp.layout.local_shape:
-            return value.to_local()
-        value = value.full_tensor()
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == sp.layout.global_shape:
-        return sp.layout.chunk(value).clone()
-    return value
+    local = local_chunk(value, sp.layout) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+    if local is value or not isinstance(local, torch.Tensor):
+        return value
+    return sp.to_dtensor(local.clone())

@@ -18,7 +18,8 @@ def shard_checksums(model: ShardedModel) -> torch.Tensor:
     checksum that any changed bit changes; ``(n_params, 2)``."""
     rows = []
     for p in model.sharded_params():
-        bits = p.sharded.detach().reshape(-1).view(_INT_VIEW[p.sharded.element_size()]).to(torch.int64)
+        local = p.sharded_local.detach()
+        bits = local.reshape(-1).view(_INT_VIEW[local.element_size()]).to(torch.int64)
         weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
         rows.append(torch.stack([bits.sum(), (bits * weights).sum()]))
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)

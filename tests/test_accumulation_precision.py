@@ -95,16 +95,8 @@ def _precision(rank: int, world: int) -> dict:
         x, y = batch(0, rank)
         logits = model(x)
         loss_fn(logits.float(), y).backward()
-        # Gather the sharded fp32 gradients into full tensors to compare with the reference.
-        grads = {}
-        for n, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            chunk = -(-ref_grads[n].shape[0] // 2)
-            full = torch.zeros((2 * chunk, *p.grad.shape[1:]))
-            full[(rank % 2) * chunk: (rank % 2) * chunk + p.grad.shape[0]] = p.grad
-            torch.distributed.all_reduce(full, group=model.mesh.shard_group)
-            grads[n] = full[: ref_grads[n].shape[0]]
+        # The sharded fp32 gradients (DTensors) gathered into full tensors to compare with the reference.
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
         # Relative error of the whole gradient: per-tensor errors of tiny gradients are dominated by noise.
         diff = torch.cat([(grads[n] - g).flatten() for n, g in ref_grads.items()])
         rel = (diff.norm() / torch.cat([g.flatten() for g in ref_grads.values()]).norm()).item()

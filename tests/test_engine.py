@@ -96,7 +96,8 @@ def _state_dicts(rank: int, world: int) -> dict:
         full = ref_sd[name]
         chunk = -(-full.shape[0] // 2)
         local = full[rank % 2 * chunk: rank % 2 * chunk + chunk]
-        assert torch.equal(p.detach(), local), name  # this rank's dim-0 chunk of the original
+        assert isinstance(p, DTensor) and p.shape == full.shape and p.numel() == full.numel(), name
+        assert torch.equal(p.to_local(), local), name  # holding this rank's dim-0 chunk of the original
     sd = model.state_dict()
     assert list(sd) == list(ref_sd)
     for k, v in sd.items():

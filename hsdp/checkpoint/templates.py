@@ -13,18 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint.dcp_io import decode_object, dtype_of
 from hsdp.checkpoint.names import MODEL, OPTIM, param_by_name, sharded_param_of
 from hsdp.model import ShardedModel
-
-
-def sharded_dtensor(local: torch.Tensor, device_mesh: Any, global_shape: tuple[int, ...]) -> DTensor:
-    """``local`` as this rank's dim-0 chunk of a ``(Replicate(), Shard(0))`` DTensor of ``global_shape``."""
-    shape = torch.Size(global_shape)
-    return DTensor.from_local(local, device_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+from hsdp.runtime.dtensor import to_sharded_dtensor
 
 
 @dataclass
@@ -55,7 +49,7 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
             value = live[path[1]]
             if isinstance(value, DTensor):
                 local = torch.empty_like(value.to_local())
-                out.add(t["key"], local, sharded_dtensor(local, device_mesh, tuple(value.shape)))
+                out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, tuple(value.shape)))
             else:
                 out.add(t["key"], torch.empty_like(value))
             continue
@@ -64,7 +58,7 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
             out.add(t["key"], torch.empty(shape, dtype=dtype, device=device))
         else:
             local = torch.empty(p.layout.local_shape, dtype=dtype, device=device)
-            out.add(t["key"], local, sharded_dtensor(local, device_mesh, shape))
+            out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, shape))
     return out
 
 

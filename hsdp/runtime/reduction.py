@@ -110,16 +110,7 @@ class Reduction:
         offset = 0
         for p, flag in zip(self.params, has_grad, strict=True):
             if flag:
-                _accumulate(p, self.output[offset: offset + p.layout.local_numel])
+                p.accumulate_grad(self.output[offset: offset + p.layout.local_numel].view(p.layout.local_shape))
             offset += p.layout.padded_numel
         self.stage = Stage.DONE
 
-
-def _accumulate(p: ShardedParam, flat_grad: torch.Tensor) -> None:
-    grad = flat_grad.view(p.layout.local_shape)
-    if grad.dtype != p.dtype:
-        grad = grad.to(p.dtype)
-    if p.sharded.grad is None:
-        p.sharded.grad = grad  # a view into the reduction output when dtypes agree: no copy
-    else:
-        p.sharded.grad += grad

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from hsdp.runtime.dtensor import to_sharded_dtensor
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,14 @@ class ParamSlot:
 class ShardedParam:
     """The sharded and unsharded faces of one original parameter.
 
-    ``sharded`` is a view into the unit's flat sharded buffer: the parameter the optimizer sees.
+    ``sharded`` is the parameter the module exposes between steps and the optimizer sees: an
+    ``nn.Parameter`` holding a ``DTensor`` ``(Replicate(), Shard(0))`` of the original (global) shape,
+    whose local tensor (``sharded_local``) is a view into the unit's flat sharded buffer, so an in-place
+    optimizer update is an update of the all-gather's input with no copy. Its gradient is a DTensor of the
+    same layout over a view of the reduction output.
     ``unsharded`` has the original shape and takes part in autograd during forward and backward; its
     storage is a view into a padded buffer of ``S * padded_numel`` elements that is freed between uses.
+    It is a plain tensor: the module's own forward code never sees a DTensor.
     """
 
     def __init__(self, slots: list[ParamSlot], original: nn.Parameter, layout: ShardLayout,
@@ -94,7 +103,9 @@ class ShardedParam:
         self.dtype = original.dtype
         self.device = original.device
         self.compute_dtype = compute_dtype or original.dtype
-        self.sharded: nn.Parameter  # set by bind_sharded
+        self.sharded: nn.Parameter  # DTensor; set by bind_sharded
+        self.sharded_local: torch.Tensor  # 1D slot view shaped like this rank's chunk; set by bind_sharded
+        self.device_mesh: DeviceMesh  # set by bind_sharded
         # fp32 sum of unsharded gradients kept across micro-batches when gradient sync is off.
         self.grad_acc: torch.Tensor | None = None
         # ND: the padded all-gather destination, shape (S, padded_numel); storage freed when resharded.
@@ -110,10 +121,36 @@ class ShardedParam:
         self.slots = [ParamSlot(s.module, s.name, module_prefix[id(s.module)] + s.name) for s in self.slots]
         self.fqn = self.slots[0].fqn
 
-    def bind_sharded(self, flat_view: torch.Tensor) -> None:
-        """Make the sharded parameter a view into the unit's flat buffer slot for this parameter."""
-        local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
-        self.sharded = nn.Parameter(local, requires_grad=self.requires_grad)
+    def bind_sharded(self, flat_view: torch.Tensor, device_mesh: DeviceMesh) -> None:
+        """Make the sharded parameter a DTensor over a view of the unit's flat buffer slot."""
+        self.device_mesh = device_mesh
+        self.sharded_local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
+        dtensor = to_sharded_dtensor(self.sharded_local, device_mesh, self.layout.global_shape)
+        self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+
+    def to_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like this rank's chunk, as a DTensor of the parameter's global shape."""
+        return to_sharded_dtensor(local, self.device_mesh, self.layout.global_shape)
+
+    # -- the sharded gradient ----------------------------------------------------------------------------
+    @property
+    def grad_local(self) -> torch.Tensor | None:
+        """This rank's chunk of the sharded gradient (``None`` when there is none)."""
+        grad = self.sharded.grad
+        if grad is None:
+            return None
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    def accumulate_grad(self, local: torch.Tensor) -> None:
+        """Add a reduced gradient chunk to ``sharded.grad``; the first one becomes the gradient without a copy
+        (a view into the reduction output) when dtypes agree."""
+        if local.dtype != self.dtype:
+            local = local.to(self.dtype)
+        current = self.grad_local
+        if current is None:
+            self.sharded.grad = self.to_dtensor(local)
+        else:
+            current += local
 
     # -- storage -------------------------------------------------------------------------------------------
     def alloc_unsharded(self) -> None:

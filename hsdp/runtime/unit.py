@@ -71,7 +71,7 @@ class ShardUnit:
         flat = torch.zeros(self.slot_numel, dtype=p0.dtype, device=p0.device)
         offset = 0
         for p in self.params:
-            p.bind_sharded(flat[offset: offset + p.layout.padded_numel])
+            p.bind_sharded(flat[offset: offset + p.layout.padded_numel], self.comm.mesh.device_mesh)
             offset += p.layout.padded_numel
         return flat
 
@@ -79,7 +79,7 @@ class ShardUnit:
         """Copy this rank's chunk of each full tensor into the sharded parameters."""
         with torch.no_grad():
             for p, full in zip(self.params, fulls, strict=True):
-                p.sharded.copy_(p.layout.chunk(full))
+                p.sharded_local.copy_(p.layout.chunk(full))
 
     # -- unshard / reshard (forward and pre-backward) -------------------------------------------------
     def unshard(self, async_op: bool = True) -> None:

@@ -1,0 +1,65 @@
+"""The one place hsdp converts between this rank's dim-0 chunk and the global ``DTensor`` view of it.
+
+Every sharded parameter, gradient and per-parameter optimizer state is a ``DTensor`` with placements
+``(Replicate(), Shard(0))`` on the ``("replicate", "shard")`` mesh: replicated across nodes, split in
+``torch.chunk`` dim-0 chunks inside a node (FSDP2's HSDP layout). Code that reads shapes, norms or
+counts (``numel()``, ``clip_grad_norm_``, DCP) then sees the global tensor, while element-wise work runs on
+the local chunk through DTensor dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+if TYPE_CHECKING:
+    from hsdp.runtime.sharded_param import ShardLayout
+
+PLACEMENTS = (Replicate(), Shard(0))
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def to_sharded_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...]) -> DTensor:
+    """``local`` as this rank's chunk of a ``(Replicate(), Shard(0))`` DTensor of ``global_shape``; no copy,
+    no collective (the caller vouches for the layout)."""
+    return DTensor.from_local(local, device_mesh, PLACEMENTS, run_check=False, shape=torch.Size(global_shape),
+                              stride=contiguous_stride(tuple(global_shape)))
+
+
+def is_hsdp_layout(value: DTensor, layout: ShardLayout) -> bool:
+    """Whether ``value`` is already sharded the way ``layout`` says (its local tensor can be used as is)."""
+    return (tuple(value.placements) == PLACEMENTS and tuple(value.shape) == layout.global_shape
+            and tuple(value.to_local().shape) == layout.local_shape)
+
+
+def local_chunk(value: Any, layout: ShardLayout) -> Any:
+    """This rank's chunk of a full tensor or of a DTensor in any layout (a foreign layout costs a
+    ``full_tensor()``, a collective). Values of another shape are returned unchanged, for the caller's
+    own shape check to report."""
+    if isinstance(value, DTensor):
+        if is_hsdp_layout(value, layout):
+            return value.to_local()
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.global_shape:
+        return layout.chunk(value)
+    return value
+
+
+def as_sharded(value: Any, layout: ShardLayout, device_mesh: DeviceMesh) -> Any:
+    """A full tensor or a DTensor of any layout, re-expressed in hsdp's layout; other values unchanged."""
+    if isinstance(value, DTensor) and is_hsdp_layout(value, layout):
+        return value
+    local = local_chunk(value, layout)
+    if local is value or not isinstance(local, torch.Tensor):
+        return value
+    return to_sharded_dtensor(local, device_mesh, layout.global_shape)
