@@ -15,7 +15,8 @@ from torch import nn
 
 from hsdp.runtime.sharded_param import ParamSlot
 
-WrapPolicy = Callable[[nn.Module], bool] | type[nn.Module] | tuple[type[nn.Module], ...] | None
+WrapPolicy = (Callable[[nn.Module], bool] | type[nn.Module] | str
+              | Iterable[type[nn.Module] | str] | None)
 
 
 def _is_repeated_stack(module: nn.Module) -> bool:
@@ -40,20 +41,43 @@ def _default_units(root: nn.Module) -> list[nn.Module]:
 
 
 def _as_predicate(wrap: WrapPolicy) -> Callable[[nn.Module], bool] | None:
+    """A predicate from a class, a class name, a list/tuple/set of either (accelerate's
+    ``transformer_layer_cls_to_wrap`` takes names, Lightning a set of classes), or a callable."""
     if wrap is None:
         return None
-    if isinstance(wrap, type) or (isinstance(wrap, tuple) and all(isinstance(w, type) for w in wrap)):
-        classes = wrap
-        return lambda m: isinstance(m, classes)
-    if callable(wrap):
+    if isinstance(wrap, type) and issubclass(wrap, nn.Module):
+        return lambda m: isinstance(m, wrap)
+    if callable(wrap) and not isinstance(wrap, type):
         return wrap
-    raise ValueError(f"wrap must be a module class, a tuple of classes or a callable, got {wrap!r}")
+    items = [wrap] if isinstance(wrap, str) else wrap
+    if isinstance(items, (list, tuple, set, frozenset)) and items:
+        classes = tuple(w for w in items if isinstance(w, type) and issubclass(w, nn.Module))
+        names = frozenset(w for w in items if isinstance(w, str))
+        if len(classes) + len(names) == len(items):
+            return lambda m: isinstance(m, classes) or type(m).__name__ in names
+    raise ValueError(
+        f"wrap must be a module class, a class name, a list/tuple/set of classes or class names, or a callable "
+        f"module -> bool; got {wrap!r}"
+    )
+
+
+def _check_names_exist(root: nn.Module, wrap: WrapPolicy) -> None:
+    """A class name that matches no module is almost always a typo: say so instead of wrapping nothing."""
+    items = [wrap] if isinstance(wrap, str) else wrap
+    if not isinstance(items, (list, tuple, set, frozenset)):
+        return
+    present = {type(m).__name__ for m in root.modules()}
+    missing = sorted(w for w in items if isinstance(w, str) and w not in present)
+    if missing:
+        raise ValueError(f"wrap names module classes not in the model: {missing}; classes present include "
+                         f"{sorted(present)[:12]}")
 
 
 def select_unit_modules(root: nn.Module, wrap: WrapPolicy, exclude: Iterable[nn.Module] = ()) -> list[nn.Module]:
     """Unit modules in pre-order, root first; subtrees of ``exclude`` (already-wrapped modules) skipped."""
     excluded = set(map(id, exclude))
     pred = _as_predicate(wrap)
+    _check_names_exist(root, wrap)
     if pred is None:
         chosen = _default_units(root)
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -31,9 +32,40 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def to_sharded_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...]) -> DTensor:
     """``local`` as this rank's chunk of a ``(Replicate(), Shard(0))`` DTensor of ``global_shape``; no copy,
-    no collective (the caller vouches for the layout)."""
-    return DTensor.from_local(local, device_mesh, PLACEMENTS, run_check=False, shape=torch.Size(global_shape),
-                              stride=contiguous_stride(tuple(global_shape)))
+    no collective (the caller vouches for the layout). See [Note: DTensor over a slice of a flat buffer]."""
+    return _with_local(DTensor.from_local(_at_offset_zero(local), device_mesh, PLACEMENTS, run_check=False,
+                                          shape=torch.Size(global_shape),
+                                          stride=contiguous_stride(tuple(global_shape))), local)
+
+
+def sharded_parameter(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...],
+                      requires_grad: bool) -> nn.Parameter:
+    """An ``nn.Parameter`` holding :func:`to_sharded_dtensor` of ``local`` (the optimizer updates ``local``)."""
+    dtensor = DTensor.from_local(_at_offset_zero(local), device_mesh, PLACEMENTS, run_check=False,
+                                 shape=torch.Size(global_shape), stride=contiguous_stride(tuple(global_shape)))
+    # nn.Parameter(subclass) detaches (a new wrapper): swap the local tensor in after, not before.
+    return _with_local(nn.Parameter(dtensor, requires_grad=requires_grad), local)
+
+
+# [Note: DTensor over a slice of a flat buffer]
+# A unit's shards live in one flat buffer and every sharded parameter's local tensor is a view into it, so
+# the all-gather reads the buffer with no copy-in. A DTensor wrapper copies its local tensor's storage
+# offset, and torch's pickling (torch.save, copy.deepcopy) treats a wrapper subclass with a nonzero data
+# pointer as a plain tensor and fails ("invalid python storage"). So the wrapper is built over the same
+# memory at offset 0 (same shape and strides, inside the buffer) and the real view is swapped in as its
+# local tensor: every DTensor op reads ``_local_tensor``; only the wrapper's own (unused) metadata differs.
+# Results of ops on these DTensors (``detach()`` included) are new wrappers of offset views again: the
+# state dict therefore builds fresh wrappers instead of detaching.
+def _at_offset_zero(local: torch.Tensor) -> torch.Tensor:
+    if local.storage_offset() == 0:
+        return local
+    return local.as_strided(local.shape, local.stride(), 0)
+
+
+def _with_local(outer: DTensor, local: torch.Tensor) -> DTensor:
+    if outer._local_tensor is not local and local.storage_offset() != 0:
+        outer._local_tensor = local
+    return outer
 
 
 def is_hsdp_layout(value: DTensor, layout: ShardLayout) -> bool:

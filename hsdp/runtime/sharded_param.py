@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hsdp.runtime.dtensor import to_sharded_dtensor
+from hsdp.runtime.dtensor import sharded_parameter, to_sharded_dtensor
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,8 @@ class ShardedParam:
         """Make the sharded parameter a DTensor over a view of the unit's flat buffer slot."""
         self.device_mesh = device_mesh
         self.sharded_local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
-        dtensor = to_sharded_dtensor(self.sharded_local, device_mesh, self.layout.global_shape)
-        self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self.sharded = sharded_parameter(self.sharded_local, device_mesh, self.layout.global_shape,
+                                         self.requires_grad)
 
     def to_dtensor(self, local: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like this rank's chunk, as a DTensor of the parameter's global shape."""

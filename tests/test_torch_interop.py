@@ -1,0 +1,174 @@
+"""Ordinary PyTorch code written for a plain model gives the plain model's results on a ShardedModel.
+
+Every case compares against one plain process on the same global batch: torch's own clip_grad_norm_,
+parameter counts, a parent module's state_dict (saved with torch.save and loaded back, full or sharded),
+torch.distributed.checkpoint.state_dict's get/set_state_dict, and a Hugging Face model's num_parameters.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import torch
+from harness import run_distributed
+from models import ParityNet, batch, global_batch, loss_fn
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+import hsdp
+
+STEPS = 3
+
+
+class Parent(nn.Module):
+    """An unwrapped parent holding a wrapped child (HF's ``PreTrainedModel.model``, Lightning's module)."""
+
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        self.child = child
+        self.bias = nn.Parameter(torch.zeros(3))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b)
+    return max((_full(a[k]).double() - _full(b[k]).double()).abs().max().item() for k in a)
+
+
+def _clip_training(rank: int, world: int, norm_type: float) -> dict:
+    """3 AdamW steps clipped by torch.nn.utils.clip_grad_norm_ on hsdp and on one plain process."""
+    torch.manual_seed(0)
+    ref = ParityNet()
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    norm_err = 0.0
+    for step in range(STEPS):
+        x, y = global_batch(step, world)
+        loss_fn(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+        xb, yb = batch(step, rank)
+        loss_fn(model(xb), yb).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
+        norm_err = max(norm_err, abs(_full(norm).item() - ref_norm.item()) / ref_norm.item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    return {"norm_rel_err": norm_err, "param_diff": _max_diff(dict(model.named_parameters()),
+                                                                dict(ref.named_parameters()))}
+
+
+def _counts_and_state_dicts(rank: int, world: int, tmp: str) -> dict:
+    out: dict = {}
+    torch.manual_seed(0)
+    plain_parent = Parent(ParityNet())
+    plain_sd = {k: v.clone() for k, v in plain_parent.state_dict().items()}
+    torch.manual_seed(0)
+    parent = Parent(hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2)))
+    count = sum(p.numel() for p in parent.parameters())
+    out["numel"] = (count, sum(p.numel() for p in plain_parent.parameters()))
+    out["trainable"] = (sum(p.numel() for p in parent.parameters() if p.requires_grad),
+                        sum(p.numel() for p in plain_parent.parameters() if p.requires_grad))
+    # A parent's state_dict: original keys and shapes; the child's entries are DTensors of the full tensor.
+    sd = parent.state_dict()
+    out["keys_equal"] = list(sd) == list(plain_sd)
+    out["shapes_equal"] = all(tuple(sd[k].shape) == tuple(v.shape) for k, v in plain_sd.items())
+    out["child_dtensor"] = isinstance(sd["child.blocks.0.up.weight"], DTensor)
+    out["sd_diff"] = _max_diff(sd, plain_sd)
+    # torch.save of every rank's state dict keeps the global view (a DTensor pickles its placement).
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    out["saved_shapes"] = tuple(torch.load(buf, weights_only=False)["child.blocks.0.up.weight"].shape)
+    # Loading through the parent: full tensors (a plain checkpoint) and DTensors (a sharded one). State dict
+    # values alias the parameters, as in plain torch: keep a copy before zeroing them.
+    sd = {k: v.clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in parent.parameters():
+            p.zero_()
+    parent.load_state_dict(plain_sd)
+    out["load_full_diff"] = _max_diff(parent.state_dict(), plain_sd)
+    with torch.no_grad():
+        for p in parent.parameters():
+            p.zero_()
+    parent.load_state_dict(sd)
+    out["load_sharded_diff"] = _max_diff(parent.state_dict(), plain_sd)
+    out.update(_dcp_state_dict_helpers(rank, world, parent, plain_parent))
+    return out
+
+
+def _dcp_state_dict_helpers(rank: int, world: int, parent: nn.Module, plain_parent: nn.Module) -> dict:
+    """get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict), FSDP2 users' entry point."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    opt = torch.optim.AdamW(parent.parameters(), lr=1e-2)
+    x, y = batch(0, rank)
+    (loss_fn(parent.child(x), y) + parent.bias.square().sum()).backward()
+    opt.step()
+    model_sd, optim_sd = tree_map(_clone, get_state_dict(parent, opt))  # copies: values alias the live state
+    full_sd, _ = get_state_dict(parent, opt, options=StateDictOptions(full_state_dict=True))
+    out = {"gsd_keys_equal": list(model_sd) == list(plain_parent.state_dict()),
+           "gsd_full_plain": not any(isinstance(v, DTensor) for v in full_sd.values()),
+           "gsd_full_shapes": all(tuple(full_sd[k].shape) == tuple(v.shape)
+                                  for k, v in plain_parent.state_dict().items())}
+    expected = {k: _full(v).clone() for k, v in model_sd.items()}
+    exp_avg = _full(optim_sd["state"]["child.blocks.0.up.weight"]["exp_avg"]).clone()
+    with torch.no_grad():
+        for p in parent.parameters():
+            p.zero_()
+    for s in opt.state.values():
+        s["exp_avg"].zero_()
+    # strict=False: ParityNet's never-used parameter has no AdamW state (the same on a plain model).
+    set_state_dict(parent, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(strict=False))
+    out["ssd_model_diff"] = _max_diff(parent.state_dict(), expected)
+    after = _full(opt.state_dict()["state"][_index_of(parent, opt, "child.blocks.0.up.weight")]["exp_avg"])
+    out["ssd_optim_diff"] = (after - exp_avg).abs().max().item()
+    return out
+
+
+def _clone(x: object) -> object:
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _index_of(module: nn.Module, opt: torch.optim.Optimizer, name: str) -> int:
+    target = dict(module.named_parameters())[name]
+    return next(i for i, p in enumerate(opt.param_groups[0]["params"]) if p is target)
+
+
+def _hf_counts(rank: int, world: int) -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=37, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel(config)
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(GPT2LMHeadModel(config), mesh=hsdp.init_mesh(2))
+    return {"hf": (model.num_parameters(), plain.num_parameters()),
+            "hf_trainable": (model.num_parameters(only_trainable=True), plain.num_parameters(only_trainable=True))}
+
+
+def _all_cases(rank: int, world: int, tmp: str) -> dict:
+    return {"clip_2": _clip_training(rank, world, 2.0), "clip_inf": _clip_training(rank, world, math.inf),
+            **_counts_and_state_dicts(rank, world, tmp), **_hf_counts(rank, world)}
+
+
+def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None:
+    for r in run_distributed(_all_cases, 4, str(tmp_path)):
+        for kind in ("clip_2", "clip_inf"):
+            assert r[kind]["norm_rel_err"] < 1e-5, (kind, r[kind])
+            assert r[kind]["param_diff"] < 1e-5, (kind, r[kind])
+        for key in ("numel", "trainable", "hf", "hf_trainable"):
+            assert r[key][0] == r[key][1], (key, r[key])
+        assert r["keys_equal"] and r["shapes_equal"] and r["child_dtensor"], r
+        assert r["sd_diff"] == 0.0 and r["load_full_diff"] == 0.0 and r["load_sharded_diff"] == 0.0, r
+        assert r["saved_shapes"] == (17, 16), r
+        assert r["gsd_keys_equal"] and r["gsd_full_plain"] and r["gsd_full_shapes"], r
+        assert r["ssd_model_diff"] == 0.0 and r["ssd_optim_diff"] == 0.0, r
