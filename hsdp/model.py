@@ -138,7 +138,8 @@ class ShardedModel(nn.Module):
         sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         # Mid-step (a unit still unsharded) the slots hold the plain unsharded faces: report the shards.
         for p in self.sharded_params():
-            value = p.sharded if keep_vars else p.sharded.detach()
+            # Not ``detach()``: see [Note: DTensor over a slice of a flat buffer] (torch.save must work).
+            value = p.sharded if keep_vars else p.to_dtensor(p.sharded_local.detach())
             for slot in p.slots:
                 if prefix + slot.fqn in sd:
                     sd[prefix + slot.fqn] = value
