@@ -65,6 +65,29 @@ def _clip_training(rank: int, world: int, norm_type: float) -> dict:
                                                                 dict(ref.named_parameters()))}
 
 
+def _freeze_unfreeze(rank: int, world: int) -> float:
+    """requires_grad_ changed between steps on the wrapped model acts as on a plain one."""
+    torch.manual_seed(0)
+    ref = ParityNet()
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(STEPS):
+        if step == 1:
+            for m in (ref, model):
+                m.blocks[0].up.requires_grad_(False)
+                m.frozen.requires_grad_(True)
+        x, y = global_batch(step, world)
+        loss_fn(ref(x), y).backward()
+        xb, yb = batch(step, rank)
+        loss_fn(model(xb), yb).backward()
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    return _max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+
+
 def _counts_and_state_dicts(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
     torch.manual_seed(0)
@@ -157,7 +180,8 @@ def _hf_counts(rank: int, world: int) -> dict:
 
 def _all_cases(rank: int, world: int, tmp: str) -> dict:
     return {"clip_2": _clip_training(rank, world, 2.0), "clip_inf": _clip_training(rank, world, math.inf),
-            **_counts_and_state_dicts(rank, world, tmp), **_hf_counts(rank, world)}
+            "freeze_diff": _freeze_unfreeze(rank, world), **_counts_and_state_dicts(rank, world, tmp),
+            **_hf_counts(rank, world)}
 
 
 def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None:
@@ -165,6 +189,7 @@ def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None
         for kind in ("clip_2", "clip_inf"):
             assert r[kind]["norm_rel_err"] < 1e-5, (kind, r[kind])
             assert r[kind]["param_diff"] < 1e-5, (kind, r[kind])
+        assert r["freeze_diff"] < 1e-5, r["freeze_diff"]
         for key in ("numel", "trainable", "hf", "hf_trainable"):
             assert r[key][0] == r[key][1], (key, r[key])
         assert r["keys_equal"] and r["shapes_equal"] and r["child_dtensor"], r

@@ -99,7 +99,7 @@ class ShardedParam:
         self.layout = layout
         # Lets an optimizer built before wrapping be re-pointed at the shard, without keeping it alive.
         self.original_ref = weakref.ref(original)
-        self.requires_grad = original.requires_grad
+        self._initial_requires_grad = original.requires_grad  # until the sharded parameter exists
         self.dtype = original.dtype
         self.device = original.device
         self.compute_dtype = compute_dtype or original.dtype
@@ -127,6 +127,13 @@ class ShardedParam:
         self.sharded_local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
         self.sharded = sharded_parameter(self.sharded_local, device_mesh, self.layout.global_shape,
                                          self.requires_grad)
+
+    @property
+    def requires_grad(self) -> bool:
+        """The sharded parameter's flag: freezing or unfreezing it after wrapping (``requires_grad_``
+        between steps, the same on every rank, as with DDP) takes effect at the next forward."""
+        sharded = getattr(self, "sharded", None)
+        return self._initial_requires_grad if sharded is None else sharded.requires_grad
 
     def to_dtensor(self, local: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like this rank's chunk, as a DTensor of the parameter's global shape."""
@@ -191,5 +198,7 @@ class ShardedParam:
             slot.set(self.sharded)
 
     def to_unsharded(self) -> None:
+        if self.unsharded.requires_grad != self.requires_grad:
+            self.unsharded.requires_grad_(self.requires_grad)  # frozen or unfrozen since the last step
         for slot in self.slots:
             slot.set(self.unsharded)
