@@ -42,6 +42,8 @@ _EXPORTS = {
     "full_state_dict": "hsdp.state_dict",
     "FaultPolicy": "hsdp.watchdog",
     "PreemptionGuard": "hsdp.preemption",
+    "load_pretrained": "hsdp.init",
+    "materialize": "hsdp.init",
 }
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     )
     from hsdp.clip import clip_grad_norm_
     from hsdp.data import data_parallel_rank, data_parallel_size, distributed_sampler
+    from hsdp.init import load_pretrained, materialize
     from hsdp.memory import StateBytes, state_bytes
     from hsdp.mesh import HSDPMesh, init_mesh, rank_grid
     from hsdp.model import ShardedModel
@@ -103,6 +106,8 @@ __all__ = [
     "full_state_dict",
     "init_mesh",
     "load_checkpoint",
+    "load_pretrained",
+    "materialize",
     "rank_grid",
     "restore_rng_state",
     "save_checkpoint",

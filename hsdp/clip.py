@@ -29,14 +29,17 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
         raise ValueError("hsdp.clip_grad_norm_ expects a ShardedModel; use torch.nn.utils.clip_grad_norm_ otherwise")
     if on_nonfinite not in ("warn", "skip", "error"):
         raise ValueError(f"on_nonfinite must be 'warn', 'skip' or 'error', got {on_nonfinite!r}")
-    grads = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
+    # A replicated (0-d) parameter's gradient is whole on every shard rank: count it on shard rank 0 only.
+    counted = [p for p in model.sharded_params() if not p.layout.replicated or model.mesh.shard_rank == 0]
+    grads = [g for g in (p.grad_local for p in counted) if g is not None]
     total = _total_norm(model, grads, float(norm_type))
     if not torch.isfinite(total):
         _handle_nonfinite(model, total, on_nonfinite)
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    every = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
+    if every:
+        torch._foreach_mul_(every, coef.to(every[0].device))
     return total
 
 

@@ -79,7 +79,10 @@ class Handle:
         self._region = region  # the collective's profiler region; waiting shows as "<region> wait"
         self._stats = stats
         self._after = after or []
-        self._start = time.perf_counter()
+        # No clock under torch.compile (Dynamo would warn about, and break the graph at, perf_counter): the
+        # runtime issues collectives only from hooks that run eagerly, so only user code tracing a Comm
+        # call directly loses its seconds.
+        self._start = None if torch.compiler.is_compiling() else time.perf_counter()
         self._on_done = on_done
         self.done = work is None and on_done is None and not self._after
 
@@ -100,7 +103,7 @@ class Handle:
             # A separate region: in a trace, the exposed (not overlapped) communication is the wait.
             with record_function(f"{self._region} wait" if self._region else "hsdp::wait"):
                 self._work.wait()
-        if self._stats is not None:
+        if self._stats is not None and self._start is not None:
             self._stats.seconds += time.perf_counter() - self._start
         self.done = True
         # A finished work still references its input and output buffers: drop it so they can be freed.
@@ -176,6 +179,26 @@ class Comm:
         region = profiler_region("all_reduce", group, label)
         with record_function(region):
             work = dist.all_reduce(tensor, op=op, group=self._groups[group], async_op=True)
+            return self._finish(work, stats, async_op, region)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                   input_sizes: list[int], group: str = "shard", async_op: bool = False, *,
+                   label: str = "") -> Handle:
+        """1D ``input`` is cut in ``input_sizes`` pieces, piece ``i`` going to group rank ``i``; 1D ``output``
+        receives ``output_sizes[i]`` elements from rank ``i``, in rank order (sizes may differ and be 0).
+        ``wire_bytes`` counts only the pieces that leave this rank."""
+        n = self._sizes[group]
+        if n == 1:
+            output.copy_(input)
+            return Handle()
+        me = dist.get_rank(self._groups[group])
+        size = input.element_size()
+        sent = (sum(input_sizes) - input_sizes[me]) * size  # the piece for this rank stays here
+        stats = self.stats.record(group, "all_to_all", input.numel() * size, sent)
+        region = profiler_region("all_to_all", group, label)
+        with record_function(region):
+            work = dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self._groups[group],
+                                          async_op=True)
             return self._finish(work, stats, async_op, region)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, group: str = "world") -> None:

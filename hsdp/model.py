@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,17 @@ class ShardedModel(nn.Module):
       * Gradients: reduce-scattered in the shard group, then all-reduced across replicas; the result is
         the average over every rank's batch, the update DDP would make.
       * Initial parameters and buffers are broadcast from rank 0, so replicas start identical whatever
-        seed each rank used. Buffers are not synchronised afterwards.
+        seed each rank used.
+      * Meta-device construction: a model built under ``with torch.device("meta"):`` is wrapped without
+        allocating or broadcasting anything; its shards stay on meta until ``hsdp.materialize(model)``
+        (each rank initialises only its shards, one module at full size at a time),
+        ``hsdp.load_pretrained(model, path)`` or ``model.to_empty(device=mesh.device)`` plus your own init.
+      * ``broadcast_buffers``: re-broadcast the buffers from rank 0 before each step's forward, as DDP's
+        ``broadcast_buffers`` does, so BatchNorm running statistics stay identical on every rank. Default
+        ``None``: on iff the model has a layer tracking running statistics (BatchNorm, InstanceNorm); off
+        otherwise, because a world broadcast every step crosses the slow inter-node links and the buffers
+        of most models (masks, rotary tables) never change. ``True``/``False`` force it (see
+        ``hsdp/runtime/buffers.py``).
       * ``sharding_degree=1`` is plain replication (DDP semantics); the world size is full sharding.
       * ``mixed_precision``: compute/all-gather dtype and a reduce dtype per hop (see ``MixedPrecision``).
       * ``replica_hop``: what replaces the inter-node all-reduce (see ``hsdp.hops``), e.g. bf16 or int8.
@@ -57,7 +67,7 @@ class ShardedModel(nn.Module):
     def __new__(cls, module: nn.Module, sharding_degree: int | None = None, *, mesh: HSDPMesh | None = None,
                 wrap: WrapPolicy = None, reshard_after_forward: bool = True,
                 mixed_precision: MixedPrecision | None = None, replica_hop: ReplicaHop | None = None,
-                ) -> ShardedModel:
+                broadcast_buffers: bool | None = None) -> ShardedModel:
         if isinstance(module, ShardedModel):
             raise ValueError(
                 f"{type(module).__name__} is already a ShardedModel: wrap each model once (to shard a "
@@ -66,7 +76,8 @@ class ShardedModel(nn.Module):
         if not isinstance(module, nn.Module):
             raise ValueError(f"ShardedModel wraps an nn.Module, got {type(module).__name__}")
         mesh = _resolve_mesh(sharding_degree, mesh)
-        options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop())
+        options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop(),
+                              broadcast_buffers)
         _shard_module(module, mesh, wrap, options)
         module.__class__ = _sharded_class(type(module))
         return module  # type: ignore[return-value]
@@ -129,6 +140,24 @@ class ShardedModel(nn.Module):
 
     def sharded_params(self) -> list[ShardedParam]:
         return [p for u in self.units for p in u.params]
+
+    # -- conversions (.to, .float, .double, .half, .bfloat16, .to_empty, ...) ---------------------------
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ShardedModel:
+        """What ``.to(dtype | device)``, ``.float()``/``.double()``/``.half()``/``.bfloat16()`` and
+        ``.to_empty(device=)`` run; call them on the root ShardedModel, between steps.
+
+        Each unit's flat shard buffer is converted as one tensor, so the DTensor parameters stay views into
+        it (and keep their identity where torch can swap them, as ``nn.Module._apply`` does for DTensors);
+        their gradients are converted alike, the unsharded faces are re-created in the compute dtype
+        (``MixedPrecision.param_dtype`` when set, else the new dtype) and gradient reductions follow the new
+        dtype. Buffers go through ``nn.Module._apply`` (then ``MixedPrecision.buffer_dtype`` is re-applied).
+        As in plain torch, build the optimizer after a dtype or device change: existing optimizer state
+        keeps its old dtype. A conversion that changes shapes or leaves the mesh's device raises
+        ``ValueError``. See ``hsdp/init/storage.py``.
+        """
+        from hsdp.init.storage import apply_to_sharded_model  # hsdp.init imports this module
+
+        return apply_to_sharded_model(self, fn, recurse, super()._apply)
 
     # -- state dict ----------------------------------------------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -206,19 +235,33 @@ def _nested_roots(module: nn.Module) -> list[nn.Module]:
 
 
 def _validate_unit(owner: nn.Module, assigned: list[ParamAssignment]) -> None:
-    kinds = {(a.param.device, a.param.dtype) for a in assigned}
-    if len(kinds) > 1:
-        detail = ", ".join(f"{a.slots[0].fqn}: {a.param.device}/{a.param.dtype}" for a in assigned)
+    devices = {a.param.device for a in assigned}
+    if len(devices) > 1:
+        detail = ", ".join(f"{a.slots[0].fqn}: {a.param.device}" for a in assigned)
         raise ValueError(
-            f"parameters of one unit ({type(owner).__name__}) must share device and dtype, found {detail}: "
-            f"call model.to(device, dtype) before wrapping, or make the odd ones a unit of their own via wrap="
+            f"parameters of one unit ({type(owner).__name__}) must share a device, found {detail}: "
+            f"call model.to(device) before wrapping"
         )
+
+
+def _dtype_groups(assigned: list[ParamAssignment]) -> list[list[ParamAssignment]]:
+    """A unit module's parameters split by dtype, in order of first appearance.
+
+    [Note: mixed dtypes in one module] A flat shard buffer holds one dtype, so a module whose parameters
+    mix dtypes (an fp32 norm inside a bf16 block) becomes one unit per dtype on the same module: each is
+    gathered and reduced on its own (one more all-gather and reduce-scatter per extra dtype) and the hooks
+    of all of them run around the module's forward and backward.
+    """
+    groups: dict[torch.dtype, list[ParamAssignment]] = {}
     for a in assigned:
-        if a.param.dim() == 0:
-            raise ValueError(
-                f"parameter {a.slots[0].fqn} is 0-dimensional and cannot be split in dim-0 chunks: "
-                f"store it with shape (1,) instead"
-            )
+        groups.setdefault(a.param.dtype, []).append(a)
+    return list(groups.values())
+
+
+def _unit_key(module_key: str, group: int, dtype: torch.dtype) -> str:
+    """Unit names: the module's name, plus the dtype for a module's second and later dtype groups (hop
+    state is keyed by it, so it must be unique)."""
+    return module_key if group == 0 else f"{module_key}[{str(dtype).removeprefix('torch.')}]"
 
 
 @dataclass(frozen=True)
@@ -226,6 +269,13 @@ class UnitOptions:
     reshard_after_forward: bool
     mixed_precision: MixedPrecision
     replica_hop: ReplicaHop
+    broadcast_buffers: bool | None = None  # None: automatic (see hsdp/runtime/buffers.py)
+
+    def __post_init__(self) -> None:
+        # Checked here, before the first collective of wrapping.
+        if self.broadcast_buffers is not None and not isinstance(self.broadcast_buffers, bool):
+            raise ValueError(f"broadcast_buffers must be True, False or None (automatic: on iff the model has "
+                             f"BatchNorm-style running statistics), got {self.broadcast_buffers!r}")
 
 
 def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: UnitOptions) -> None:
@@ -239,6 +289,7 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: 
     for a in assignments:
         by_owner[id(a.owner)].append(a)
     # Every check above and here runs before the first collective below.
+    _check_meta(assignments)
     for m in unit_modules:
         _validate_unit(m, by_owner[id(m)])
 
@@ -252,22 +303,23 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: 
     prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
     units = []
     for m in unit_modules:
-        assigned = by_owner[id(m)]
-        if assigned:
-            units.append(_build_unit(m, assigned, comm, mesh, options, prefixes[id(m)].rstrip(".")))
+        for i, group in enumerate(_dtype_groups(by_owner[id(m)])):
+            key = _unit_key(prefixes[id(m)].rstrip("."), i, group[0].param.dtype)
+            units.append(_build_unit(m, group, comm, mesh, options, key))
     for child in nested:
         child_state: ShardingState = child._hsdp_state
         child_state.remove_hooks()
         units.extend(child_state.units)
         for u in child_state.units:
             u.comm = comm
-            u.key = prefixes[id(u.module)].rstrip(".")
+            dtype_tag = u.key[u.key.index("["):] if "[" in u.key else ""  # module names hold no "["
+            u.key = prefixes[id(u.module)].rstrip(".") + dtype_tag
             for p in u.params:
                 p.rebase(prefixes)
     if not units or units[0].module is not module:
         # The root still needs hooks to be the root (e.g. all params live in nested units).
         units.insert(0, ShardUnit.empty(module, comm, options.mixed_precision))
-    state = ShardingState(mesh, comm, units)
+    state = ShardingState(mesh, comm, units, broadcast_buffers=options.broadcast_buffers)
     state.register_hooks(units)
     object.__setattr__(module, "_hsdp_state", state)
     object.__setattr__(module, "_hsdp_mesh", mesh)
@@ -276,6 +328,19 @@ def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: 
         child._hsdp_load_hook.remove()
     hook = module._register_load_state_dict_pre_hook(_load_state_dict_pre_hook, with_module=True)
     object.__setattr__(module, "_hsdp_load_hook", hook)
+
+
+def _check_meta(assignments: list[ParamAssignment]) -> None:
+    """A model built under ``torch.device("meta")`` is wrapped with its shards left on meta (no values to
+    broadcast) until ``hsdp.materialize`` / ``hsdp.load_pretrained`` / ``to_empty``; half-meta models are
+    refused, since their real half would be initialised by construction and the rest by materialize."""
+    meta = [a.slots[0].fqn for a in assignments if a.param.is_meta]
+    if meta and len(meta) < len(assignments):
+        real = [a.slots[0].fqn for a in assignments if not a.param.is_meta]
+        raise ValueError(
+            f"some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}): build the "
+            f"whole model under `with torch.device('meta'):` (then hsdp.materialize) or none of it"
+        )
 
 
 def _own_buffers(module: nn.Module, nested: list[nn.Module]) -> list[torch.Tensor]:
@@ -292,10 +357,12 @@ def _cast_buffers(module: nn.Module, nested: list[nn.Module], dtype: torch.dtype
 
 
 def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor]) -> None:
-    """Replicas start identical: one flat broadcast per (device, dtype) of ``tensors``."""
+    """Replicas start identical: one flat broadcast per (device, dtype) of ``tensors``. Meta tensors hold no
+    values: they are skipped (``hsdp.materialize`` initialises them identically on every rank)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
+        if not t.is_meta:
+            groups.setdefault((t.device, t.dtype), []).append(t)
     with torch.no_grad():
         for tensors in groups.values():
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])

@@ -2,27 +2,49 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
+from hsdp.adafactor import adafactor_step, state_is_replicated
+from hsdp.local_step import LocalViews, is_elementwise, local_step
 from hsdp.model import ShardedModel
-from hsdp.runtime.dtensor import is_hsdp_layout, local_chunk
-from hsdp.runtime.sharded_param import ShardedParam
+from hsdp.muon import muon_step
+from hsdp.runtime.dtensor import PLACEMENTS, is_hsdp_layout, to_sharded_dtensor
+from hsdp.runtime.sharded_param import ShardedParam, ShardLayout
 
 _CLASS_CACHE: dict[type, type] = {}
-# Optimizers that couple elements across a tensor (or need all of it) cannot run on dim-0 shards.
-_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
+# Not element-wise, but hsdp replaces their step by an exact sharded one (hsdp/adafactor.py, hsdp/muon.py).
+# (The element-wise torch.optim optimizers are listed in hsdp/local_step.py.)
+_SHARDED_STEPS: dict[type, Callable[[Any, ShardedModel], None]] = {
+    torch.optim.Adafactor: adafactor_step,
+    torch.optim.Muon: muon_step,
+}
+# Not element-wise and not handled: the reason and the fix, for the ValueError.
+_NOT_ELEMENTWISE = {
+    "LBFGS": "it builds one flat vector of all gradients and line-searches on it; use Adam, AdamW or SGD",
+    "SparseAdam": "it needs sparse gradients and hsdp's are dense; use Adam or AdamW",
+}
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Make ``optimizer`` (built on ``model.parameters()``) a sharded optimizer; returns the same object.
 
     Each rank's optimizer steps only its own shards, so optimizer state is sharded like the parameters.
-    This is exact for element-wise optimizers (SGD, Adam, AdamW, ...). ``check_replicas_every=N`` runs
+    This is exact for element-wise optimizers: every torch.optim optimizer but LBFGS and SparseAdam
+    (rejected with a ``ValueError``). ``torch.optim.Adafactor`` and ``torch.optim.Muon`` are not
+    element-wise; their step is replaced by an exact sharded one (``hsdp/adafactor.py``: a few small
+    all-reduces in the shard group; ``hsdp/muon.py``: each matrix orthogonalised whole on one rank of the
+    shard group). Other optimizers (third-party, or torch's with ``step`` overridden) must be element-wise:
+    their first step runs under DTensor's ``CommDebugMode`` and warns if it communicated, a sign that the
+    optimizer reduces across elements (then DTensor, not hsdp, moves the data: not in ``comm_stats``,
+    possibly across nodes). ``check_replicas_every=N`` runs
     ``model.check_replicas()`` after every N-th step. The class is swapped to a subclass
     of both ``ShardedOptimizer`` and the original class, so LR schedulers and hooks work unchanged.
 
@@ -43,6 +65,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         object.__setattr__(optimizer, "_hsdp_model", model)
         object.__setattr__(optimizer, "_hsdp_check_every", check_replicas_every)
         object.__setattr__(optimizer, "_hsdp_steps", 0)
+        views = LocalViews(_sharded_by_param(model)) if is_elementwise(optimizer) else None
+        object.__setattr__(optimizer, "_hsdp_local_views", views)
+        object.__setattr__(optimizer, "_hsdp_sharded_step", _sharded_step(optimizer))
+        object.__setattr__(optimizer, "_hsdp_unverified", views is None and _sharded_step(optimizer) is None)
         optimizer._patch_step_function()  # step hooks, as torch.optim.Optimizer.__init__ would install
         return optimizer  # type: ignore[return-value]
 
@@ -52,10 +78,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
-        result = super().step(closure)
+        if self._hsdp_sharded_step is not None:  # Adafactor, Muon: see hsdp/adafactor.py, hsdp/muon.py
+            result = None
+            if closure is not None:
+                with torch.enable_grad():
+                    result = closure()
+            self._hsdp_sharded_step(self, self._hsdp_model)
+        elif self._hsdp_local_views is not None and closure is None:
+            with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
+                result = super().step()
+        elif self._hsdp_unverified and closure is None:
+            result = self._verified_step()
+        else:
+            result = super().step(closure)
         self._hsdp_steps += 1
         if self._hsdp_check_every and self._hsdp_steps % self._hsdp_check_every == 0:
             self._hsdp_model.check_replicas()
+        return result
+
+    def _verified_step(self) -> Any:
+        """The first step of an optimizer hsdp does not know: warn if DTensor had to communicate."""
+        with CommDebugMode() as mode:
+            result = super().step()
+        self._hsdp_unverified = False
+        if mode.get_total_counts():
+            warnings.warn(
+                f"{_base_name(self)}.step issued {mode.get_total_counts()} collective(s) through "
+                f"DTensor on sharded parameters: it is not element-wise. Its results are whatever DTensor "
+                f"computes (bf16 partial sums differ from one process), the bytes are not in comm_stats and "
+                f"may cross nodes; use an element-wise optimizer or one hsdp handles (torch.optim.Muon, "
+                f"torch.optim.Adafactor)", RuntimeWarning, stacklevel=3)
         return result
 
     # -- state dict ----------------------------------------------------------------------------------
@@ -93,7 +145,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {}
         for name, entries in state_dict["state"].items():
             sp = by_param[id(params[index[name]])]
-            state[index[name]] = {k: _as_state_of(v, sp) for k, v in entries.items()}
+            state[index[name]] = {k: _as_state_of(v, sp, state_is_replicated(k, len(sp.layout.global_shape))
+                                                  and isinstance(self, torch.optim.Adafactor))
+                                  for k, v in entries.items()}
         raw_groups = [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
         super().load_state_dict({"state": state, "param_groups": raw_groups})
         _load_hop_residuals(self._hsdp_model, state_dict.get("hop_residuals", {}))
@@ -125,7 +179,8 @@ def _residual_dtensor(value: torch.Tensor, sp: ShardedParam, device_mesh: Any) -
     """Residuals differ per replica (each keeps its own rounding error): a leading replica dim, sharded
     over the replicate mesh dim, so every replica's residual is saved, not one copy of one of them."""
     shape = torch.Size((device_mesh.size(0), *sp.layout.global_shape))
-    return DTensor.from_local(value.unsqueeze(0), device_mesh, [Shard(0), Shard(1)], run_check=False, shape=shape,
+    inner = Replicate() if sp.layout.replicated else Shard(1)  # a 0-d parameter is whole on every shard rank
+    return DTensor.from_local(value.unsqueeze(0), device_mesh, [Shard(0), inner], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
 
@@ -173,11 +228,25 @@ def _validate(model: Any, optimizer: Any) -> None:
         raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, ShardedOptimizer):
         raise ValueError("this optimizer is already a ShardedOptimizer: wrap it once")
-    if type(optimizer).__name__ in _NOT_ELEMENTWISE:
-        raise ValueError(
-            f"{type(optimizer).__name__} is not element-wise and cannot step dim-0 shards: use SGD, Adam, "
-            f"AdamW or another element-wise optimizer"
-        )
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in _NOT_ELEMENTWISE:
+            raise ValueError(f"{type(optimizer).__name__} is not element-wise and cannot step dim-0 shards: "
+                             f"{_NOT_ELEMENTWISE[cls.__name__]}")
+
+
+def _base_name(optimizer: ShardedOptimizer) -> str:
+    return next(c for c in type(optimizer).__mro__ if not issubclass(c, ShardedOptimizer)).__name__
+
+
+def _own_step(optimizer: torch.optim.Optimizer, cls: type) -> bool:
+    """Whether ``optimizer`` steps with ``cls.step`` (not a subclass's override). Compared unwrapped: torch
+    wraps ``step`` in place for its hooks."""
+    own = next(c for c in type(optimizer).__mro__ if not issubclass(c, ShardedOptimizer))
+    return issubclass(own, cls) and inspect.unwrap(own.step) is inspect.unwrap(cls.step)
+
+
+def _sharded_step(optimizer: torch.optim.Optimizer) -> Callable[[Any, ShardedModel], None] | None:
+    return next((fn for cls, fn in _SHARDED_STEPS.items() if _own_step(optimizer, cls)), None)
 
 
 def _sharded_by_param(model: ShardedModel) -> dict[int, ShardedParam]:
@@ -208,12 +277,31 @@ def _repoint_params(model: ShardedModel, optimizer: torch.optim.Optimizer) -> No
         group["params"] = new
 
 
-def _as_state_of(value: Any, sp: ShardedParam) -> Any:
-    """Per-parameter state (full, or DTensor in any layout) as a DTensor chunk that owns its memory (a view
-    would keep the whole loaded tensor alive); scalars and other shapes unchanged."""
-    if isinstance(value, DTensor) and is_hsdp_layout(value, sp.layout):
+def _as_state_of(value: Any, sp: ShardedParam, replicated: bool = False) -> Any:
+    """Per-parameter state as hsdp keeps it, owning its memory (a view would keep a whole loaded tensor
+    alive): a DTensor ``(Replicate(), Shard(0))`` chunk of the state's own global shape when that shape has
+    the parameter's rank and rows (moments, Adafactor's row factors), a fully replicated DTensor when
+    ``replicated`` (Adafactor's column factor of a matrix); scalars and other shapes unchanged."""
+    if isinstance(value, DTensor):
+        if is_hsdp_layout(value, sp.layout) or _chunked_as_hsdp(value, sp):
+            return value
+        # A replicated value (any mesh) is its own full tensor: no collective.
+        value = value.to_local() if all(p == Replicate() for p in value.placements) else value.full_tensor()
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value
-    local = local_chunk(value, sp.layout) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
-    if local is value or not isinstance(local, torch.Tensor):
+    shape = tuple(value.shape)
+    if replicated:
+        return DTensor.from_local(value.clone(), sp.device_mesh, (Replicate(), Replicate()), run_check=False)
+    if len(shape) != len(sp.layout.global_shape) or shape[0] != sp.layout.rows:
         return value
-    return sp.to_dtensor(local.clone())
+    layout = ShardLayout(shape, sp.layout.sharding_degree, sp.layout.shard_rank)
+    return to_sharded_dtensor(layout.chunk(value).clone(), sp.device_mesh, shape)
+
+
+def _chunked_as_hsdp(value: DTensor, sp: ShardedParam) -> bool:
+    """Whether a DTensor already is this rank's chunk of its own global shape on ``sp``'s mesh (its local
+    tensor can be kept as is)."""
+    if tuple(value.placements) != PLACEMENTS or value.dim() == 0 or value.device_mesh != sp.device_mesh:
+        return False
+    layout = ShardLayout(tuple(value.shape), sp.layout.sharding_degree, sp.layout.shard_rank)
+    return tuple(value.to_local().shape) == layout.local_shape

@@ -50,7 +50,8 @@ def _bad_inputs(rank: int, world: int) -> dict[str, str]:
     checks = {
         "degree too big": lambda: hsdp.init_mesh(4),
         "degree < 1": lambda: hsdp.ShardedModel(nn.Linear(2, 2), sharding_degree=0),
-        "mixed dtypes": lambda: hsdp.ShardedModel(TwoDtypes(), mesh=mesh),
+        "wrap typo": lambda: hsdp.ShardedModel(TwoDtypes(), mesh=mesh, wrap=["Linaer"]),
+        "wrap type": lambda: hsdp.ShardedModel(TwoDtypes(), mesh=mesh, wrap=3),
         "1-D mesh": lambda: hsdp.init_mesh(device_mesh=flat_mesh),
         "wrong dim names": lambda: hsdp.init_mesh(device_mesh=bad_names),
         "wrapped twice": lambda: hsdp.ShardedModel(wrapped, mesh=mesh),
@@ -61,7 +62,7 @@ def _bad_inputs(rank: int, world: int) -> dict[str, str]:
     }
     fixes = {
         "degree too big": "use at most 2", "degree < 1": "below 1",
-        "mixed dtypes": "must share device and dtype", "1-D mesh": "mesh_dim_names=('replicate', 'shard')",
+        "wrap typo": "not in the model", "wrap type": "wrap must be", "1-D mesh": "mesh_dim_names=('replicate', 'shard')",
         "wrong dim names": "mesh_dim_names=('replicate', 'shard')", "wrapped twice": "wrap each model once",
         "degree vs mesh": "pass only one", "not elementwise": "element-wise",
         "foreign optimizer": "model.parameters() after wrapping", "plain model": "wrap the model with ShardedModel",

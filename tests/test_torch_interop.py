@@ -12,7 +12,7 @@ import math
 
 import torch
 from harness import run_distributed
-from models import ParityNet, batch, global_batch, loss_fn
+from models import Block, ParityNet, batch, global_batch, loss_fn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
@@ -63,6 +63,113 @@ def _clip_training(rank: int, world: int, norm_type: float) -> dict:
         opt.zero_grad()
     return {"norm_rel_err": norm_err, "param_diff": _max_diff(dict(model.named_parameters()),
                                                                 dict(ref.named_parameters()))}
+
+
+class MixedBlock(nn.Module):
+    """A float64 linear with a float32 norm in one unit (as a bf16 block keeps its norms in fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 17).double()
+        self.norm = nn.LayerNorm(17)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.tanh(self.lin(x.double())).float())
+
+
+class MixedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, 16)
+        self.blocks = nn.ModuleList([MixedBlock(), MixedBlock()])
+        self.proj = nn.ModuleList([nn.Linear(17, 16), nn.Linear(17, 16)])
+        self.head = nn.Linear(16, 17).double()  # the root unit mixes dtypes too
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block, proj in zip(self.blocks, self.proj, strict=True):
+            x = x + proj(block(x))
+        return self.head(x.double()).float()
+
+
+def _mixed_dtypes(rank: int, world: int) -> dict:
+    """A unit whose parameters mix dtypes trains like the plain model."""
+    torch.manual_seed(0)
+    ref = MixedNet()
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(MixedNet(), mesh=hsdp.init_mesh(2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(STEPS):
+        x, y = global_batch(step, world)
+        loss_fn(ref(x), y).backward()
+        xb, yb = batch(step, rank)
+        loss_fn(model(xb), yb).backward()
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    dtypes = {p.dtype for p in model.parameters()}
+    return {"diff": _max_diff(dict(model.named_parameters()), dict(ref.named_parameters())),
+            "units": [u.key for u in model.units], "dtypes_kept": dtypes == {torch.float32, torch.float64}}
+
+
+def _wrap_forms(rank: int, world: int) -> dict[str, list[str]]:
+    """``wrap=`` as accelerate (class names), Lightning (a set of classes) and FSDP2 users pass it."""
+    mesh = hsdp.init_mesh(2)
+    forms = {"class": Block, "list": [Block], "set": {Block}, "names": ["Block"], "name": "Block",
+             "callable": lambda m: isinstance(m, Block)}
+    return {k: [u.key for u in hsdp.ShardedModel(ParityNet(), mesh=mesh, wrap=w).units] for k, w in forms.items()}
+
+
+class GatedBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(0.3))  # 0-d, inside a unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.alpha * (super().forward(x) - x)
+
+
+class ScaledNet(ParityNet):
+    """CLIP-style 0-d parameters: a logit scale in the root unit and a gate in every block unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(0.7))
+        self.blocks = nn.ModuleList([GatedBlock() for _ in range(3)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.logit_scale.exp()
+
+
+def _zero_dim(rank: int, world: int, tmp: str) -> dict:
+    """0-d parameters train like the plain model (clipped by torch's util) and survive a checkpoint."""
+    torch.manual_seed(0)
+    ref = ScaledNet()
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(ScaledNet(), mesh=hsdp.init_mesh(2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(STEPS):
+        x, y = global_batch(step, world)
+        loss_fn(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        xb, yb = batch(step, rank)
+        loss_fn(model(xb), yb).backward()
+        norm = hsdp.clip_grad_norm_(model, 0.05) if step % 2 else torch.nn.utils.clip_grad_norm_(
+            model.parameters(), 0.05)
+        norm_err = abs(_full(norm).item() - ref_norm.item()) / ref_norm.item()
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    diff = _max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+    hsdp.save_checkpoint(tmp, model, opt)
+    saved = {k: _full(v).clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.logit_scale.fill_(5.0)
+    hsdp.load_checkpoint(tmp, model, opt)
+    return {"diff": diff, "norm_err": norm_err, "placements": str(model.logit_scale.placements),
+            "restored": _max_diff(model.state_dict(), saved)}
 
 
 def _freeze_unfreeze(rank: int, world: int) -> float:
@@ -180,8 +287,9 @@ def _hf_counts(rank: int, world: int) -> dict:
 
 def _all_cases(rank: int, world: int, tmp: str) -> dict:
     return {"clip_2": _clip_training(rank, world, 2.0), "clip_inf": _clip_training(rank, world, math.inf),
-            "freeze_diff": _freeze_unfreeze(rank, world), **_counts_and_state_dicts(rank, world, tmp),
-            **_hf_counts(rank, world)}
+            "freeze_diff": _freeze_unfreeze(rank, world), "mixed": _mixed_dtypes(rank, world),
+            "wrap": _wrap_forms(rank, world), "zero_dim": _zero_dim(rank, world, f"{tmp}/ckpt"),
+            **_counts_and_state_dicts(rank, world, tmp), **_hf_counts(rank, world)}
 
 
 def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None:
@@ -190,6 +298,14 @@ def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None
             assert r[kind]["norm_rel_err"] < 1e-5, (kind, r[kind])
             assert r[kind]["param_diff"] < 1e-5, (kind, r[kind])
         assert r["freeze_diff"] < 1e-5, r["freeze_diff"]
+        z = r["zero_dim"]
+        assert z["diff"] < 1e-5 and z["norm_err"] < 1e-5 and z["restored"] == 0.0, z
+        assert "Shard" not in z["placements"], z  # replicated in the shard group too
+        for form, keys in r["wrap"].items():
+            assert keys == ["", "blocks.0", "blocks.1", "blocks.2"], (form, keys)
+        assert r["mixed"]["diff"] < 1e-5 and r["mixed"]["dtypes_kept"], r["mixed"]
+        assert r["mixed"]["units"] == ["", "[float64]", "blocks.0", "blocks.0[float32]", "blocks.1",
+                                       "blocks.1[float32]", "proj.0", "proj.1"], r["mixed"]
         for key in ("numel", "trainable", "hf", "hf_trainable"):
             assert r[key][0] == r[key][1], (key, r[key])
         assert r["keys_equal"] and r["shapes_equal"] and r["child_dtensor"], r

@@ -49,7 +49,7 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
             value = live[path[1]]
             if isinstance(value, DTensor):
                 local = torch.empty_like(value.to_local())
-                out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, tuple(value.shape)))
+                out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, tuple(value.shape), value.placements))
             else:
                 out.add(t["key"], torch.empty_like(value))
             continue

@@ -9,12 +9,13 @@ the local chunk through DTensor dispatch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 if TYPE_CHECKING:
     from hsdp.runtime.sharded_param import ShardLayout
@@ -30,18 +31,20 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def to_sharded_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...]) -> DTensor:
-    """``local`` as this rank's chunk of a ``(Replicate(), Shard(0))`` DTensor of ``global_shape``; no copy,
-    no collective (the caller vouches for the layout). See [Note: DTensor over a slice of a flat buffer]."""
-    return _with_local(DTensor.from_local(_at_offset_zero(local), device_mesh, PLACEMENTS, run_check=False,
+def to_sharded_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...],
+                       placements: Sequence[Placement] = PLACEMENTS) -> DTensor:
+    """``local`` as this rank's chunk of a ``(Replicate(), Shard(0))`` DTensor of ``global_shape`` (or of
+    other ``placements``); no copy, no collective (the caller vouches for the layout). See
+    [Note: DTensor over a slice of a flat buffer]."""
+    return _with_local(DTensor.from_local(_at_offset_zero(local), device_mesh, placements, run_check=False,
                                           shape=torch.Size(global_shape),
                                           stride=contiguous_stride(tuple(global_shape))), local)
 
 
 def sharded_parameter(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...],
-                      requires_grad: bool) -> nn.Parameter:
+                      requires_grad: bool, placements: Sequence[Placement] = PLACEMENTS) -> nn.Parameter:
     """An ``nn.Parameter`` holding :func:`to_sharded_dtensor` of ``local`` (the optimizer updates ``local``)."""
-    dtensor = DTensor.from_local(_at_offset_zero(local), device_mesh, PLACEMENTS, run_check=False,
+    dtensor = DTensor.from_local(_at_offset_zero(local), device_mesh, placements, run_check=False,
                                  shape=torch.Size(global_shape), stride=contiguous_stride(tuple(global_shape)))
     # nn.Parameter(subclass) detaches (a new wrapper): swap the local tensor in after, not before.
     return _with_local(nn.Parameter(dtensor, requires_grad=requires_grad), local)
@@ -70,7 +73,7 @@ def _with_local(outer: DTensor, local: torch.Tensor) -> DTensor:
 
 def is_hsdp_layout(value: DTensor, layout: ShardLayout) -> bool:
     """Whether ``value`` is already sharded the way ``layout`` says (its local tensor can be used as is)."""
-    return (tuple(value.placements) == PLACEMENTS and tuple(value.shape) == layout.global_shape
+    return (tuple(value.placements) == layout.placements and tuple(value.shape) == layout.global_shape
             and tuple(value.to_local().shape) == layout.local_shape)
 
 
@@ -94,4 +97,4 @@ def as_sharded(value: Any, layout: ShardLayout, device_mesh: DeviceMesh) -> Any:
     local = local_chunk(value, layout)
     if local is value or not isinstance(local, torch.Tensor):
         return value
-    return to_sharded_dtensor(local, device_mesh, layout.global_shape)
+    return to_sharded_dtensor(local, device_mesh, layout.global_shape, layout.placements)

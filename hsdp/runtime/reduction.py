@@ -59,8 +59,7 @@ class Reduction:
         in_dtypes = {g.dtype for g in grads if g is not None}
         in_dtype = in_dtypes.pop() if len(in_dtypes) == 1 else dtype
         flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=in_dtype, device=device)
-        inputs = [torch.zeros(p.layout.global_shape, dtype=in_dtype, device=device) if g is None
-                  else g.to(in_dtype) for p, g in zip(params, grads, strict=True)]
+        inputs = [_reduce_scatter_input(p, g, in_dtype, device, s) for p, g in zip(params, grads, strict=True)]
         inputs.append(flags.expand(s, -1))  # one copy of the flags in every rank's chunk
         n_out = sum(p.layout.padded_numel for p in params) + len(params)
         # ND: (S, slot + n_flags); row r is what rank r receives, padded chunk by chunk; casts on the way.
@@ -97,6 +96,13 @@ class Reduction:
         self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
         self.stage = Stage.REPLICA_HOP
 
+    def abandon(self) -> None:
+        """Wait for the collective in flight and drop its result (the backward that started it raised)."""
+        self._handle.wait()
+        self._handle = Handle()
+        self.output = self.output.new_empty(0)
+        self.stage = Stage.DONE
+
     def finish(self) -> None:
         """Wait for both hops and accumulate the reduced shards into ``param.grad`` of the sharded params."""
         if self.stage is Stage.DONE:
@@ -114,3 +120,10 @@ class Reduction:
             offset += p.layout.padded_numel
         self.stage = Stage.DONE
 
+
+def _reduce_scatter_input(p: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+                          s: int) -> torch.Tensor:
+    """A gradient as ``_chunk_cat`` input: dim-0 chunks go to the shard ranks; a replicated (0-d) parameter's
+    gradient goes whole to every rank (an expanded view, like the flags), so each receives the average."""
+    g = torch.zeros(p.layout.global_shape, dtype=dtype, device=device) if grad is None else grad.to(dtype)
+    return g.reshape(1, -1).expand(s, -1) if p.layout.replicated else g

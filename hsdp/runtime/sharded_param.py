@@ -15,22 +15,37 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from hsdp.runtime.dtensor import sharded_parameter, to_sharded_dtensor
 
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Pure arithmetic of the dim-0 chunking of one tensor shape over ``sharding_degree`` ranks."""
+    """Pure arithmetic of the dim-0 chunking of one tensor shape over ``sharding_degree`` ranks.
+
+    A 0-d tensor (CLIP's ``logit_scale``) has no dim 0 to split: it is *replicated* in the shard group,
+    every rank holding the whole value in a one-element slot (its DTensor placements are
+    ``(Replicate(), Replicate())``); the all-gather then returns S equal copies and the reduce-scatter
+    gives every rank the averaged gradient. It costs one element per rank.
+    """
 
     global_shape: tuple[int, ...]
     sharding_degree: int
     shard_rank: int
 
     @property
+    def replicated(self) -> bool:
+        return not self.global_shape
+
+    @property
+    def placements(self) -> tuple[Placement, Placement]:
+        """The DTensor placements on the ``("replicate", "shard")`` mesh."""
+        return (Replicate(), Replicate()) if self.replicated else (Replicate(), Shard(0))
+
+    @property
     def rows(self) -> int:
-        return self.global_shape[0]
+        return 1 if self.replicated else self.global_shape[0]
 
     @property
     def row_numel(self) -> int:
@@ -38,7 +53,7 @@ class ShardLayout:
 
     @property
     def chunk_rows(self) -> int:
-        return -(-self.rows // self.sharding_degree)
+        return 1 if self.replicated else -(-self.rows // self.sharding_degree)
 
     @property
     def padded_numel(self) -> int:
@@ -47,15 +62,15 @@ class ShardLayout:
 
     def row_offset(self, shard_rank: int | None = None) -> int:
         r = self.shard_rank if shard_rank is None else shard_rank
-        return min(r * self.chunk_rows, self.rows)
+        return 0 if self.replicated else min(r * self.chunk_rows, self.rows)
 
     def local_rows(self, shard_rank: int | None = None) -> int:
         r = self.shard_rank if shard_rank is None else shard_rank
-        return max(0, min(self.chunk_rows, self.rows - r * self.chunk_rows))
+        return 1 if self.replicated else max(0, min(self.chunk_rows, self.rows - r * self.chunk_rows))
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return (self.local_rows(), *self.global_shape[1:])
+        return self.global_shape if self.replicated else (self.local_rows(), *self.global_shape[1:])
 
     @property
     def local_numel(self) -> int:
@@ -63,7 +78,7 @@ class ShardLayout:
 
     def chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor of ``global_shape`` (a view)."""
-        return full.narrow(0, self.row_offset(), self.local_rows())
+        return full if self.replicated else full.narrow(0, self.row_offset(), self.local_rows())
 
 
 @dataclass(frozen=True)
@@ -109,11 +124,16 @@ class ShardedParam:
         # fp32 sum of unsharded gradients kept across micro-batches when gradient sync is off.
         self.grad_acc: torch.Tensor | None = None
         # ND: the padded all-gather destination, shape (S, padded_numel); storage freed when resharded.
+        self._make_unsharded(self.compute_dtype, original.requires_grad)
+
+    def _make_unsharded(self, compute_dtype: torch.dtype, requires_grad: bool) -> None:
+        """(Re-)create the unsharded face, storage freed, on ``self.device`` in ``compute_dtype``."""
+        self.compute_dtype = compute_dtype
         self.unsharded_padded = torch.empty(
-            layout.sharding_degree * layout.padded_numel, dtype=self.compute_dtype, device=original.device
+            self.layout.sharding_degree * self.layout.padded_numel, dtype=compute_dtype, device=self.device
         )
-        full = self.unsharded_padded[: math.prod(layout.global_shape)].view(layout.global_shape)
-        self.unsharded = nn.Parameter(full, requires_grad=original.requires_grad)
+        full = self.unsharded_padded[: math.prod(self.layout.global_shape)].view(self.layout.global_shape)
+        self.unsharded = nn.Parameter(full, requires_grad=requires_grad)
         self.free_unsharded()
 
     def rebase(self, module_prefix: dict[int, str]) -> None:
@@ -126,7 +146,35 @@ class ShardedParam:
         self.device_mesh = device_mesh
         self.sharded_local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
         self.sharded = sharded_parameter(self.sharded_local, device_mesh, self.layout.global_shape,
-                                         self.requires_grad)
+                                         self.requires_grad, self.layout.placements)
+
+    def rebind(self, flat_view: torch.Tensor, device_mesh: DeviceMesh, compute_dtype: torch.dtype,
+               grad_local: torch.Tensor | None = None) -> None:
+        """Move to a new slot ``flat_view`` of the unit's flat buffer after a dtype or device conversion
+        (``ShardUnit.adopt_flat``): the sharded parameter's local tensor becomes a view into it, its gradient
+        becomes ``grad_local`` (already converted), and the unsharded face is re-created in
+        ``compute_dtype`` on the new device.
+
+        The sharded ``nn.Parameter`` keeps its identity where torch allows it (``torch.utils.swap_tensors``,
+        what ``nn.Module._apply`` does for DTensor parameters), so an optimizer or a dict holding it sees the
+        converted tensor; otherwise (the old one is referenced from C++, e.g. by a live autograd graph) it
+        is a new object and the module's slots are re-pointed by :meth:`to_sharded`.
+        """
+        old = getattr(self, "sharded", None)
+        requires_grad = self.requires_grad
+        if old is not None:
+            old.grad = None  # a gradient holds a reference that would block the swap
+        self.dtype, self.device = flat_view.dtype, flat_view.device
+        self.bind_sharded(flat_view, device_mesh)
+        if old is not None:
+            try:
+                torch.utils.swap_tensors(old, self.sharded)
+                self.sharded = old
+            except RuntimeError:
+                pass  # keep the new object
+        if grad_local is not None:
+            self.sharded.grad = self.to_dtensor(grad_local)
+        self._make_unsharded(compute_dtype, requires_grad)
 
     @property
     def requires_grad(self) -> bool:
@@ -137,7 +185,7 @@ class ShardedParam:
 
     def to_dtensor(self, local: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like this rank's chunk, as a DTensor of the parameter's global shape."""
-        return to_sharded_dtensor(local, self.device_mesh, self.layout.global_shape)
+        return to_sharded_dtensor(local, self.device_mesh, self.layout.global_shape, self.layout.placements)
 
     # -- the sharded gradient ----------------------------------------------------------------------------
     @property

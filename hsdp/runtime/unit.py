@@ -75,6 +75,24 @@ class ShardUnit:
             offset += p.layout.padded_numel
         return flat
 
+    def adopt_flat(self, flat: torch.Tensor, grads: list[torch.Tensor | None]) -> None:
+        """Make ``flat`` (``sharded_flat`` converted to another dtype or device, same shape) this unit's shard
+        buffer: every parameter is re-bound to its slot in it (``ShardedParam.rebind``), with ``grads`` (this
+        rank's converted gradient chunks, ``None`` where there is none) and an unsharded face in the policy's
+        compute dtype for the new dtype. Padding is zeroed (a conversion like ``to_empty`` leaves garbage).
+        """
+        assert self.state is ShardedState.SHARDED and flat.shape == self.sharded_flat.shape
+        self.sharded_flat = flat
+        compute = self.policy.compute(flat.dtype)
+        offset = 0
+        with torch.no_grad():
+            for p, grad in zip(self.params, grads, strict=True):
+                p.rebind(flat[offset: offset + p.layout.padded_numel], self.comm.mesh.device_mesh, compute, grad)
+                p.to_sharded()
+                if not flat.is_meta:
+                    flat[offset + p.layout.local_numel: offset + p.layout.padded_numel].zero_()
+                offset += p.layout.padded_numel
+
     def load_full(self, fulls: list[torch.Tensor]) -> None:
         """Copy this rank's chunk of each full tensor into the sharded parameters."""
         with torch.no_grad():
@@ -89,6 +107,10 @@ class ShardUnit:
         if not self.params:
             self.state = ShardedState.UNSHARDED
             return
+        if self.sharded_flat.is_meta:
+            raise ValueError(f"{self.name}: parameters are on the meta device (the model was built under "
+                             f"torch.device('meta')): call hsdp.materialize(model) or hsdp.load_pretrained(model, "
+                             f"path), or model.to_empty(device=...) and initialise them, before the forward")
         s = self.sharding_degree
         dtype = self.params[0].compute_dtype
         # Mixed precision: the one cast of the step happens here, on the shard (copy-in); fp32 otherwise.
