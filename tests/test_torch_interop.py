@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 
 import torch
 from harness import run_distributed
@@ -40,29 +41,48 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((_full(a[k]).double() - _full(b[k]).double()).abs().max().item() for k in a)
 
 
-def _clip_training(rank: int, world: int, norm_type: float) -> dict:
-    """3 AdamW steps clipped by torch.nn.utils.clip_grad_norm_ on hsdp and on one plain process."""
+def _train_pair(rank: int, world: int, make: Callable[[], nn.Module], *,
+                before: Callable[[int, nn.Module, nn.Module], None] | None = None,
+                clip: Callable[[int, nn.Module], torch.Tensor] | None = None,
+                norm_type: float = 2.0) -> tuple[nn.Module, nn.Module, float]:
+    """The same model (same seed) trained STEPS AdamW steps in one plain process on the global batch and
+    wrapped on a 2x2 mesh. ``before(step, ref, model)`` runs first in a step; ``clip(step, model)`` clips
+    the wrapped model's gradients while the reference uses torch's clip_grad_norm_. Returns (reference,
+    wrapped model, worst relative error of the clipping norm)."""
     torch.manual_seed(0)
-    ref = ParityNet()
+    ref = make()
     torch.manual_seed(0)
-    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
+    model = hsdp.ShardedModel(make(), mesh=hsdp.init_mesh(2))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     norm_err = 0.0
     for step in range(STEPS):
+        if before is not None:
+            before(step, ref, model)
         x, y = global_batch(step, world)
         loss_fn(ref(x), y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
         xb, yb = batch(step, rank)
         loss_fn(model(xb), yb).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
-        norm_err = max(norm_err, abs(_full(norm).item() - ref_norm.item()) / ref_norm.item())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        opt.step()
-        opt.zero_grad()
-    return {"norm_rel_err": norm_err, "param_diff": _max_diff(dict(model.named_parameters()),
-                                                                dict(ref.named_parameters()))}
+        if clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+            norm = _full(clip(step, model))
+            norm_err = max(norm_err, abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    return ref, model, norm_err
+
+
+def _param_diff(ref: nn.Module, model: nn.Module) -> float:
+    return _max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+
+
+def _clip_training(rank: int, world: int, norm_type: float) -> dict:
+    """AdamW steps clipped by torch.nn.utils.clip_grad_norm_ on hsdp and on one plain process."""
+    ref, model, norm_err = _train_pair(
+        rank, world, ParityNet, norm_type=norm_type,
+        clip=lambda step, m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, norm_type=norm_type))
+    return {"norm_rel_err": norm_err, "param_diff": _param_diff(ref, model)}
 
 
 class MixedBlock(nn.Module):
@@ -94,23 +114,10 @@ class MixedNet(nn.Module):
 
 def _mixed_dtypes(rank: int, world: int) -> dict:
     """A unit whose parameters mix dtypes trains like the plain model."""
-    torch.manual_seed(0)
-    ref = MixedNet()
-    torch.manual_seed(0)
-    model = hsdp.ShardedModel(MixedNet(), mesh=hsdp.init_mesh(2))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    for step in range(STEPS):
-        x, y = global_batch(step, world)
-        loss_fn(ref(x), y).backward()
-        xb, yb = batch(step, rank)
-        loss_fn(model(xb), yb).backward()
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
+    ref, model, _ = _train_pair(rank, world, MixedNet)
     dtypes = {p.dtype for p in model.parameters()}
-    return {"diff": _max_diff(dict(model.named_parameters()), dict(ref.named_parameters())),
-            "units": [u.key for u in model.units], "dtypes_kept": dtypes == {torch.float32, torch.float64}}
+    return {"diff": _param_diff(ref, model), "units": [u.key for u in model.units],
+            "dtypes_kept": dtypes == {torch.float32, torch.float64}}
 
 
 def _wrap_forms(rank: int, world: int) -> dict[str, list[str]]:
@@ -143,26 +150,16 @@ class ScaledNet(ParityNet):
 
 
 def _zero_dim(rank: int, world: int, tmp: str) -> dict:
-    """0-d parameters train like the plain model (clipped by torch's util) and survive a checkpoint."""
-    torch.manual_seed(0)
-    ref = ScaledNet()
-    torch.manual_seed(0)
-    model = hsdp.ShardedModel(ScaledNet(), mesh=hsdp.init_mesh(2))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    """0-d parameters train like the plain model (clipped by torch's util and hsdp's, alternately) and
+    survive a checkpoint."""
+    ref, model, norm_err = _train_pair(
+        rank, world, ScaledNet,
+        clip=lambda step, m: hsdp.clip_grad_norm_(m, 0.05) if step % 2 else torch.nn.utils.clip_grad_norm_(
+            m.parameters(), 0.05))
+    diff = _param_diff(ref, model)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    for step in range(STEPS):
-        x, y = global_batch(step, world)
-        loss_fn(ref(x), y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        xb, yb = batch(step, rank)
-        loss_fn(model(xb), yb).backward()
-        norm = hsdp.clip_grad_norm_(model, 0.05) if step % 2 else torch.nn.utils.clip_grad_norm_(
-            model.parameters(), 0.05)
-        norm_err = abs(_full(norm).item() - ref_norm.item()) / ref_norm.item()
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
-    diff = _max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+    loss_fn(model(batch(0, rank)[0]), batch(0, rank)[1]).backward()
+    opt.step()  # optimizer state to checkpoint
     hsdp.save_checkpoint(tmp, model, opt)
     saved = {k: _full(v).clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -174,25 +171,14 @@ def _zero_dim(rank: int, world: int, tmp: str) -> dict:
 
 def _freeze_unfreeze(rank: int, world: int) -> float:
     """requires_grad_ changed between steps on the wrapped model acts as on a plain one."""
-    torch.manual_seed(0)
-    ref = ParityNet()
-    torch.manual_seed(0)
-    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    for step in range(STEPS):
+
+    def freeze_some(step: int, ref: nn.Module, model: nn.Module) -> None:
         if step == 1:
             for m in (ref, model):
                 m.blocks[0].up.requires_grad_(False)
                 m.frozen.requires_grad_(True)
-        x, y = global_batch(step, world)
-        loss_fn(ref(x), y).backward()
-        xb, yb = batch(step, rank)
-        loss_fn(model(xb), yb).backward()
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
-    return _max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+
+    return _param_diff(*_train_pair(rank, world, ParityNet, before=freeze_some)[:2])
 
 
 def _counts_and_state_dicts(rank: int, world: int, tmp: str) -> dict:
