@@ -158,7 +158,7 @@ def _variance_estimate(it: _Item, sums: _Sums, beta2_decay: float, eps1: float) 
     row_var, col_var = _local(state["row_var"]), _local(state["col_var"])
     if grad.dim() == 2:
         rows = it.sp.layout.rows
-        col_var.lerp_(sums.tensor(grad.size(-1)).to(grad.dtype).div_(rows).view(1, -1), beta)
+        col_var.lerp_(sums.tensor(grad.size(-1)).to(grad.dtype).div(rows).view(1, -1), beta)
         row_mean = torch.tensor(sums.scalar() / rows, dtype=grad.dtype, device=grad.device)
     else:  # dim -2 is not the sharded dim: torch's own local reductions
         col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), beta)

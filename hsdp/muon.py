@@ -123,9 +123,9 @@ def orthogonalize(comm: Comm, layouts: list[ShardLayout], chunks: list[torch.Ten
         full = torch.cat([by_rank[r][j] for r in range(ranks)]).view(layouts[i].global_shape)
         results.append(_zeropower_via_newtonschulz(full, ns_coefficients, ns_steps, eps).to(NS_DTYPE))
     # Return trip: the mirror image; rank r gets rows of each of my matrices, in the same order.
-    back = torch.cat([res.narrow(0, layouts[i].row_offset(r), layouts[i].local_rows(r)).reshape(-1)
-                      for r in range(ranks) for i, res in zip(mine, results, strict=True)]) \
-        if results else send.new_empty(0)
+    rows = [res.narrow(0, layouts[i].row_offset(r), layouts[i].local_rows(r)).reshape(-1)
+            for r in range(ranks) for i, res in zip(mine, results, strict=True)]
+    back = torch.cat(rows) if rows else send.new_empty(0)
     received = send.new_empty(sum(send_sizes))
     comm.all_to_all(received, back, send_sizes, recv_sizes, label="muon scatter")
     out: list[torch.Tensor] = [chunks[0]] * len(chunks)

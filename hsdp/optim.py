@@ -283,7 +283,9 @@ def _as_state_of(value: Any, sp: ShardedParam, replicated: bool = False) -> Any:
     the parameter's rank and rows (moments, Adafactor's row factors), a fully replicated DTensor when
     ``replicated`` (Adafactor's column factor of a matrix); scalars and other shapes unchanged."""
     if isinstance(value, DTensor):
-        if is_hsdp_layout(value, sp.layout) or _chunked_as_hsdp(value, sp):
+        # A replicated entry may have been loaded as a chunked DTensor when its shape equals the parameter's
+        # (a one-row matrix's col_var): ``replicated`` decides, not the shape.
+        if not replicated and (is_hsdp_layout(value, sp.layout) or _chunked_as_hsdp(value, sp)):
             return value
         # A replicated value (any mesh) is its own full tensor: no collective.
         value = value.to_local() if all(p == Replicate() for p in value.placements) else value.full_tensor()

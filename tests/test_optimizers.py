@@ -135,14 +135,39 @@ def _adafactor_state_dicts(rank: int, degree: int) -> tuple[float, float]:
     return (_max_diff(full[0], ref.state_dict()), _max_diff(full[1], full[0])) if full[0] else (0.0, 0.0)
 
 
-def _muon_traffic(rank: int) -> dict:
-    """comm_stats of one Muon step on 2x2: only the shard group, two all-to-alls."""
-    model = hsdp.ShardedModel(OddNet(), mesh=hsdp.init_mesh(2))
-    muon, _ = [hsdp.ShardedOptimizer(model, o) for o in _optimizers(list(model.parameters()), "Muon", {})]
-    _loss(model, *_batch(0, rank)).backward()
-    model.reset_comm_stats()
-    muon.step()
-    return model.comm_stats()
+def _adafactor_checkpoint(rank: int, tmp: str) -> float:
+    """Adafactor saved by hsdp.save_checkpoint on 2x2 loads on 1x4 (factors of other shapes than the
+    parameter, resharded) and the next step equals the uninterrupted run's. Max difference."""
+    runs = []
+    for degree in (2, 4):
+        torch.manual_seed(0)
+        model = hsdp.ShardedModel(OddNet(), mesh=hsdp.init_mesh(degree))
+        runs.append((model, hsdp.ShardedOptimizer(model, torch.optim.Adafactor(model.parameters(), lr=1e-2))))
+    (first, first_opt), (second, second_opt) = runs
+    for step in range(STEPS):
+        _loss(first, *_batch(step, rank)).backward()
+        first_opt.step()
+        first_opt.zero_grad()
+    hsdp.save_checkpoint(tmp, first, first_opt)
+    hsdp.load_checkpoint(tmp, second, second_opt)
+    for model, opt in runs:
+        _loss(model, *_batch(STEPS, rank)).backward()
+        opt.step()
+    full = [hsdp.full_state_dict(m) for m, _ in runs]
+    return _max_diff(full[0], full[1]) if full[0] else 0.0
+
+
+def _step_traffic(rank: int) -> dict[str, dict]:
+    """comm_stats of one Muon (the matrices) and one Adafactor step on 2x2."""
+    out = {}
+    for name in ("Muon", "Adafactor"):
+        model = hsdp.ShardedModel(OddNet(), mesh=hsdp.init_mesh(2))
+        opt = hsdp.ShardedOptimizer(model, _optimizers(list(model.parameters()), name, {})[0])
+        _loss(model, *_batch(0, rank)).backward()
+        model.reset_comm_stats()
+        opt.step()
+        out[name] = model.comm_stats()
+    return out
 
 
 def _rejections() -> dict[str, str]:
@@ -198,7 +223,7 @@ def _third_party(rank: int) -> dict[str, list[str]]:
     return out
 
 
-def _all_cases(rank: int, world: int) -> dict:
+def _all_cases(rank: int, world: int, tmp: str) -> dict:
     errors = {}
     for degree in (2, 4):
         for name, kwargs in ACCEPTED:
@@ -210,12 +235,14 @@ def _all_cases(rank: int, world: int) -> dict:
     errors["4x1 Adafactor"] = _train(rank, 1, "Adafactor", {"lr": 1e-2})
     errors["4x1 Muon (same grads)"] = _train(rank, 1, "Muon", {"lr": 2e-2}, True)
     loaded = {f"{world // d}x{d}": _adafactor_state_dicts(rank, d) for d in (2, 4)}
-    return {"errors": errors, "loaded": loaded, "traffic": _muon_traffic(rank), "rejected": _rejections(),
+    return {"errors": errors, "loaded": loaded, "traffic": _step_traffic(rank), "rejected": _rejections(),
+            "checkpoint": _adafactor_checkpoint(rank, f"{tmp}/adafactor"),
             "third_party": _third_party(rank)}
 
 
-def test_optimizers_match_one_process_and_the_rest_raise() -> None:
-    results = run_distributed(_all_cases, WORLD, timeout=300)
+def test_optimizers_match_one_process_and_the_rest_raise(tmp_path: object) -> None:
+    results = run_distributed(_all_cases, WORLD, str(tmp_path), timeout=300)
+    assert results[0]["checkpoint"] < 1e-5, results[0]["checkpoint"]
     errors = results[0]["errors"]
     bad = {k: v for k, (v, _) in errors.items() if not v < 1e-5}
     assert not bad, f"parameters differ from one process beyond 1e-5: {bad}"
@@ -224,9 +251,12 @@ def test_optimizers_match_one_process_and_the_rest_raise() -> None:
     for mesh, (from_plain, round_trip) in results[0]["loaded"].items():
         assert from_plain < 1e-5 and round_trip < 1e-5, (mesh, from_plain, round_trip)
     for r in results:
+        # Shard group only (replicas hold identical gradient shards): Muon two all-to-alls (gather to the
+        # owners, scatter back), Adafactor two small all-reduces.
         traffic = r["traffic"]
-        assert set(traffic) == {"shard"}, f"Muon's step must not leave the shard group: {traffic}"
-        assert traffic["shard"]["all_to_all"]["calls"] == 2, traffic
+        assert {op: s["calls"] for op, s in traffic["Muon"]["shard"].items()} == {"all_to_all": 2}, traffic
+        assert {op: s["calls"] for op, s in traffic["Adafactor"]["shard"].items()} == {"all_reduce": 2}, traffic
+        assert set(traffic["Muon"]) == set(traffic["Adafactor"]) == {"shard"}, traffic
         for name, message in r["rejected"].items():
             assert message != "accepted" and name in message and "use " in message, (name, message)
         third = r["third_party"]

@@ -33,6 +33,7 @@ from hsdp.checkpoint.names import (
     sharded_param_of,
 )
 from hsdp.checkpoint.resolve import Candidate
+from hsdp.local_step import is_elementwise
 from hsdp.model import ShardedModel
 from hsdp.optim import ShardedOptimizer
 
@@ -142,6 +143,7 @@ def _check_groups(where: str, groups: list[dict[str, Any]], optimizer: ShardedOp
 
 def _check_state(where: str, saved: list[Entry], optimizer: ShardedOptimizer, params: dict) -> None:
     state: dict[str, set[str]] = {}
+    elementwise = is_elementwise(optimizer)
     for e in saved:
         if e.path[1] != "state" or len(e.path) != 4:
             continue
@@ -149,8 +151,9 @@ def _check_state(where: str, saved: list[Entry], optimizer: ShardedOptimizer, pa
         if name not in params:
             raise ValueError(f"checkpoint {where} holds optimizer state for {name}, which this model lacks: load it "
                              f"into the model it was saved from")
-        # Per-element state (everything hsdp can shard) has the parameter's shape; scalars (step) have none.
-        if e.is_tensor and e.shape and sharded_param_of(e.path, e.shape, params) is None:
+        # An element-wise optimizer's state has the parameter's shape, or none (step); a factored one's
+        # (Adafactor's row and column variances) has other shapes, resharded by ShardedOptimizer itself.
+        if e.is_tensor and e.shape and elementwise and sharded_param_of(e.path, e.shape, params) is None:
             raise ValueError(f"checkpoint {where}: optimizer state {e.key} has shape {e.shape}, the parameter "
                              f"{params[name].layout.global_shape}: the checkpoint is of another model")
         state.setdefault(params[name].fqn, set()).add(str(e.path[3]))
