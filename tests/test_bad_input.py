@@ -62,7 +62,8 @@ def _bad_inputs(rank: int, world: int) -> dict[str, str]:
     }
     fixes = {
         "degree too big": "use at most 2", "degree < 1": "below 1",
-        "wrap typo": "not in the model", "wrap type": "wrap must be", "1-D mesh": "mesh_dim_names=('replicate', 'shard')",
+        "wrap typo": "not in the model", "wrap type": "wrap must be",
+        "1-D mesh": "mesh_dim_names=('replicate', 'shard')",
         "wrong dim names": "mesh_dim_names=('replicate', 'shard')", "wrapped twice": "wrap each model once",
         "degree vs mesh": "pass only one", "not elementwise": "element-wise",
         "foreign optimizer": "model.parameters() after wrapping", "plain model": "wrap the model with ShardedModel",
