@@ -79,6 +79,9 @@ class ShardedModel(nn.Module):
         options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop(),
                               broadcast_buffers)
         _shard_module(module, mesh, wrap, options)
+        from hsdp.optim import install_unwrapped_step_guard  # hsdp.optim imports this module
+
+        install_unwrapped_step_guard()
         module.__class__ = _sharded_class(type(module))
         return module  # type: ignore[return-value]
 

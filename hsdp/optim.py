@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hsdp.adafactor import adafactor_step, state_is_replicated
 from hsdp.local_step import LocalViews, is_elementwise, local_step
@@ -232,6 +233,33 @@ def _validate(model: Any, optimizer: Any) -> None:
         if cls.__module__.startswith("torch.optim") and cls.__name__ in _NOT_ELEMENTWISE:
             raise ValueError(f"{type(optimizer).__name__} is not element-wise and cannot step dim-0 shards: "
                              f"{_NOT_ELEMENTWISE[cls.__name__]}")
+
+
+def install_unwrapped_step_guard() -> None:
+    """Refuse, at their first step, torch optimizers that would silently mis-step hsdp's parameters because
+    they were not wrapped in ``ShardedOptimizer``: Muon (whole-matrix updates; through DTensor it is off
+    by 1e-3 and also all-reduces across nodes) and the rejected ones. Element-wise optimizers are exact
+    unwrapped (through DTensor dispatch) and pass; Adafactor unwrapped would crash inside torch, so it is
+    refused here with the fix instead. One global optimizer pre-step hook, installed once."""
+    global _GUARD_INSTALLED
+    if not _GUARD_INSTALLED:
+        register_optimizer_step_pre_hook(_refuse_unwrapped)
+        _GUARD_INSTALLED = True
+
+
+_GUARD_INSTALLED = False
+
+
+def _refuse_unwrapped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if isinstance(optimizer, ShardedOptimizer) or is_elementwise(optimizer):
+        return
+    known = [c.__name__ for c in type(optimizer).__mro__
+             if c in _SHARDED_STEPS or (c.__module__.startswith("torch.optim") and c.__name__ in _NOT_ELEMENTWISE)]
+    if not known or not any(getattr(p, "_hsdp_sharded", False) for g in optimizer.param_groups for p in g["params"]):
+        return
+    raise ValueError(f"{type(optimizer).__name__} steps hsdp's sharded parameters directly, which gives wrong "
+                     f"updates ({known[0]} is not element-wise): wrap it, "
+                     f"optimizer = hsdp.ShardedOptimizer(model, optimizer)")
 
 
 def _base_name(optimizer: ShardedOptimizer) -> str:

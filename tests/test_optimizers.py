@@ -179,6 +179,16 @@ def _rejections() -> dict[str, str]:
             out[name] = "accepted"
         except ValueError as e:
             out[name] = str(e)
+    # Not wrapped at all: Muon and Adafactor straight on the DTensor parameters are refused at their step.
+    model = hsdp.ShardedModel(OddNet(), mesh=hsdp.init_mesh(2))
+    for name in ("Muon", "Adafactor"):
+        params = [p for p in model.parameters() if p.dim() == 2] if name == "Muon" else model.parameters()
+        opt = getattr(torch.optim, name)(params)
+        try:
+            opt.step()
+            out[f"unwrapped {name}"] = "accepted"
+        except ValueError as e:
+            out[f"unwrapped {name}"] = str(e)
     return out
 
 
@@ -258,6 +268,9 @@ def test_optimizers_match_one_process_and_the_rest_raise(tmp_path: object) -> No
         assert {op: s["calls"] for op, s in traffic["Adafactor"]["shard"].items()} == {"all_reduce": 2}, traffic
         assert set(traffic["Muon"]) == set(traffic["Adafactor"]) == {"shard"}, traffic
         for name, message in r["rejected"].items():
+            if name.startswith("unwrapped"):
+                assert "hsdp.ShardedOptimizer(model, optimizer)" in message, (name, message)
+                continue
             assert message != "accepted" and name in message and "use " in message, (name, message)
         third = r["third_party"]
         assert third["SignSGD"] == [], third

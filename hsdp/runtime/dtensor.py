@@ -47,7 +47,9 @@ def sharded_parameter(local: torch.Tensor, device_mesh: DeviceMesh, global_shape
     dtensor = DTensor.from_local(_at_offset_zero(local), device_mesh, placements, run_check=False,
                                  shape=torch.Size(global_shape), stride=contiguous_stride(tuple(global_shape)))
     # nn.Parameter(subclass) detaches (a new wrapper): swap the local tensor in after, not before.
-    return _with_local(nn.Parameter(dtensor, requires_grad=requires_grad), local)
+    param = _with_local(nn.Parameter(dtensor, requires_grad=requires_grad), local)
+    param._hsdp_sharded = True  # lets a plain optimizer that would mis-step it be refused (hsdp.optim)
+    return param
 
 
 # [Note: DTensor over a slice of a flat buffer]
