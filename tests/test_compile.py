@@ -83,15 +83,14 @@ def _compiled_autograd_refused(model: hsdp.ShardedModel, rank: int) -> str:
 
     x, y = batch(0, rank)
 
-    @torch.compile
     def step() -> torch.Tensor:
         loss = loss_fn(model(x), y)
         loss.backward()
         return loss
 
-    torch._dynamo.config.compiled_autograd = True
+    torch._dynamo.config.compiled_autograd = True  # read when torch.compile wraps the function
     try:
-        step()
+        torch.compile(step)()
     except ValueError as e:
         return str(e)
     finally:

@@ -24,8 +24,10 @@ needs the parameters gathered, nothing else, except when the original forward ra
 (reentrant ``torch.utils.checkpoint`` around the unit's call): then the recomputation hooks the unit's
 (detached) inputs for post_backward, so the unit still reduces and reshards right after its backward.
 
-A torn step (an exception inside forward or backward, or a forward whose graph was dropped) is repaired by
-the next root pre_forward: see :meth:`ShardingState._repair_torn_step`.
+A torn step leaves nothing behind: a forward that raised reshards at once (an always-called hook of the
+root); a backward that raised, or a forward whose graph was dropped, is repaired by the next root
+pre_forward or ``model.reshard()`` (which the optimizer step calls): see
+:meth:`ShardingState._repair_torn_step`. Compiled autograd is refused (it would skip the end of backward).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from hsdp.runtime.reduction import Reduction
 from hsdp.runtime.unit import ShardedState, ShardUnit
 
 # Methods that run as hooks inside forward and backward; each is kept out of torch.compile graphs.
-_HOOKS = ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_finalize_backward")
+_HOOKS = ("_pre_forward", "_post_forward", "_after_root_forward", "_pre_backward", "_post_backward",
+          "_finalize_backward")
 
 
 class _PostBackward(torch.autograd.Function):
@@ -89,6 +92,7 @@ class ShardingState:
         self._live: dict[int, ShardUnit] = {}
         self._tokens = 0
         self._recomputed: set[ShardUnit] = set()  # units hooked for post_backward by a recomputation
+        self._in_forward = False  # between the root's pre_forward and post_forward (outside backward)
         self._handles: list[Any] = []
         self._forward_order: list[ShardUnit] = []  # pre_forward order of the previous step
         self._backward_order: list[ShardUnit] = []  # reverse post_forward order of the previous step
@@ -115,6 +119,8 @@ class ShardingState:
                 functools.partial(self._pre_forward, unit), prepend=True, with_kwargs=True))
             self._handles.append(m.register_forward_hook(
                 functools.partial(self._post_forward, unit), with_kwargs=True))
+        # Runs even when forward raises (after the root's post_forward otherwise).
+        self._handles.append(self.root_unit.module.register_forward_hook(self._after_root_forward, always_call=True))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -127,6 +133,7 @@ class ShardingState:
             return self._pre_recompute(unit, args, kwargs)
         if unit is self.root_unit:
             self._repair_torn_step()
+            self._in_forward = True
             self.buffers.pre_forward()
             self._pre_seen, self._post_seen = [], []
             args, kwargs = self._cast_inputs(unit, args, kwargs)
@@ -151,6 +158,7 @@ class ShardingState:
             self._post_seen.remove(unit)
         self._post_seen.append(unit)
         if unit is self.root_unit:
+            self._in_forward = False
             self.buffers.post_forward(self.requires_gradient_sync and self.requires_all_reduce)
             self._forward_order = self._pre_seen
             self._backward_order = self._post_seen[::-1]
@@ -163,6 +171,14 @@ class ShardingState:
         if unit.reshard_after_forward and unit is not self.root_unit:
             unit.reshard()
         return output
+
+    def _after_root_forward(self, module: Any, args: tuple, output: Any) -> None:
+        if not self._in_forward:
+            return  # the root's post_forward ran: the forward completed
+        # The forward raised: no loss exists to backpropagate, so nothing needs the gathered parameters;
+        # free them now so that parameters(), state_dict() and a new optimizer see the shards again.
+        self._in_forward = False
+        self.reshard_all()
 
     def _in_backward(self) -> bool:
         # A forward while this model's backward runs is a recomputation (activation checkpointing); one
@@ -225,7 +241,13 @@ class ShardingState:
 
     # -- backward --------------------------------------------------------------------------------------
     def _pre_backward(self, unit: ShardUnit, grad: torch.Tensor) -> None:
-        _refuse_compiled_autograd()
+        if _compiled_autograd_active():
+            self._reset_step()  # nothing reduced yet: leave the model as it was before this step
+            raise ValueError(
+                "hsdp does not support compiled autograd (torch._dynamo.config.compiled_autograd = True): its "
+                "end-of-backward reduction would be skipped. Set torch._dynamo.config.compiled_autograd = False "
+                "(or run loss.backward() outside the compiled function); torch.compile of the model or of its "
+                "blocks works as usual")
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -316,6 +338,11 @@ class ShardingState:
 
     # -- explicit control ----------------------------------------------------------------------------
     def reshard_all(self) -> None:
+        """Free every unsharded parameter; after a backward that raised, discard it first (see
+        :meth:`_repair_torn_step`), so that an optimizer step right after the exception is safe."""
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            self._discard_torn_backward()
+            return
         for unit in self.units:
             unit.reshard()
 
@@ -323,17 +350,12 @@ class ShardingState:
         return all(u.state is ShardedState.SHARDED for u in self.units) and not self._pending
 
 
-def _refuse_compiled_autograd() -> None:
+def _compiled_autograd_active() -> bool:
     # Compiled autograd drops the end-of-backward callback (queue_callback): gradients would silently be
-    # left unreduced. Every rank reaches this first backward hook before any backward collective.
+    # left unreduced. Every rank checks in its first backward hook, before any backward collective.
     from torch._dynamo import compiled_autograd
 
-    if compiled_autograd.in_compiled_autograd_region or compiled_autograd.compiled_autograd_enabled:
-        raise ValueError(
-            "hsdp does not support compiled autograd (torch._dynamo.config.compiled_autograd = True): its "
-            "end-of-backward reduction would be skipped. Set torch._dynamo.config.compiled_autograd = False "
-            "(or run loss.backward() outside the compiled function); torch.compile of the model or of its "
-            "blocks works as usual")
+    return compiled_autograd.in_compiled_autograd_region or compiled_autograd.compiled_autograd_enabled
 
 
 def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
