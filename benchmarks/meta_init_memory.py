@@ -40,6 +40,10 @@ import hsdp
 from hsdp.models.gpt import GPT, GPTConfig, preset
 
 MODES = ("plain", "meta", "pretrained")
+# glibc returns a freed block to the OS only if it was mmap'd, and by default raises its mmap threshold
+# (up to 32 MiB) after each large free: later blocks of a few MiB then come from the heap, whose freed holes
+# it keeps. "fixed" pins the threshold at 1 MiB, so RSS follows the live tensors.
+ALLOCATORS = {"default": None, "fixed": "1048576"}
 
 
 def gpt_style_init(model: nn.Module, cfg: GPTConfig):  # a closure: init(module) -> None
@@ -122,7 +126,10 @@ def _warm_up(mesh: hsdp.HSDPMesh, tmp: str, rank: int) -> None:
     gc.collect()
 
 
-def run_mode(mode: str, world: int, degree: int, cfg: GPTConfig, path: str) -> list[dict]:
+def run_mode(mode: str, world: int, degree: int, cfg: GPTConfig, path: str, allocator: str) -> list[dict]:
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if ALLOCATORS[allocator] is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = ALLOCATORS[allocator]  # read by glibc as each child starts
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(world, degree, mode, cfg, path, tmp), nprocs=world, join=True,
                            start_method="spawn")
@@ -152,11 +159,15 @@ def _markdown(report: dict) -> str:
              f"the kernel's resident-set high-water mark (VmHWM, reset after set-up) minus the resident set "
              f"before building, per rank; ratio = growth / full model bytes. Shards alone are 1/S = "
              f"{1 / report['degree']:.2f}x.", "",
-             "| mode | rank | peak RSS growth MiB | x full model | shard MiB | final growth MiB | seconds |",
-             "|---|---|---|---|---|---|---|"]
-    for mode, ranks in report["modes"].items():
+             "Allocator `default`: glibc as configured (its mmap threshold grows after large frees, and freed "
+             "heap blocks stay resident); `fixed`: `MALLOC_MMAP_THRESHOLD_=1048576` in the ranks' environment, "
+             "so freed tensors leave the RSS and it follows the live tensors.", "",
+             "| mode | allocator | rank | peak RSS growth MiB | x full model | shard MiB | final MiB | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, ranks in report["modes"].items():
+        mode, allocator = key.split("/")
         for r in ranks:
-            lines.append(f"| {mode} | {r['rank']} | {r['peak_growth'] / 2**20:.1f} | "
+            lines.append(f"| {mode} | {allocator} | {r['rank']} | {r['peak_growth'] / 2**20:.1f} | "
                          f"{r['peak_growth'] / report['model_bytes']:.3f} | {r['shard_bytes'] / 2**20:.1f} | "
                          f"{r['final_growth'] / 2**20:.1f} | {r['seconds']:.1f} |")
     lines += ["", *[f"- {note}" for note in report["notes"]], ""]
@@ -169,30 +180,37 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--sharding-degree", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--allocators", default=",".join(ALLOCATORS))
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
     modes = args.modes.split(",")
+    allocators = args.allocators.split(",")
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}: choose from {MODES}")
+    if unknown := set(allocators) - set(ALLOCATORS):
+        parser.error(f"unknown allocators {sorted(unknown)}: choose from {sorted(ALLOCATORS)}")
     cfg = preset(args.preset)
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(cfg).parameters())
     report = {"date": datetime.date.today().isoformat(), "preset": args.preset, "params": params,
               "model_bytes": params * 4, "world": args.world, "degree": args.sharding_degree,
-              "command": "python benchmarks/meta_init_memory.py " + " ".join(sys.argv[1:]),
+              "command": " ".join(["python benchmarks/meta_init_memory.py", *sys.argv[1:]]),
               "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip() or "unknown", "modes": {}, "notes": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.safetensors")
         if "pretrained" in modes:
             write_checkpoint(cfg, path)
-        for mode in modes:
-            report["modes"][mode] = run_mode(mode, args.world, args.sharding_degree, cfg, path)
-            worst = max(r["peak_growth"] for r in report["modes"][mode]) / report["model_bytes"]
-            print(f"{mode}: worst rank peak RSS growth {worst:.3f}x the full model", flush=True)
-    if "plain" in modes and "pretrained" in modes:
-        same = [a["digest"] == b["digest"] for a, b in zip(report["modes"]["plain"], report["modes"]["pretrained"],
-                                                            strict=True)]
+        for allocator in allocators:
+            for mode in modes:
+                key = f"{mode}/{allocator}"
+                report["modes"][key] = run_mode(mode, args.world, args.sharding_degree, cfg, path, allocator)
+                worst = max(r["peak_growth"] for r in report["modes"][key]) / report["model_bytes"]
+                print(f"{key}: worst rank peak RSS growth {worst:.3f}x the full model", flush=True)
+    runs = report["modes"]
+    same = [a["digest"] == b["digest"] for al in allocators if f"plain/{al}" in runs and f"pretrained/{al}" in runs
+            for a, b in zip(runs[f"plain/{al}"], runs[f"pretrained/{al}"], strict=True)]
+    if same:
         report["notes"].append(f"load_pretrained shards equal the plain run's on every rank: {all(same)}")
     if not all(r["peak_reset"] for ranks in report["modes"].values() for r in ranks):
         report["notes"].append("VmHWM could not be reset: peaks include process start-up")

@@ -139,7 +139,9 @@ def unwritten(value: object, placeholder: torch.Tensor, version: int) -> str | N
     if value is not placeholder:
         return None  # re-created by the init (e.g. a buffer assigned again)
     if value.is_floating_point() or value.is_complex():
-        missing = int(torch.isnan(value).sum())
+        if not bool(value.sum().isnan()):  # a NaN entry makes the sum NaN; no full-size temporary
+            return None
+        missing = int(torch.isnan(value).sum())  # (+inf and -inf entries also sum to NaN)
         return f"has {missing} of {value.numel()} entries never written" if missing else None
     return "was never written" if value._version == version else None
 
@@ -201,6 +203,10 @@ class _ModuleInit:
         m = self.module
         params = {n: self.owners[(id(m), n)] for n, p in m._parameters.items() if p is not None}
         fresh = {n: sp for n, sp in params.items() if id(sp) not in self.done}
+        for sp in fresh.values():
+            # Before the full-size tensors: long-lived shards below short-lived scratch keep the CPU heap
+            # from fragmenting (glibc keeps freed holes resident).
+            allocate_shards(unit_of[id(sp)], state.mesh)
         holders = {}
         for n, sp in params.items():
             device = self.device if n in fresh else self.scratch_device
@@ -222,7 +228,6 @@ class _ModuleInit:
         self._check(values, holders, new_buffers, buffers, versions)
         with torch.no_grad():
             for n, sp in fresh.items():
-                allocate_shards(unit_of[id(sp)], state.mesh)
                 sp.sharded_local.copy_(sp.layout.chunk(values[n].detach()))
                 self.done.add(id(sp))
         for n, value in new_buffers.items():
