@@ -23,6 +23,7 @@ with no ``reset_parameters`` (and no ``init``) is an error naming it.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -130,6 +131,34 @@ def init_placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# glibc serves allocations above its mmap threshold with their own mapping, returned to the OS when freed;
+# the threshold rises to the size of each such free, up to 32 MiB on 64-bit. A module's full-size
+# tensors live only during its init: from below the threshold they would leave holes in the heap that
+# later shards only partly fill, and RSS would grow towards the whole model. Carved from one mapping above
+# the cap, they always go back; its untouched pages cost no memory.
+_ALWAYS_MAPPED = 64 << 20
+
+
+def scratch_placeholders(specs: list[tuple[tuple[int, ...], torch.dtype]],
+                         device: torch.device) -> list[torch.Tensor]:
+    """:func:`init_placeholder` tensors of ``specs`` carved from one scratch allocation (on the CPU one
+    that glibc returns to the OS when freed); each is freed when the last of them is."""
+    if not specs:
+        return []
+    sizes = [math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in specs]
+    offsets = [sum(-(-n // 64) * 64 for n in sizes[:i]) for i in range(len(sizes))]  # 64-byte aligned
+    total = offsets[-1] + sizes[-1]
+    scratch = torch.empty(max(total, _ALWAYS_MAPPED) if device.type == "cpu" else total, dtype=torch.uint8,
+                          device=device)
+    out = []
+    for (shape, dtype), offset, nbytes in zip(specs, offsets, sizes, strict=True):
+        t = scratch[offset: offset + nbytes].view(dtype).view(shape)
+        if dtype.is_floating_point or dtype.is_complex:
+            t.fill_(float("nan"))
+        out.append(t)
+    return out
+
+
 def unwritten(value: object, placeholder: torch.Tensor, version: int) -> str | None:
     """Why ``value`` (a module's tensor after its init ran on ``placeholder``) is not initialised, or None."""
     if not isinstance(value, torch.Tensor):
@@ -207,11 +236,14 @@ class _ModuleInit:
             # Before the full-size tensors: long-lived shards below short-lived scratch keep the CPU heap
             # from fragmenting (glibc keeps freed holes resident).
             allocate_shards(unit_of[id(sp)], state.mesh)
+        full = scratch_placeholders([(fresh[n].layout.global_shape, fresh[n].dtype) for n in fresh], self.device)
+        placeholders = dict(zip(fresh, full, strict=True))
         holders = {}
         for n, sp in params.items():
-            device = self.device if n in fresh else self.scratch_device
-            holders[n] = nn.Parameter(init_placeholder(sp.layout.global_shape, sp.dtype, device),
-                                      requires_grad=sp.requires_grad)
+            value = placeholders.get(n)
+            if value is None:  # tied to an earlier holder: drawn (for the RNG) but not kept
+                value = init_placeholder(sp.layout.global_shape, sp.dtype, self.scratch_device)
+            holders[n] = nn.Parameter(value, requires_grad=sp.requires_grad)
             m._parameters[n] = holders[n]
         buffers = {n: init_placeholder(tuple(m._buffers[n].shape), m._buffers[n].dtype, self.device)
                    for n in meta_buffer_names(m)}
