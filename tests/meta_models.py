@@ -4,8 +4,11 @@ buffer is computed in ``__init__`` (empty on meta), the embedding is tied to the
 from __future__ import annotations
 
 import torch
-from models import DIM, VOCAB, Block
+from models import DIM, VOCAB, Block, batch, global_batch, loss_fn
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+import hsdp
 
 
 class Rotary(nn.Module):
@@ -44,3 +47,20 @@ class MetaNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def train_diff(model: nn.Module, ref: nn.Module, rank: int, world: int, steps: int) -> float:
+    """Max parameter difference after ``steps`` AdamW steps on hsdp (per-rank batches) and on one plain
+    process (the global batch); checks the replicas agree."""
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        loss_fn(ref(global_batch(step, world)[0]), global_batch(step, world)[1]).backward()
+        x, y = batch(step, rank)
+        loss_fn(model(x), y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    model.check_replicas()
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    return max((full[n].detach() - ref.get_parameter(n).detach()).abs().max().item() for n in full)

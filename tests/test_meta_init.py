@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_distributed
-from meta_models import MetaNet
-from models import ParityNet, batch, global_batch, loss_fn
+from meta_models import MetaNet, train_diff
+from models import ParityNet, batch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -35,19 +35,7 @@ def _bitwise_equal(model: nn.Module, ref: nn.Module) -> dict[str, bool]:
 
 
 def _train_diff(model: nn.Module, ref: nn.Module, rank: int, world: int) -> float:
-    """Max parameter difference after STEPS AdamW steps on hsdp and on one plain process."""
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        loss_fn(ref(global_batch(step, world)[0]), global_batch(step, world)[1]).backward()
-        x, y = batch(step, rank)
-        loss_fn(model(x), y).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    model.check_replicas()
-    return max((_full(p.detach()) - ref.get_parameter(n).detach()).abs().max().item()
-               for n, p in model.named_parameters())
+    return train_diff(model, ref, rank, world, STEPS)
 
 
 def _error(fn: object) -> str:

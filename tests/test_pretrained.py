@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 from harness import run_distributed
-from meta_models import MetaNet
-from models import ParityNet, batch, global_batch, loss_fn
+from meta_models import MetaNet, train_diff
+from models import ParityNet
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -78,19 +78,7 @@ def _meta_prefixed_then_train(rank: int, world: int, folder: str) -> dict:
     shard_bytes = sum(u.sharded_flat.numel() * u.sharded_flat.element_size() for u in model.units)
     out = {"equal": _bitwise_equal(model, ref), "groups": sorted(stats),
            "replicate_broadcast_bytes": stats["replicate"]["broadcast"]["bytes"], "shard_bytes": shard_bytes}
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = global_batch(step, world)
-        loss_fn(ref(x), y).backward()
-        xb, yb = batch(step, rank)
-        loss_fn(model(xb), yb).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    model.check_replicas()
-    out["train_diff"] = max((_full(p.detach()) - ref.get_parameter(n).detach()).abs().max().item()
-                            for n, p in model.named_parameters())
+    out["train_diff"] = train_diff(model, ref, rank, world, STEPS)
     return out
 
 
