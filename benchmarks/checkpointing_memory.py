@@ -7,7 +7,7 @@ and trained five ways in the same processes: without checkpointing; with
 with ``torch.utils.checkpoint`` around each block's *call*, non-reentrant and reentrant (what older
 transformers and hand-written loops do: hsdp's hooks run inside the checkpoint, and the reentrant original
 forward runs without grad). After two warm-up steps (optimizer state allocated, prefetch order recorded),
-one step (forward, backward, AdamW step) is measured with ``hsdp.bench.peak_memory.measure_step_peak``:
+one step (forward, backward, AdamW step) is measured with ``hsdp.tools.bench.peak_memory.measure_step_peak``:
 the peak bytes of live tensors (CUDA allocator on GPUs, ``MemTracker`` on CPUs), the largest over ranks.
 Reentrant checkpointing must stay within 1.1x of non-reentrant in both styles: every unit reshards after
 its own backward either way. Writes JSON and a dated Markdown table under ``benchmarks/results/``.
@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hsdp
-from hsdp.bench.peak_memory import measure_step_peak
+from hsdp.tools.bench.peak_memory import measure_step_peak
 
 # name -> (style, use_reentrant); style "hf": gradient_checkpointing_enable, "call": checkpoint(block, ...).
 VARIANTS = {"none": (None, False), "hf_non_reentrant": ("hf", False), "hf_reentrant": ("hf", True),
@@ -146,7 +146,7 @@ def _write(results: dict[str, dict[str, float]], args: argparse.Namespace, comma
              f"Hugging Face GPT-2 ({args.layers} layers, width {args.dim}, context {args.context}, "
              f"{args.batch} sequences per rank, fp32) on hsdp, sharding degree {args.sharding_degree}, "
              f"{device.type}; one step (forward, backward, AdamW), largest peak over ranks "
-             f"(`hsdp/bench/peak_memory.py`).\n\n"
+             f"(`hsdp/tools/bench/peak_memory.py`).\n\n"
              f"| checkpointing | peak MiB | / hf_non_reentrant | loss |\n|---|---|---|---|\n{rows}\n"
              f"Reentrant / non-reentrant: **{ratios['hf']:.3f}x** with `gradient_checkpointing_enable`, "
              f"**{ratios['call']:.3f}x** with `checkpoint(block, ...)` around each unit's call.\n")

@@ -25,25 +25,25 @@ _EXPORTS = {
     "load_checkpoint": "hsdp.checkpoint",
     "restore_rng_state": "hsdp.checkpoint",
     "save_checkpoint": "hsdp.checkpoint",
-    "clip_grad_norm_": "hsdp.clip",
-    "data_parallel_rank": "hsdp.data",
-    "data_parallel_size": "hsdp.data",
-    "distributed_sampler": "hsdp.data",
-    "StateBytes": "hsdp.memory",
-    "state_bytes": "hsdp.memory",
-    "HSDPMesh": "hsdp.mesh",
-    "init_mesh": "hsdp.mesh",
-    "rank_grid": "hsdp.mesh",
-    "ShardedModel": "hsdp.model",
-    "ShardedOptimizer": "hsdp.optim",
-    "MixedPrecision": "hsdp.policy",
-    "ReplicaDivergence": "hsdp.replicas",
-    "check_replicas": "hsdp.replicas",
-    "full_state_dict": "hsdp.state_dict",
-    "FaultPolicy": "hsdp.watchdog",
-    "PreemptionGuard": "hsdp.preemption",
-    "load_pretrained": "hsdp.init",
-    "materialize": "hsdp.init",
+    "clip_grad_norm_": "hsdp.engine.clip",
+    "data_parallel_rank": "hsdp.data.sampler",
+    "data_parallel_size": "hsdp.data.sampler",
+    "distributed_sampler": "hsdp.data.sampler",
+    "StateBytes": "hsdp.engine.memory",
+    "state_bytes": "hsdp.engine.memory",
+    "HSDPMesh": "hsdp.engine.mesh",
+    "init_mesh": "hsdp.engine.mesh",
+    "rank_grid": "hsdp.engine.mesh",
+    "ShardedModel": "hsdp.engine.model",
+    "ShardedOptimizer": "hsdp.engine.optim.sharded_optimizer",
+    "MixedPrecision": "hsdp.engine.policy",
+    "ReplicaDivergence": "hsdp.engine.replicas",
+    "check_replicas": "hsdp.engine.replicas",
+    "full_state_dict": "hsdp.engine.state_dict",
+    "FaultPolicy": "hsdp.engine.faults.watchdog",
+    "PreemptionGuard": "hsdp.engine.faults.preemption",
+    "load_pretrained": "hsdp.engine.init",
+    "materialize": "hsdp.engine.init",
 }
 
 if TYPE_CHECKING:
@@ -56,18 +56,18 @@ if TYPE_CHECKING:
         restore_rng_state,
         save_checkpoint,
     )
-    from hsdp.clip import clip_grad_norm_
-    from hsdp.data import data_parallel_rank, data_parallel_size, distributed_sampler
-    from hsdp.init import load_pretrained, materialize
-    from hsdp.memory import StateBytes, state_bytes
-    from hsdp.mesh import HSDPMesh, init_mesh, rank_grid
-    from hsdp.model import ShardedModel
-    from hsdp.optim import ShardedOptimizer
-    from hsdp.policy import MixedPrecision
-    from hsdp.preemption import PreemptionGuard
-    from hsdp.replicas import ReplicaDivergence, check_replicas
-    from hsdp.state_dict import full_state_dict
-    from hsdp.watchdog import FaultPolicy
+    from hsdp.data.sampler import data_parallel_rank, data_parallel_size, distributed_sampler
+    from hsdp.engine.clip import clip_grad_norm_
+    from hsdp.engine.faults.preemption import PreemptionGuard
+    from hsdp.engine.faults.watchdog import FaultPolicy
+    from hsdp.engine.init import load_pretrained, materialize
+    from hsdp.engine.memory import StateBytes, state_bytes
+    from hsdp.engine.mesh import HSDPMesh, init_mesh, rank_grid
+    from hsdp.engine.model import ShardedModel
+    from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
+    from hsdp.engine.policy import MixedPrecision
+    from hsdp.engine.replicas import ReplicaDivergence, check_replicas
+    from hsdp.engine.state_dict import full_state_dict
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
 import sys
 
-from hsdp.cli import main
+from hsdp.apps.cli import main
 
 sys.exit(main())

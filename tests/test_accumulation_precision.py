@@ -7,9 +7,9 @@ from harness import run_distributed
 from models import ParityNet, batch, loss_fn
 
 import hsdp
-from hsdp.hops import AllReduceHop, Int8ErrorFeedbackHop
+from hsdp.data.text import TokenStream, as_tokens, default_corpus_bytes
+from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop
 from hsdp.models.gpt import GPT, preset
-from hsdp.textdata import TokenStream, as_tokens, default_corpus_bytes
 
 MICRO, STEPS, LR, SEED = 4, 3, 1e-2, 7
 

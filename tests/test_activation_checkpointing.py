@@ -8,7 +8,7 @@ and hand-written loops: the hooks run inside; a reentrant original forward runs 
 recomputation sees detached inputs). Each must match one plain process using the same checkpointing on
 the global batch within 1e-5, keep at most two units besides the root gathered at any time (each unit
 reshards right after its own backward, prefetch aside), and a third step's peak tensor memory with
-reentrant checkpointing must stay within 1.1x of non-reentrant (``hsdp/bench/peak_memory.py``).
+reentrant checkpointing must stay within 1.1x of non-reentrant (``hsdp/tools/bench/peak_memory.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 pytest.importorskip("transformers", reason="the hf extra (pip install 'hsdp[hf]'); `make test` installs it")
 
 import hsdp
-from hsdp.bench.peak_memory import measure_step_peak
+from hsdp.tools.bench.peak_memory import measure_step_peak
 
 VOCAB, CONTEXT, BATCH, STEPS = 64, 16, 2, 2
 VARIANTS = {"hf_non_reentrant": ("hf", False), "hf_reentrant": ("hf", True),
@@ -77,7 +77,7 @@ def _parts(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> l
 
 def _most_gathered(model: hsdp.ShardedModel, run: list) -> int:
     """Run the parts, counting the most units (besides the root) unsharded at once."""
-    from hsdp.runtime.unit import ShardedState, ShardUnit
+    from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
     others = model.units[1:]
     most = [0]

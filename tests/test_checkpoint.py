@@ -30,9 +30,9 @@ from models import global_batch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import hsdp
+from hsdp.apps.cli import main as cli_main
 from hsdp.checkpoint import load_safetensors, restore
 from hsdp.checkpoint.dcp_io import read_metadata_file
-from hsdp.cli import main as cli_main
 
 
 # ---------------------------------------------------------------------------------------------------------

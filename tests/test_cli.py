@@ -10,9 +10,9 @@ import pytest
 
 PROBE = """
 import sys
-import hsdp.cli
-hsdp.cli.build_parser()
-code = hsdp.cli.main({argv!r})
+import hsdp.apps.cli
+hsdp.apps.cli.build_parser()
+code = hsdp.apps.cli.main({argv!r})
 assert "torch" not in sys.modules, "torch was imported"
 print("exit", code)
 """
@@ -33,7 +33,7 @@ def test_the_public_api_is_still_importable_by_name() -> None:
         value = getattr(hsdp, name)
         assert getattr(sys.modules[value.__module__], name) is value
     from hsdp import ShardedModel
-    from hsdp.model import ShardedModel as Defined
+    from hsdp.engine.model import ShardedModel as Defined
 
     assert ShardedModel is Defined
 

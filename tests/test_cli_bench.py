@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hsdp.bench.driver import combine_repeats, jobs, parse_args, summarise
-from hsdp.bench.report import markdown_table
-from hsdp.cli import main
+from hsdp.apps.cli import main
+from hsdp.tools.bench.driver import combine_repeats, jobs, parse_args, summarise
+from hsdp.tools.bench.report import markdown_table
 
 
 def test_bench_help_reaches_the_benchmark_parser(capsys: pytest.CaptureFixture[str]) -> None:

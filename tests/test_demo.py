@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.demo import unsharded_state_bytes
-from hsdp.launch.local import launch_local, threads_per_rank, torchrun_command
+from hsdp.apps.demo import unsharded_state_bytes
+from hsdp.data.text import ByteTokenizer, TokenStream, default_corpus_bytes, split_tokens
+from hsdp.engine.wrap import select_unit_modules
 from hsdp.models import GPT, PRESETS, GPTConfig, preset
-from hsdp.textdata import ByteTokenizer, TokenStream, default_corpus_bytes, split_tokens
-from hsdp.wrap import select_unit_modules
+from hsdp.tools.launch.local import launch_local, threads_per_rank, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,9 +139,9 @@ def test_token_stream_rejects_too_few_tokens_and_split_holds_out_the_tail() -> N
 # Launcher and the demo end to end
 # ---------------------------------------------------------------------------------------------------------
 def test_torchrun_command_and_threads() -> None:
-    cmd = torchrun_command(2, 1, 2, "127.0.0.1", 29500, ["-m", "hsdp.demo", "--steps", "3"])
+    cmd = torchrun_command(2, 1, 2, "127.0.0.1", 29500, ["-m", "hsdp.apps.demo", "--steps", "3"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    assert cmd[cmd.index("--node-rank") + 1] == "1" and cmd[-4:] == ["-m", "hsdp.demo", "--steps", "3"]
+    assert cmd[cmd.index("--node-rank") + 1] == "1" and cmd[-4:] == ["-m", "hsdp.apps.demo", "--steps", "3"]
     assert threads_per_rank(4, cpus=2) == 1 and threads_per_rank(4, cpus=16) == 4
 
 

@@ -171,7 +171,7 @@ def test_activation_checkpointing_recomputes_with_gathered_parameters() -> None:
 
 
 def _prefetch_bound(rank: int, world: int) -> dict:
-    from hsdp.runtime.unit import ShardedState, ShardUnit
+    from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
     torch.manual_seed(0)
     model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))

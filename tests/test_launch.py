@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from hsdp.launch.netns import RunId, find_tools, list_namespaces, process_start_ticks
-from hsdp.launch.units import format_rate, parse_duration, parse_rate
+from hsdp.tools.launch.netns import RunId, find_tools, list_namespaces, process_start_ticks
+from hsdp.tools.launch.units import format_rate, parse_duration, parse_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "programs" / "allreduce.py"

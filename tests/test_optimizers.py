@@ -1,8 +1,9 @@
 """Every torch.optim optimizer hsdp accepts trains to one plain process's parameters; the others raise.
 
 Element-wise optimizers step the shards with their own code; Adafactor and Muon get hsdp's sharded step
-(hsdp/adafactor.py, hsdp/muon.py). The model has the awkward shapes: 17 rows (uneven chunks), one row and
-three rows (empty chunks on 2 and 4 ranks), a 3-D weight, 1-D biases and a 0-d scale. All cases run in one spawn.
+(hsdp/engine/optim/adafactor.py, hsdp/engine/optim/muon.py). The model has the awkward shapes: 17 rows (uneven
+chunks), one row and three rows (empty chunks on 2 and 4 ranks), a 3-D weight, 1-D biases and a 0-d scale.
+All cases run in one spawn.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from harness import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from hsdp.bench.peak_memory import measure_step_peak
-from hsdp.bench.systems import SYSTEMS, Wrapped
 from hsdp.models import GPT, GPTConfig
+from hsdp.tools.bench.peak_memory import measure_step_peak
+from hsdp.tools.bench.systems import SYSTEMS, Wrapped
 
 MIB = 2**20
 

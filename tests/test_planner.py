@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from hsdp.planner.cluster import ClusterSpec, valid_degrees
-from hsdp.planner.comm import group_links, wire_factor
-from hsdp.planner.cost import estimate_step
-from hsdp.planner.memory import estimate_memory
-from hsdp.planner.model import ComputeProfile, uniform
-from hsdp.planner.options import PRECISIONS, TrainOptions, precision
+from hsdp.tools.planner.cluster import ClusterSpec, valid_degrees
+from hsdp.tools.planner.comm import group_links, wire_factor
+from hsdp.tools.planner.cost import estimate_step
+from hsdp.tools.planner.memory import estimate_memory
+from hsdp.tools.planner.model import ComputeProfile, uniform
+from hsdp.tools.planner.options import PRECISIONS, TrainOptions, precision
 
 P = 64 * 1024 * 1024  # divisible by every degree below: no padding
 B = 4  # fp32 on the wire
@@ -93,7 +93,7 @@ def test_state_is_16p_over_s(name: str, nodes: int, gpus: int, shard: int) -> No
 
 
 def test_padding_counts_ceil_rows_per_rank() -> None:
-    from hsdp.planner.model import ModelSpec, UnitSpec
+    from hsdp.tools.planner.model import ModelSpec, UnitSpec
 
     spec = ModelSpec("odd", (UnitSpec("root", ((3, 5), (17, 16))),))
     assert spec.units[0].slot(4) == 1 * 5 + 5 * 16  # ceil(3/4)=1 row, ceil(17/4)=5 rows

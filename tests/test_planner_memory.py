@@ -2,7 +2,7 @@
 
 One spawn of 4 gloo ranks builds each model at shard degrees 1, 2 and 4, trains one step with AdamW and
 reports the largest rank's state bytes; the prediction comes from the unwrapped module's spec
-(:func:`hsdp.planner.introspect.spec_from_module`) without any process group. Acceptance: within 10%.
+(:func:`hsdp.tools.planner.introspect.spec_from_module`) without any process group. Acceptance: within 10%.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from torch import nn
 
 import hsdp
 from hsdp.models import GPT, GPTConfig
-from hsdp.planner.introspect import spec_from_module
-from hsdp.planner.memory import estimate_memory
-from hsdp.planner.metrics import StepRecorder
-from hsdp.planner.options import TrainOptions
+from hsdp.tools.planner.introspect import spec_from_module
+from hsdp.tools.planner.memory import estimate_memory
+from hsdp.tools.planner.metrics import StepRecorder
+from hsdp.tools.planner.options import TrainOptions
 
 GPT_CFG = GPTConfig(vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=18)  # odd rows: padding
 

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from hsdp.cli import main
-from hsdp.planner.calibrate import Measurement, calibrate, leave_one_out
-from hsdp.planner.cluster import ClusterSpec
-from hsdp.planner.compare import analyse, emulated_cluster
-from hsdp.planner.cost import estimate_step
-from hsdp.planner.memory import estimate_memory
-from hsdp.planner.model import ComputeProfile
-from hsdp.planner.options import TrainOptions
-from hsdp.planner.plan import make_plan
-from hsdp.planner.presets import inter_link, model_preset
-from hsdp.planner.tune import TuneRun, launch_command, load_metrics, summarise
-from hsdp.planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+from hsdp.apps.cli import main
+from hsdp.tools.planner.calibrate import Measurement, calibrate, leave_one_out
+from hsdp.tools.planner.cluster import ClusterSpec
+from hsdp.tools.planner.compare import analyse, emulated_cluster
+from hsdp.tools.planner.cost import estimate_step
+from hsdp.tools.planner.memory import estimate_memory
+from hsdp.tools.planner.model import ComputeProfile
+from hsdp.tools.planner.options import TrainOptions
+from hsdp.tools.planner.plan import make_plan
+from hsdp.tools.planner.presets import inter_link, model_preset
+from hsdp.tools.planner.tune import TuneRun, launch_command, load_metrics, summarise
+from hsdp.tools.planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
 GiB = 2**30
 
@@ -170,7 +170,7 @@ def test_tune_launches_each_degree_through_hsdp_launch() -> None:
     assert run.candidate_degrees == [1, 2, 4]
     cmd = launch_command(run, "stats.json")
     assert cmd[1:4] == ["-m", "hsdp", "launch"] and "--require-emulation" in cmd
-    assert cmd[cmd.index("--") + 1:][:2] == ["-m", "hsdp.planner.workload"]
+    assert cmd[cmd.index("--") + 1:][:2] == ["-m", "hsdp.tools.planner.workload"]
     with pytest.raises(ValueError, match="choose from"):
         TuneRun(degrees=(3,))
     assert math.isinf(emulated_cluster(2, 2, "1gbit").gpu_memory)

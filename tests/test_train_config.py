@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.collectives import profiler_region
-from hsdp.train.command import overrides_from, split_items
-from hsdp.train.config import DataConfig, OptimConfig, RunConfig
-from hsdp.train.config_io import apply_overrides, build_config, read_toml, resolve_config, to_toml
-from hsdp.train.corpus import char_tokens, detect_format, load_corpus, read_corpus_bytes
-from hsdp.train.lm import build_model, lm_loss, sample
-from hsdp.train.metrics import CSV_NAME, MetricsWriter, comm_totals, read_metrics
-from hsdp.train.optimizer import lr_at
-from hsdp.train.progress import format_eta
-from hsdp.train.rank_warnings import rank_ranges
-from hsdp.train.report import write_report
-from hsdp.train.rundir import start_problem
+from hsdp.apps.train.command import overrides_from, split_items
+from hsdp.apps.train.config import DataConfig, OptimConfig, RunConfig
+from hsdp.apps.train.config_io import apply_overrides, build_config, read_toml, resolve_config, to_toml
+from hsdp.apps.train.corpus import char_tokens, detect_format, load_corpus, read_corpus_bytes
+from hsdp.apps.train.lm import build_model, lm_loss, sample
+from hsdp.apps.train.metrics import CSV_NAME, MetricsWriter, comm_totals, read_metrics
+from hsdp.apps.train.optimizer import lr_at
+from hsdp.apps.train.progress import format_eta
+from hsdp.apps.train.rank_warnings import rank_ranges
+from hsdp.apps.train.report import write_report
+from hsdp.apps.train.rundir import start_problem
+from hsdp.engine.collectives import profiler_region
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -114,7 +114,7 @@ def test_command_line_items_and_flags() -> None:
 
 
 def test_flags_and_overrides_mix_in_any_order() -> None:
-    from hsdp.cli import build_parser
+    from hsdp.apps.cli import build_parser
 
     argv = ["train", "run.toml", "--resume", "train.steps=9", "--out", "x", "data.max_bytes=5"]
     args = build_parser().parse_args(argv)

@@ -66,7 +66,7 @@ def _train_sharded(rank: int, degree: int) -> dict:
 def _hf_worker(rank: int, world: int, tmp: str) -> dict:
     from rich.console import Console
 
-    from hsdp.train import resolve_config, run_job
+    from hsdp.apps.train import resolve_config, run_job
 
     out = {degree: _train_sharded(rank, degree) for degree in (2, 1)}  # 1x2 mesh, then 2x1
     cfg = resolve_config(None, ["model.kind=hf-gpt2", "train.steps=4", "train.eval_every=2",

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from harness import run_distributed
 
-from hsdp.train.metrics import read_metrics
-from hsdp.train.report import write_report
+from hsdp.apps.train.metrics import read_metrics
+from hsdp.apps.train.report import write_report
 
 if TYPE_CHECKING:
-    from hsdp.train.job import JobOutcome
+    from hsdp.apps.train.job import JobOutcome
 
 REPO = Path(__file__).resolve().parents[1]
 # Small and quick: 8 steps of the tiny GPT on 0.3 MB of the stdlib.
@@ -99,7 +99,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path: Path) -> No
 def _run(out: Path, *extra: str) -> JobOutcome:
     from rich.console import Console
 
-    from hsdp.train import resolve_config, run_job
+    from hsdp.apps.train import resolve_config, run_job
 
     cfg = resolve_config(None, ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=3",
                                 "train.log_every=1", "train.sample_tokens=0", "data.max_bytes=200000",
@@ -113,7 +113,7 @@ def _job(out: Path, *extra: str) -> dict:
 
 def _preempted(out: Path, rank: int) -> JobOutcome:
     """A job in which rank 3 alone gets SIGTERM after step 3, as from a scheduler that signals one node."""
-    from hsdp.train import loop
+    from hsdp.apps.train import loop
 
     original = loop.after_step
 
@@ -131,8 +131,8 @@ def _preempted(out: Path, rank: int) -> JobOutcome:
 
 def _resume_worker(rank: int, world: int, tmp: str) -> dict:
     import hsdp
-    from hsdp.train.rank_warnings import RankWarnings
-    from hsdp.train.ranks import RankChannel
+    from hsdp.apps.train.rank_warnings import RankWarnings
+    from hsdp.apps.train.ranks import RankChannel
 
     base = Path(tmp)
     _job(base / "straight")

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hsdp.collectives import Comm
+from hsdp.engine.collectives import Comm
 
 T = TypeVar("T")
 

@@ -32,10 +32,10 @@ from hsdp.checkpoint.options import CheckpointOptions
 from hsdp.checkpoint.resolve import Candidate, candidates, from_json, to_json
 from hsdp.checkpoint.spec import build_spec
 from hsdp.checkpoint.templates import Buffers, allocate, assemble
-from hsdp.collectives import Comm
-from hsdp.mesh import HSDPMesh
-from hsdp.model import ShardedModel
-from hsdp.optim import ShardedOptimizer
+from hsdp.engine.collectives import Comm
+from hsdp.engine.mesh import HSDPMesh
+from hsdp.engine.model import ShardedModel
+from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from hsdp.model import ShardedModel
-from hsdp.optim import ShardedOptimizer
-from hsdp.runtime.sharded_param import ShardedParam
+from hsdp.engine.model import ShardedModel
+from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
+from hsdp.engine.runtime.sharded_param import ShardedParam
 
 MODEL = "model"
 OPTIM = "optim"

@@ -31,9 +31,9 @@ from hsdp.checkpoint.options import CheckpointOptions
 from hsdp.checkpoint.resolve import is_checkpoint_dir
 from hsdp.checkpoint.rundir import atomic_write, commit_dir, next_step, prune, step_dir_name, write_latest
 from hsdp.checkpoint.spec import EXTRA
-from hsdp.collectives import Comm
-from hsdp.model import ShardedModel
-from hsdp.optim import ShardedOptimizer
+from hsdp.engine.collectives import Comm
+from hsdp.engine.model import ShardedModel
+from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 
 
 def save_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOptimizer | None = None, *,

@@ -33,9 +33,9 @@ from hsdp.checkpoint.names import (
     sharded_param_of,
 )
 from hsdp.checkpoint.resolve import Candidate
-from hsdp.local_step import is_elementwise
-from hsdp.model import ShardedModel
-from hsdp.optim import ShardedOptimizer
+from hsdp.engine.model import ShardedModel
+from hsdp.engine.optim.local_step import is_elementwise
+from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 
 EXTRA = "extra.json"
 _SHOW = 5

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint.dcp_io import decode_object, dtype_of
 from hsdp.checkpoint.names import MODEL, OPTIM, param_by_name, sharded_param_of
-from hsdp.model import ShardedModel
-from hsdp.runtime.dtensor import to_sharded_dtensor
+from hsdp.engine.model import ShardedModel
+from hsdp.engine.runtime.dtensor import to_sharded_dtensor
 
 
 @dataclass

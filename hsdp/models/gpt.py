@@ -34,7 +34,7 @@ class GPTConfig:
             raise ValueError(f"every size of a GPTConfig must be positive, got {self}")
 
 
-# Named shapes. The byte-level ones (vocab 256) train on hsdp.textdata; the GPT-2-like ones use GPT-2's
+# Named shapes. The byte-level ones (vocab 256) train on hsdp.data.text; the GPT-2-like ones use GPT-2's
 # vocabulary (padded to 50304, a multiple of 64) and are meant for memory and throughput studies.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),  # ~0.2M

@@ -1,0 +1,1 @@
+"""Applications: `hsdp train`, the demo and the command line that dispatches to every tool."""

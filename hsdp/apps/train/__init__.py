@@ -1,0 +1,51 @@
+"""``hsdp train``: a complete training job for GPT-style models on hsdp, driven by a typed config.
+
+::
+
+    hsdp train                                  # tiny GPT, Python stdlib text, 2 emulated nodes x 2 ranks
+    hsdp train run.toml train.steps=1000        # TOML config, then section.field=value overrides
+    torchrun --nnodes N --nproc-per-node G -m hsdp.apps.train run.toml
+
+From Python (on every rank of a launched job)::
+
+    from hsdp.apps.train import resolve_config, run_job
+    run_job(resolve_config("run.toml", ["train.steps=100"]))
+
+Modules: ``config`` (the typed sections), ``config_io`` (TOML and overrides), ``corpus`` (text sources and
+tokenizers), ``lm`` (models and loss), ``optimizer`` (AdamW and schedule), ``loop`` (the steps),
+``metrics``, ``progress``, ``rank_warnings``, ``resume``, ``profiling``, ``summary``, ``job`` (one rank's
+run), ``command`` (the command line), ``report`` (``hsdp report``'s plots).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hsdp.apps.train.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from hsdp.apps.train.config_io import build_config, resolve_config, to_toml
+
+if TYPE_CHECKING:
+    from hsdp.apps.train.job import JobOutcome, run_job
+
+
+def __getattr__(name: str) -> Any:
+    # The job needs torch; the command line's parser and the configuration do not (`hsdp --help` stays fast).
+    if name in ("JobOutcome", "run_job"):
+        from hsdp.apps.train import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module 'hsdp.apps.train' has no attribute {name!r}")
+
+__all__ = [
+    "DataConfig",
+    "JobOutcome",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "build_config",
+    "resolve_config",
+    "run_job",
+    "to_toml",
+]

@@ -1,0 +1,159 @@
+"""The ``hsdp train`` command line: arguments, configuration, and where the ranks come from.
+
+Under torchrun or ``hsdp launch`` (``RANK`` and ``WORLD_SIZE`` are set) this process is one rank and runs
+the job. Otherwise ``hsdp train`` starts the ranks itself: ``parallel.nodes`` emulated nodes of
+``parallel.nproc_per_node`` ranks on this machine (one torchrun agent per node, see
+``hsdp.tools.launch.local``), each running ``python -m hsdp.apps.train`` with the same configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hsdp.apps.train.config import RunConfig
+
+USAGE_ERROR = 2
+
+EPILOG = """\
+examples:
+  hsdp train                                   tiny GPT on the Python stdlib, 2 emulated nodes x 2 ranks
+  hsdp train --steps 50 --profile              a short run with a profiler trace
+  hsdp train run.toml train.batch_size=16      a config file, then overrides (section.field=value)
+  hsdp train --resume                          continue runs/train from its last checkpoint
+  torchrun --nnodes 2 --nproc-per-node 8 ... -m hsdp.apps.train run.toml     on a real cluster
+
+Every field and its default: hsdp train --print-config
+"""
+
+
+class IntermixedParser(argparse.ArgumentParser):
+    """A parser whose positionals (config file, overrides) may come before, between or after the flags,
+    as in ``hsdp train run.toml --resume train.steps=9``; plain argparse stops collecting a ``nargs="*"``
+    positional at the first flag and rejects the rest."""
+
+    _inside = False
+
+    def parse_known_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        if self._inside:  # parse_known_intermixed_args calls back into parse_known_args (Python <= 3.12)
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``train`` on the ``hsdp`` parser's ``subparsers``."""
+    p = subparsers.add_parser("train", help="train a GPT-style model with HSDP (config file + overrides)",
+                              description="Train a language model with HSDP.", epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.__class__ = IntermixedParser  # the subparsers action builds plain parsers; same layout, new parsing
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("items", nargs="*", metavar="[CONFIG.toml] [section.field=value ...]",
+                   help="a TOML config file, then overrides applied in order")
+    p.add_argument("--resume", action="store_true", help="continue the run directory from its last checkpoint")
+    p.add_argument("--profile", action="store_true", help="write torch.profiler traces of a few steps")
+    p.add_argument("--out", metavar="DIR", help="run directory (train.out_dir)")
+    p.add_argument("--steps", type=int, help="training steps (train.steps)")
+    p.add_argument("--preset", help="model shape (model.preset): tiny, small, bench, gpt2-124m, ..., gpt-1b")
+    p.add_argument("--data", metavar="SOURCE", help="text file, folder, .jsonl or datasets dir (data.source)")
+    p.add_argument("--nodes", type=int, help="emulated nodes when starting the ranks itself (parallel.nodes)")
+    p.add_argument("--nproc-per-node", type=int, help="ranks per node (parallel.nproc_per_node)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+
+
+def split_items(items: list[str]) -> tuple[str | None, list[str]]:
+    """``(config file, overrides)``: a first item without ``=`` is the config file."""
+    if items and "=" not in items[0]:
+        path, rest = items[0], items[1:]
+    else:
+        path, rest = None, list(items)
+    stray = [i for i in rest if "=" not in i]
+    if stray:
+        raise ValueError(f"{stray[0]!r} is not an override: write section.field=value (only the first "
+                         f"argument may be a config file)")
+    return path, rest
+
+
+def overrides_from(args: argparse.Namespace) -> list[str]:
+    """The shortcut flags as overrides (applied before the explicit ones, which therefore win)."""
+    flags = [("train.resume", args.resume or None), ("train.profile", args.profile or None),
+             ("train.out_dir", args.out), ("train.steps", args.steps), ("model.preset", args.preset),
+             ("data.source", args.data), ("parallel.nodes", args.nodes),
+             ("parallel.nproc_per_node", args.nproc_per_node)]
+    out = []
+    for key, value in flags:
+        if value is not None:
+            out.append(f"{key}={'true' if value is True else value}")
+    return out
+
+
+def under_torchrun() -> bool:
+    """Whether this process is already one rank of a launched job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _error(message: str) -> int:
+    print(f"hsdp train: error: {message}", file=sys.stderr, flush=True)
+    return USAGE_ERROR
+
+
+def run_rank(config: RunConfig) -> int:
+    """Run the job as this rank; 2 (after one message from rank 0) when the run may not start, 143 when a
+    SIGTERM stopped it after a checkpoint."""
+    import torch.distributed as dist
+
+    from hsdp.apps.train.job import run_job
+    from hsdp.engine.faults.preemption import STOP_EXIT_STATUS
+
+    try:
+        outcome = run_job(config)
+    except ValueError as e:  # every rank raises the same agreed error: print it once
+        return _error(str(e)) if os.environ.get("RANK", "0") == "0" else USAGE_ERROR
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return STOP_EXIT_STATUS if outcome.stopped else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed ``hsdp train``; the exit status."""
+    from hsdp.apps.train.config_io import resolve_config, to_toml
+    from hsdp.apps.train.rundir import start_problem
+
+    try:
+        path, items = split_items(args.items)
+        overrides = overrides_from(args) + items
+        config = resolve_config(path, overrides)
+        problem = None if under_torchrun() else start_problem(config)
+    except ValueError as e:
+        return _error(str(e))
+    if args.print_config:
+        print(to_toml(config), end="")
+        return 0
+    if problem is not None:  # caught here, once, before starting any rank
+        return _error(problem)
+    if under_torchrun():
+        return run_rank(config)
+    from hsdp.tools.launch import launch_local
+
+    script = ["-m", "hsdp.apps.train", *([path] if path else []), *overrides]
+    return launch_local(config.parallel.nodes, config.parallel.nproc_per_node, script)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hsdp.apps.train``: the same as ``hsdp train``."""
+    parser = IntermixedParser(prog="python -m hsdp.apps.train", description="Train a language model with HSDP.",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

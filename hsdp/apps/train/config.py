@@ -1,0 +1,196 @@
+"""The typed configuration of ``hsdp train``: one frozen dataclass per TOML section.
+
+Every field has a default, so ``hsdp train`` runs with no configuration at all. Each section validates
+itself on construction and raises ``ValueError`` naming the field as it is written in TOML or on the
+command line (``train.steps = 0: must be at least 1``) and how to fix it. Reading TOML files and
+``section.field=value`` overrides lives in :mod:`hsdp.apps.train.config_io`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+MODEL_KINDS = ("gpt", "hf-gpt2")
+TOKENIZERS = ("byte", "char")
+DATA_FORMATS = ("auto", "text", "jsonl", "dataset")
+PRECISIONS = ("fp32", "bf16")
+REPLICA_HOPS = ("fp32", "bf16", "int8")
+DEFAULT_OUT_DIR = "runs/train"
+STDLIB = "stdlib"
+
+
+def _fail(section: str, name: str, value: Any, why: str) -> None:
+    raise ValueError(f"{section}.{name} = {value!r}: {why}")
+
+
+def _at_least(section: str, obj: Any, names: tuple[str, ...], low: float) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < low:
+            _fail(section, name, value, f"must be at least {low:g}")
+
+
+def _one_of(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(section, name, value, f"choose one of {list(choices)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to train. ``preset`` names a shape of :data:`hsdp.models.PRESETS` (``tiny`` ... ``gpt-1b``);
+    its vocabulary is replaced by the tokenizer's. ``kind``: ``gpt`` (hsdp's own GPT) or ``hf-gpt2``
+    (Hugging Face ``GPT2LMHeadModel`` of the same shape, random weights; needs the ``hf`` extra).
+    ``block_size`` 0 keeps the preset's context length; ``dropout`` applies to both kinds."""
+
+    SECTION: ClassVar[str] = "model"
+    preset: str = "tiny"
+    kind: str = "gpt"
+    block_size: int = 0
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        from hsdp.models import PRESETS  # torch import deferred: configs load without it
+
+        _one_of(self.SECTION, "preset", self.preset, tuple(sorted(PRESETS)))
+        _one_of(self.SECTION, "kind", self.kind, MODEL_KINDS)
+        _at_least(self.SECTION, self, ("block_size",), 0)
+        if not 0.0 <= self.dropout < 1.0:
+            _fail(self.SECTION, "dropout", self.dropout, "must lie in [0, 1)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from. ``source``: ``stdlib`` (the Python standard library's sources, present on
+    every machine), a text file, a folder (every file whose name ends in one of ``extensions``, sorted), a
+    ``.jsonl`` file with a ``text_field`` per line, or a ``datasets`` directory (``save_to_disk``; needs
+    the ``datasets`` package). ``format`` ``auto`` tells these apart by the path. The first ``max_bytes``
+    bytes are used; the last ``eval_fraction`` of the tokens is held out for evaluation."""
+
+    SECTION: ClassVar[str] = "data"
+    source: str = STDLIB
+    format: str = "auto"
+    tokenizer: str = "byte"
+    max_bytes: int = 2_000_000
+    eval_fraction: float = 0.05
+    text_field: str = "text"
+    extensions: tuple[str, ...] = (".py", ".txt", ".md", ".rst")
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            _fail(self.SECTION, "source", self.source, f"name a file or folder, or {STDLIB!r}")
+        _one_of(self.SECTION, "format", self.format, DATA_FORMATS)
+        _one_of(self.SECTION, "tokenizer", self.tokenizer, TOKENIZERS)
+        _at_least(self.SECTION, self, ("max_bytes",), 1)
+        if not 0.0 < self.eval_fraction < 1.0:
+            _fail(self.SECTION, "eval_fraction", self.eval_fraction, "must lie in (0, 1), e.g. 0.05")
+        if not self.extensions:
+            _fail(self.SECTION, "extensions", list(self.extensions), 'list at least one, e.g. [".txt"]')
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay from ``lr`` to ``min_lr`` at the last step (a warm-up
+    longer than the run is cut to the run). Weight decay applies to matrices only (not biases, norms).
+    ``grad_clip`` 0 disables clipping."""
+
+    SECTION: ClassVar[str] = "optim"
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _at_least(self.SECTION, self, ("min_lr", "warmup_steps", "weight_decay", "grad_clip"), 0)
+        if self.lr <= 0:
+            _fail(self.SECTION, "lr", self.lr, "must be positive, e.g. 3e-4")
+        if self.min_lr > self.lr:
+            _fail(self.SECTION, "min_lr", self.min_lr, f"must not exceed optim.lr = {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(self.SECTION, name, getattr(self, name), "must lie in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop. ``batch_size`` is sequences per rank and micro-batch; ``grad_accum`` micro-batches make a
+    step (the inter-node hop runs once per step). Every ``eval_every`` steps the held-out loss is measured
+    on ``eval_batches`` batches per rank, every ``checkpoint_every`` steps a checkpoint is saved (the
+    newest ``keep_checkpoints`` are kept; one more at the last step); 0 disables either. ``stop_after`` N
+    ends the job after step N as an interruption would (the schedule still plans for ``steps``; continue
+    with ``--resume``). ``profile`` records ``profile_steps`` steps with ``torch.profiler``. With
+    ``save_on_signal`` a SIGTERM (preemption) ends the job after the current step with a checkpoint there
+    and exit status 143; false leaves SIGTERM's default (the process dies at once)."""
+
+    SECTION: ClassVar[str] = "train"
+    steps: int = 300
+    batch_size: int = 8
+    grad_accum: int = 1
+    seed: int = 0
+    out_dir: str = DEFAULT_OUT_DIR
+    resume: bool = False
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    stop_after: int = 0
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+    profile: bool = False
+    profile_steps: int = 3
+    save_on_signal: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least(self.SECTION, self, ("steps", "batch_size", "grad_accum", "log_every", "eval_batches",
+                                       "keep_checkpoints", "profile_steps"), 1)
+        _at_least(self.SECTION, self, ("seed", "eval_every", "checkpoint_every", "stop_after",
+                                       "sample_tokens"), 0)
+        if not self.out_dir:
+            _fail(self.SECTION, "out_dir", self.out_dir, f"name a directory, e.g. {DEFAULT_OUT_DIR!r}")
+        if self.sample_tokens and not self.sample_prompt:
+            _fail(self.SECTION, "sample_prompt", self.sample_prompt, "give a prompt, or set train.sample_tokens = 0")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks are laid out. ``nodes`` x ``nproc_per_node`` are the processes ``hsdp train`` starts
+    itself (emulated nodes on this machine) when it is not already running under torchrun or ``hsdp
+    launch``. ``sharding_degree`` 0 means the ranks per node (HSDP); 1 is DDP, the world size full
+    sharding. ``mixed_precision`` ``bf16`` computes and reduces in bfloat16 over fp32 master shards;
+    ``replica_hop`` picks the inter-node gradient hop (``int8`` compresses with error feedback)."""
+
+    SECTION: ClassVar[str] = "parallel"
+    nodes: int = 2
+    nproc_per_node: int = 2
+    sharding_degree: int = 0
+    mixed_precision: str = "fp32"
+    replica_hop: str = "fp32"
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least(self.SECTION, self, ("nodes", "nproc_per_node"), 1)
+        _at_least(self.SECTION, self, ("sharding_degree",), 0)
+        _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
+        _one_of(self.SECTION, "replica_hop", self.replica_hop, REPLICA_HOPS)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole ``hsdp train`` configuration: the five sections, checked together on construction."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.stop_after > self.train.steps:
+            _fail("train", "stop_after", self.train.stop_after, f"exceeds train.steps = {self.train.steps}")
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]

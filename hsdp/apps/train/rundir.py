@@ -1,0 +1,89 @@
+"""The run directory of ``hsdp train`` and the decision whether a run may start there.
+
+Layout::
+
+    runs/train/
+      config.toml        the resolved configuration (``--resume`` without a config file reads it back)
+      metrics.jsonl      one record per step (see hsdp.apps.train.metrics); metrics.csv the same as a table
+      tb/                TensorBoard events (when tensorboard is installed)
+      checkpoints/       hsdp.save_checkpoint's run directory: step_000100/, ..., latest
+      profile/           rank<r>.json chrome traces (--profile)
+      summary.json       the final summary; sample.txt the text sampled at the end
+      report/            PNG plots written by `hsdp report`
+
+On a cluster it must be on storage every node sees (checkpoints are written by all ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hsdp.apps.train.config import RunConfig
+from hsdp.apps.train.config_io import CONFIG_NAME, to_toml
+from hsdp.apps.train.metrics import JSONL_NAME
+from hsdp.apps.train.ranks import RankChannel
+from hsdp.checkpoint.rundir import list_steps
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run directory."""
+
+    path: str
+
+    @property
+    def checkpoints(self) -> str:
+        return os.path.join(self.path, "checkpoints")
+
+    @property
+    def profile(self) -> str:
+        return os.path.join(self.path, "profile")
+
+    @property
+    def summary(self) -> str:
+        return os.path.join(self.path, "summary.json")
+
+    @property
+    def sample(self) -> str:
+        return os.path.join(self.path, "sample.txt")
+
+    @property
+    def report(self) -> str:
+        return os.path.join(self.path, "report")
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the committed checkpoints, oldest first."""
+        if not os.path.isdir(self.checkpoints):
+            return []
+        return [step for step, _ in list_steps(self.checkpoints)]
+
+
+def start_problem(cfg: RunConfig) -> str | None:
+    """Why a run with ``cfg`` may not start in its directory (``None``: it may). A fresh run refuses a
+    directory that already holds a run, so nothing is overwritten by accident."""
+    run = RunDir(cfg.train.out_dir)
+    if cfg.train.resume or not os.path.isdir(run.path):
+        return None
+    held = [name for name in (JSONL_NAME, "checkpoints") if os.path.exists(os.path.join(run.path, name))]
+    if not held:
+        return None
+    return (f"train.out_dir = {run.path!r} already holds a run ({', '.join(held)}): pass --resume to continue "
+            f"it, --out NEW_DIR to start another, or delete the directory")
+
+
+def prepare_run_dir(cfg: RunConfig, channel: RankChannel) -> RunDir:
+    """Check and create the run directory and save the configuration (rank 0); a collective. Every rank
+    raises the same ``ValueError`` when the run may not start."""
+    error = None
+    if channel.is_root:
+        try:
+            error = start_problem(cfg)
+            if error is None:
+                os.makedirs(cfg.train.out_dir, exist_ok=True)
+                with open(os.path.join(cfg.train.out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
+                    f.write(to_toml(cfg))
+        except OSError as e:
+            error = f"train.out_dir = {cfg.train.out_dir!r} cannot be written: {e}"
+    channel.agree(error)
+    return RunDir(cfg.train.out_dir)

@@ -1,0 +1,139 @@
+"""The end-of-run summary of ``hsdp train``: throughput, memory per rank, bytes per step per group.
+
+Every rank contributes one record (:func:`rank_record`); rank 0 prints three tables and writes them to
+``summary.json``. Communication is per optimizer step: ``shard`` is the intra-node group (all-gather,
+reduce-scatter), ``replicate`` the inter-node group (the gradient hop). Per node, the replicate bytes of
+the node's ranks add up to the HSDP floor ``2(R-1)/R x P x b`` for a plain all-reduce (P parameters of b
+bytes on the wire, R replicas), shown next to the measurement (slightly above it: chunk padding and one
+flag per parameter ride along).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+import hsdp
+from hsdp.apps.train.config import RunConfig
+from hsdp.apps.train.loop import LoopResult
+from hsdp.apps.train.metrics import peak_memory_bytes
+
+_WIRE_BYTES = {"fp32": 4, "bf16": 2}  # per element on the inter-node hop; int8 has no closed form here
+
+
+def rank_record(model: hsdp.ShardedModel, optimizer: hsdp.ShardedOptimizer, result: LoopResult) -> dict[str, Any]:
+    """This rank's place in the mesh, model-state bytes, peak memory and mean bytes per step."""
+    mesh = model.mesh
+    node = int(os.environ.get("GROUP_RANK", mesh.replicate_rank))  # torchrun's node rank
+    steps = max(result.steps, 1)
+    return {"rank": mesh.rank, "node": node, "shard": mesh.shard_rank,
+            **hsdp.state_bytes(model, optimizer).as_dict(), "peak_bytes": peak_memory_bytes(mesh.device),
+            "shard_bytes_per_step": result.shard_bytes / steps,
+            "replicate_bytes_per_step": result.replicate_bytes / steps}
+
+
+def inter_node_floor(cfg: RunConfig, n_params: int, replicas: int) -> float | None:
+    """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop."""
+    wire = _WIRE_BYTES.get(cfg.parallel.replica_hop)
+    if wire is None:
+        return None
+    if cfg.parallel.mixed_precision == "bf16" and cfg.parallel.replica_hop == "fp32":
+        wire = 2  # the hop inherits bf16 from the reduce dtype
+    return 2 * (replicas - 1) / replicas * n_params * wire
+
+
+def node_records(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per node: its ranks' bytes per step added up."""
+    nodes: dict[int, dict[str, Any]] = {}
+    for r in ranks:
+        n = nodes.setdefault(r["node"], {"node": r["node"], "ranks": 0, "shard_bytes_per_step": 0.0,
+                                         "replicate_bytes_per_step": 0.0})
+        n["ranks"] += 1
+        n["shard_bytes_per_step"] += r["shard_bytes_per_step"]
+        n["replicate_bytes_per_step"] += r["replicate_bytes_per_step"]
+    return [nodes[k] for k in sorted(nodes)]
+
+
+def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: LoopResult,
+                  ranks: list[dict[str, Any]], start_step: int) -> dict[str, Any]:
+    """The JSON-serialisable summary (what ``summary.json`` holds)."""
+    losses = [r["loss"] for r in result.records]
+    evals = [r["eval_loss"] for r in result.records if r["eval_loss"] is not None]
+    return {
+        "mesh": {"replicas": mesh.replicate_degree, "shards": mesh.sharding_degree, "world": mesh.world_size},
+        "model": {"preset": cfg.model.preset, "kind": cfg.model.kind, "params": n_params},
+        "steps": {"first": start_step + 1, "last": start_step + result.steps, "planned": cfg.train.steps},
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "eval_loss_last": evals[-1] if evals else None,
+        "tokens": result.tokens, "seconds": result.seconds,
+        "tokens_per_s": result.tokens / result.seconds if result.seconds else 0.0,
+        "ranks": ranks, "nodes": node_records(ranks),
+        "inter_node_floor_bytes_per_step": inter_node_floor(cfg, n_params, mesh.replicate_degree),
+        "checkpoints": result.checkpoints, "trace": result.trace,
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _kib(n: float) -> str:
+    return f"{n / 2**10:,.1f}"
+
+
+def run_table(summary: dict[str, Any], data: str) -> Table:
+    t = Table(title="hsdp train", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    m, s = summary["mesh"], summary["steps"]
+    t.add_row("mesh", f"{m['replicas']} replicas x {m['shards']} shards ({m['world']} ranks)")
+    t.add_row("model", f"{summary['model']['kind']} '{summary['model']['preset']}', "
+                       f"{summary['model']['params']:,} parameters")
+    t.add_row("data", Text(data))  # Text: a path may contain "[...]", which rich would read as markup
+    t.add_row("steps", f"{s['first']}..{s['last']} of {s['planned']}")
+    if summary["loss_first"] is not None:
+        t.add_row("train loss", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+    if summary["eval_loss_last"] is not None:
+        t.add_row("held-out loss", f"{summary['eval_loss_last']:.3f} (last evaluation)")
+    t.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens']:,} tokens in "
+                            f"{summary['seconds']:.1f} s of steps)")
+    return t
+
+
+def rank_table(ranks: list[dict[str, Any]]) -> Table:
+    t = Table(title="Per rank (MiB; KiB sent per step)")
+    for name in ("rank", "node", "shard", "params", "grads", "optim", "peak mem", "intra", "inter"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), _mib(r["params"]), _mib(r["grads"]),
+                  _mib(r["optimizer"]), _mib(r["peak_bytes"]), _kib(r["shard_bytes_per_step"]),
+                  _kib(r["replicate_bytes_per_step"]))
+    return t
+
+
+def node_table(summary: dict[str, Any]) -> Table:
+    floor = summary["inter_node_floor_bytes_per_step"]
+    caption = "" if floor is None else f"inter-node floor 2(R-1)/R x P x b = {_kib(floor)} KiB per node"
+    t = Table(title="Per node and step (KiB)", caption=caption)
+    for name in ("node", "ranks", "intra-node (shard)", "inter-node (replicate)"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for n in summary["nodes"]:
+        t.add_row(str(n["node"]), str(n["ranks"]), _kib(n["shard_bytes_per_step"]),
+                  _kib(n["replicate_bytes_per_step"]))
+    return t
+
+
+def print_summary(console: Console, summary: dict[str, Any], data: str) -> None:
+    console.print(run_table(summary, data))
+    console.print(rank_table(summary["ranks"]))
+    console.print(node_table(summary))
+
+
+def write_summary(path: str, summary: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)

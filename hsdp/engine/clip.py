@@ -1,0 +1,69 @@
+"""Gradient clipping over a sharded model: the norm of the whole gradient, not of this rank's shards."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from hsdp.engine.model import ShardedModel
+
+NonFinite = Literal["warn", "skip", "error"]
+
+
+def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0, *,
+                    on_nonfinite: NonFinite = "warn") -> torch.Tensor:
+    """Scale every gradient so the total ``norm_type`` norm is at most ``max_norm``; return the total norm.
+
+    Equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (tied parameters count once). A
+    collective in the shard group only: after the backward, replicas hold identical gradient shards, so
+    no inter-node bytes are spent. The norm is returned on every rank.
+
+    Non-finite norm: ``"warn"`` clips nothing and warns; ``"skip"`` also drops every gradient (sets it to
+    ``None``) so the next ``optimizer.step()`` changes nothing; ``"error"`` raises ``FloatingPointError``.
+    """
+    if not isinstance(model, ShardedModel):
+        raise ValueError("hsdp.clip_grad_norm_ expects a ShardedModel; use torch.nn.utils.clip_grad_norm_ otherwise")
+    if on_nonfinite not in ("warn", "skip", "error"):
+        raise ValueError(f"on_nonfinite must be 'warn', 'skip' or 'error', got {on_nonfinite!r}")
+    # A replicated (0-d) parameter's gradient is whole on every shard rank: count it on shard rank 0 only.
+    counted = [p for p in model.sharded_params() if not p.layout.replicated or model.mesh.shard_rank == 0]
+    grads = [g for g in (p.grad_local for p in counted) if g is not None]
+    total = _total_norm(model, grads, float(norm_type))
+    if not torch.isfinite(total):
+        _handle_nonfinite(model, total, on_nonfinite)
+        return total
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    every = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
+    if every:
+        torch._foreach_mul_(every, coef.to(every[0].device))
+    return total
+
+
+def _total_norm(model: ShardedModel, grads: list[torch.Tensor], p: float) -> torch.Tensor:
+    device = model.mesh.device
+    comm = model._hsdp_state.comm
+    if math.isinf(p):
+        local = torch.stack([g.detach().abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
+        total = local.max().float().reshape(1)
+        comm.all_reduce(total, "shard", op=dist.ReduceOp.MAX, label="grad norm")
+        return total[0]
+    local = torch.zeros(1, device=device, dtype=torch.float32)
+    for g in grads:
+        local += torch.linalg.vector_norm(g.detach(), p, dtype=torch.float32) ** p
+    comm.all_reduce(local, "shard", op=dist.ReduceOp.SUM, label="grad norm")
+    return local[0] ** (1.0 / p)
+
+
+def _handle_nonfinite(model: ShardedModel, total: torch.Tensor, on_nonfinite: NonFinite) -> None:
+    message = f"total gradient norm is {total.item()}"
+    if on_nonfinite == "error":
+        raise FloatingPointError(message + ": the loss or a gradient overflowed; lower the LR or check the data")
+    if on_nonfinite == "skip":
+        for p in model.sharded_params():
+            p.sharded.grad = None
+        message += "; gradients dropped, the next optimizer step is skipped"
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,257 @@
+"""The only caller of torch.distributed collectives in hsdp.
+
+Routing every collective through :class:`Comm` is what lets hsdp count bytes per hop, time them, compress
+the inter-node hop, and verify in tests that all-gather and reduce-scatter never leave the shard group.
+
+Groups are named by their role: ``"shard"`` (intra-node), ``"replicate"`` (inter-node) and ``"world"``.
+A group of one rank costs nothing: the collective degenerates to a local copy or a no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from hsdp.engine.mesh import HSDPMesh
+
+GROUPS = ("shard", "replicate", "world")
+
+
+@dataclass
+class OpStats:
+    """Totals for one (group, op) pair. ``wire_bytes`` is what one rank sends under a ring algorithm."""
+
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"calls": self.calls, "bytes": self.bytes, "wire_bytes": self.wire_bytes,
+                "seconds": round(self.seconds, 6)}
+
+
+@dataclass
+class CommStats:
+    """Per ``(group, op)`` totals since the last :meth:`reset`."""
+
+    ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+
+    def record(self, group: str, op: str, nbytes: int, wire: int) -> OpStats:
+        s = self.ops[(group, op)]
+        s.calls += 1
+        s.bytes += nbytes
+        s.wire_bytes += wire
+        return s
+
+    def calls(self, group: str, op: str) -> int:
+        return self.ops[(group, op)].calls if (group, op) in self.ops else 0
+
+    def group_wire_bytes(self, group: str) -> int:
+        return sum(s.wire_bytes for (g, _), s in self.ops.items() if g == group)
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (g, op), s in sorted(self.ops.items()):
+            out.setdefault(g, {})[op] = s.as_dict()
+        return out
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+
+class Handle:
+    """In-flight collectives. ``wait()`` is idempotent, books the elapsed time to the stats row, then runs
+    ``on_done`` (e.g. decompress or cast back). On CUDA with NCCL, waiting makes the current stream wait
+    for the collective without blocking the host, so the time booked there is issue-to-enqueue.
+    """
+
+    def __init__(self, work: dist.Work | None = None, stats: OpStats | None = None,
+                 on_done: Callable[[], None] | None = None, after: list[Handle] | None = None,
+                 region: str = "") -> None:
+        self._work = work
+        self._region = region  # the collective's profiler region; waiting shows as "<region> wait"
+        self._stats = stats
+        self._after = after or []
+        # No clock under torch.compile (Dynamo would warn about, and break the graph at, perf_counter): the
+        # runtime issues collectives only from hooks that run eagerly, so only user code tracing a Comm
+        # call directly loses its seconds.
+        self._start = None if torch.compiler.is_compiling() else time.perf_counter()
+        self._on_done = on_done
+        self.done = work is None and on_done is None and not self._after
+
+    def then(self, on_done: Callable[[], None]) -> Handle:
+        """A handle that waits for this one, then runs ``on_done``."""
+        return Handle(after=[self], on_done=on_done)
+
+    @staticmethod
+    def all(handles: list[Handle], on_done: Callable[[], None] | None = None) -> Handle:
+        return Handle(after=handles, on_done=on_done)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for h in self._after:
+            h.wait()
+        if self._work is not None:
+            # A separate region: in a trace, the exposed (not overlapped) communication is the wait.
+            with record_function(f"{self._region} wait" if self._region else "hsdp::wait"):
+                self._work.wait()
+        if self._stats is not None and self._start is not None:
+            self._stats.seconds += time.perf_counter() - self._start
+        self.done = True
+        # A finished work still references its input and output buffers: drop it so they can be freed.
+        self._work, self._after = None, []
+        if self._on_done is not None:
+            on_done, self._on_done = self._on_done, None
+            on_done()
+
+
+def profiler_region(op: str, group: str, label: str = "") -> str:
+    """The ``torch.profiler`` region name of one collective: ``hsdp::<op>[<group>] <label>``."""
+    return f"hsdp::{op}[{group}] {label}" if label else f"hsdp::{op}[{group}]"
+
+
+class Comm:
+    """Collectives on the groups of one :class:`HSDPMesh`, with accounting."""
+
+    def __init__(self, mesh: HSDPMesh) -> None:
+        self.mesh = mesh
+        self.stats = CommStats()
+        self._groups = {"shard": mesh.shard_group, "replicate": mesh.replicate_group, "world": None}
+        self._sizes = {"shard": mesh.sharding_degree, "replicate": mesh.replicate_degree,
+                       "world": mesh.world_size}
+
+    def size(self, group: str) -> int:
+        return self._sizes[group]
+
+    def _record(self, group: str, op: str, nbytes: int, wire_factor: float) -> OpStats:
+        return self.stats.record(group, op, nbytes, int(nbytes * wire_factor))
+
+    # -- the collectives -------------------------------------------------------------------------------
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: str = "shard",
+                   async_op: bool = False, *, label: str = "") -> Handle:
+        """``output`` (``n * input.numel()``) receives every rank's ``input`` in rank order. ``label``
+        (e.g. the unit's name) names the region in profiler traces: ``hsdp::all_gather[shard] <label>``."""
+        n = self._sizes[group]
+        if n == 1:
+            output.copy_(input.view(output.shape))
+            return Handle()
+        nbytes = output.numel() * output.element_size()
+        stats = self._record(group, "all_gather", nbytes, (n - 1) / n)
+        region = profiler_region("all_gather", group, label)
+        with record_function(region):
+            work = dist.all_gather_single(output, input, group=self._groups[group], async_op=True)
+            return self._finish(work, stats, async_op, region)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: str = "shard",
+                       op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG, async_op: bool = False, *,
+                       label: str = "") -> Handle:
+        """``output`` receives this rank's chunk of the element-wise reduction of every rank's ``input``.
+        ``label`` names the profiler region (see :meth:`all_gather`)."""
+        n = self._sizes[group]
+        if n == 1:
+            output.copy_(input.view(output.shape))
+            return Handle()
+        nbytes = input.numel() * input.element_size()
+        stats = self._record(group, "reduce_scatter", nbytes, (n - 1) / n)
+        region = profiler_region("reduce_scatter", group, label)
+        with record_function(region):
+            work = dist.reduce_scatter_single(output, input, op=op, group=self._groups[group], async_op=True)
+            return self._finish(work, stats, async_op, region)
+
+    def all_reduce(self, tensor: torch.Tensor, group: str = "replicate",
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG, async_op: bool = False, *,
+                   label: str = "") -> Handle:
+        """Reduce ``tensor`` in place over the group. ``label`` names the profiler region (see
+        :meth:`all_gather`)."""
+        n = self._sizes[group]
+        if n == 1:
+            return Handle()
+        nbytes = tensor.numel() * tensor.element_size()
+        stats = self._record(group, "all_reduce", nbytes, 2 * (n - 1) / n)
+        region = profiler_region("all_reduce", group, label)
+        with record_function(region):
+            work = dist.all_reduce(tensor, op=op, group=self._groups[group], async_op=True)
+            return self._finish(work, stats, async_op, region)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                   input_sizes: list[int], group: str = "shard", async_op: bool = False, *,
+                   label: str = "") -> Handle:
+        """1D ``input`` is cut in ``input_sizes`` pieces, piece ``i`` going to group rank ``i``; 1D ``output``
+        receives ``output_sizes[i]`` elements from rank ``i``, in rank order (sizes may differ and be 0).
+        ``wire_bytes`` counts only the pieces that leave this rank."""
+        n = self._sizes[group]
+        if n == 1:
+            output.copy_(input)
+            return Handle()
+        me = dist.get_rank(self._groups[group])
+        size = input.element_size()
+        sent = (sum(input_sizes) - input_sizes[me]) * size  # the piece for this rank stays here
+        stats = self.stats.record(group, "all_to_all", input.numel() * size, sent)
+        region = profiler_region("all_to_all", group, label)
+        with record_function(region):
+            work = dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self._groups[group],
+                                          async_op=True)
+            return self._finish(work, stats, async_op, region)
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, group: str = "world") -> None:
+        """Overwrite ``tensor`` with its value on the group's rank ``src_group_rank``."""
+        n = self._sizes[group]
+        if n == 1:
+            return
+        stats = self._record(group, "broadcast", tensor.numel() * tensor.element_size(), 1.0)
+        pg = self._groups[group]
+        src = src_group_rank if pg is None else dist.get_global_rank(pg, src_group_rank)
+        self._finish(dist.broadcast(tensor, src=src, group=pg, async_op=True), stats, async_op=False)
+
+    def _finish(self, work: dist.Work, stats: OpStats, async_op: bool, region: str = "") -> Handle:
+        handle = Handle(work, stats, region=region)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    # -- small control messages (checkpointing: agreeing on an error, sharing a resolved path) ----------
+    def all_gather_bytes(self, data: bytes, group: str = "world") -> list[bytes]:
+        """Every group rank's ``data``, in group-rank order: two all-gathers (lengths, padded payloads)."""
+        n = self._sizes[group]
+        if n == 1:
+            return [data]
+        device = self.mesh.device
+        lengths = torch.empty(n, dtype=torch.int64, device=device)
+        self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), group)
+        sizes = lengths.tolist()
+        longest = max(sizes)
+        if longest == 0:
+            return [b""] * n
+        gathered = torch.empty(n * longest, dtype=torch.uint8, device=device)
+        self.all_gather(gathered, _padded_bytes(data, longest, device), group)
+        rows = gathered.view(n, longest).cpu()
+        return [rows[i, : sizes[i]].numpy().tobytes() for i in range(n)]
+
+    def broadcast_bytes(self, data: bytes | None, src_group_rank: int = 0, group: str = "world") -> bytes:
+        """``data`` of the group's rank ``src_group_rank`` (ignored elsewhere; pass ``None`` there)."""
+        if self._sizes[group] == 1:
+            return data or b""
+        device = self.mesh.device
+        length = torch.tensor([len(data or b"")], dtype=torch.int64, device=device)
+        self.broadcast(length, src_group_rank, group)
+        size = int(length.item())
+        if size == 0:
+            return b""
+        payload = _padded_bytes(data or b"", size, device)
+        self.broadcast(payload, src_group_rank, group)
+        return payload.cpu().numpy().tobytes()
+
+
+def _padded_bytes(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.uint8, device=device)
+    if data:
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    return out

@@ -1,0 +1,1 @@
+"""Faults the engine must survive: dead or stuck ranks (watchdog) and preemption signals."""

@@ -1,0 +1,1 @@
+"""Optimizer steps on sharded parameters: `ShardedOptimizer` and the per-family step kernels it picks."""

@@ -1,0 +1,102 @@
+"""The one place hsdp converts between this rank's dim-0 chunk and the global ``DTensor`` view of it.
+
+Every sharded parameter, gradient and per-parameter optimizer state is a ``DTensor`` with placements
+``(Replicate(), Shard(0))`` on the ``("replicate", "shard")`` mesh: replicated across nodes, split in
+``torch.chunk`` dim-0 chunks inside a node (FSDP2's HSDP layout). Code that reads shapes, norms or
+counts (``numel()``, ``clip_grad_norm_``, DCP) then sees the global tensor, while element-wise work runs on
+the local chunk through DTensor dispatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from hsdp.engine.runtime.sharded_param import ShardLayout
+
+PLACEMENTS = (Replicate(), Shard(0))
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def to_sharded_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...],
+                       placements: Sequence[Placement] = PLACEMENTS) -> DTensor:
+    """``local`` as this rank's chunk of a ``(Replicate(), Shard(0))`` DTensor of ``global_shape`` (or of
+    other ``placements``); no copy, no collective (the caller vouches for the layout). See
+    [Note: DTensor over a slice of a flat buffer]."""
+    return _with_local(DTensor.from_local(_at_offset_zero(local), device_mesh, placements, run_check=False,
+                                          shape=torch.Size(global_shape),
+                                          stride=contiguous_stride(tuple(global_shape))), local)
+
+
+def sharded_parameter(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...],
+                      requires_grad: bool, placements: Sequence[Placement] = PLACEMENTS) -> nn.Parameter:
+    """An ``nn.Parameter`` holding :func:`to_sharded_dtensor` of ``local`` (the optimizer updates ``local``)."""
+    dtensor = DTensor.from_local(_at_offset_zero(local), device_mesh, placements, run_check=False,
+                                 shape=torch.Size(global_shape), stride=contiguous_stride(tuple(global_shape)))
+    # nn.Parameter(subclass) detaches (a new wrapper): swap the local tensor in after, not before.
+    param = _with_local(nn.Parameter(dtensor, requires_grad=requires_grad), local)
+    param._hsdp_sharded = True  # lets a plain optimizer that would mis-step it be refused (optim/sharded_optimizer.py)
+    return param
+
+
+# [Note: DTensor over a slice of a flat buffer]
+# A unit's shards live in one flat buffer and every sharded parameter's local tensor is a view into it, so
+# the all-gather reads the buffer with no copy-in. A DTensor wrapper copies its local tensor's storage
+# offset, and torch's pickling (torch.save, copy.deepcopy) treats a wrapper subclass with a nonzero data
+# pointer as a plain tensor and fails ("invalid python storage"). So the wrapper is built over the same
+# memory at offset 0 (same shape and strides, inside the buffer) and the real view is swapped in as its
+# local tensor: every DTensor op reads ``_local_tensor``; only the wrapper's own (unused) metadata differs.
+# Results of ops on these DTensors (``detach()`` included) are new wrappers of offset views again: the
+# state dict therefore builds fresh wrappers instead of detaching.
+def _at_offset_zero(local: torch.Tensor) -> torch.Tensor:
+    if local.storage_offset() == 0:
+        return local
+    return local.as_strided(local.shape, local.stride(), 0)
+
+
+def _with_local(outer: DTensor, local: torch.Tensor) -> DTensor:
+    if outer._local_tensor is not local and local.storage_offset() != 0:
+        outer._local_tensor = local
+    return outer
+
+
+def is_hsdp_layout(value: DTensor, layout: ShardLayout) -> bool:
+    """Whether ``value`` is already sharded the way ``layout`` says (its local tensor can be used as is)."""
+    return (tuple(value.placements) == layout.placements and tuple(value.shape) == layout.global_shape
+            and tuple(value.to_local().shape) == layout.local_shape)
+
+
+def local_chunk(value: Any, layout: ShardLayout) -> Any:
+    """This rank's chunk of a full tensor or of a DTensor in any layout (a foreign layout costs a
+    ``full_tensor()``, a collective). Values of another shape are returned unchanged, for the caller's
+    own shape check to report."""
+    if isinstance(value, DTensor):
+        if is_hsdp_layout(value, layout):
+            return value.to_local()
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.global_shape:
+        return layout.chunk(value)
+    return value
+
+
+def as_sharded(value: Any, layout: ShardLayout, device_mesh: DeviceMesh) -> Any:
+    """A full tensor or a DTensor of any layout, re-expressed in hsdp's layout; other values unchanged."""
+    if isinstance(value, DTensor) and is_hsdp_layout(value, layout):
+        return value
+    local = local_chunk(value, layout)
+    if local is value or not isinstance(local, torch.Tensor):
+        return value
+    return to_sharded_dtensor(local, device_mesh, layout.global_shape, layout.placements)

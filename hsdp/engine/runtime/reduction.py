@@ -1,0 +1,129 @@
+"""The two-hop gradient reduction of one unit: reduce-scatter in the shard group, then the replica hop.
+
+Stages: ``start`` issues the reduce-scatter (async) -> ``start_replica_hop`` waits for it and, on a sync
+step, starts the inter-node hop (async) -> ``finish`` waits and hands each sharded parameter its gradient.
+The runtime drives the stages so that one unit's inter-node hop overlaps the next unit's reduce-scatter
+and the backward of earlier units.
+
+Deferred sync (gradient accumulation): on a micro-batch that does not sync replicas, the reduce-scattered
+shard is added to the unit's fp32 ``partial`` and nothing crosses nodes; the sync micro-batch sends the
+whole partial sum once, so inter-node bytes per optimizer step do not grow with the micro-batch count.
+
+Each rank appends one "has gradient" flag per parameter to every chunk of its reduce-scatter input. After
+both averaging hops the flag is positive iff some rank produced a gradient, which gives exactly DDP's
+semantics for unused parameters (gradient ``None`` only when unused everywhere) without an extra collective.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from hsdp.engine.collectives import Handle
+from hsdp.engine.runtime.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from hsdp.engine.runtime.unit import ShardUnit
+
+
+class Stage(enum.Enum):
+    REDUCE_SCATTER = "reduce_scatter"
+    REPLICA_HOP = "replica_hop"
+    DONE = "done"
+
+
+class Reduction:
+    """An in-flight gradient reduction for the trainable parameters of one unit."""
+
+    def __init__(self, unit: ShardUnit, params: list[ShardedParam], output: torch.Tensor, handle: Handle,
+                 sync_replicas: bool) -> None:
+        self.unit = unit
+        self.params = params
+        self.output = output  # 1D: this rank's reduced slot, then one flag per parameter
+        self.sync_replicas = sync_replicas
+        self._handle = handle
+        self.stage = Stage.REDUCE_SCATTER
+
+    @classmethod
+    def start(cls, unit: ShardUnit, params: list[ShardedParam], grads: list[torch.Tensor | None],
+              sync_replicas: bool) -> Reduction:
+        """Copy ``grads`` into the reduce-scatter input and issue it. Consumes ``grads`` (the list is
+        emptied): the unsharded gradients are freed before the output is allocated, as in FSDP2."""
+        comm, s = unit.comm, unit.sharding_degree
+        device = unit.sharded_flat.device
+        dtype = unit.policy.reduce(params[0].dtype)
+        # _chunk_cat casts into its output, but needs one input dtype (fp32 sums may meet bf16 grads).
+        in_dtypes = {g.dtype for g in grads if g is not None}
+        in_dtype = in_dtypes.pop() if len(in_dtypes) == 1 else dtype
+        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=in_dtype, device=device)
+        inputs = [_reduce_scatter_input(p, g, in_dtype, device, s) for p, g in zip(params, grads, strict=True)]
+        inputs.append(flags.expand(s, -1))  # one copy of the flags in every rank's chunk
+        n_out = sum(p.layout.padded_numel for p in params) + len(params)
+        # ND: (S, slot + n_flags); row r is what rank r receives, padded chunk by chunk; casts on the way.
+        rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
+        torch._chunk_cat(inputs, dim=0, num_chunks=s, out=rs_input)
+        grads.clear()
+        inputs.clear()
+        output = torch.empty(n_out, dtype=dtype, device=device)
+        handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
+                                     label=unit.name)
+        return cls(unit, params, output, handle, sync_replicas)
+
+    def start_replica_hop(self) -> None:
+        if self.stage is not Stage.REDUCE_SCATTER:
+            return
+        self._handle.wait()
+        self._handle = Handle()  # release the reduce-scatter input (a full unit of gradients) now
+        unit = self.unit
+        if unit.partial is not None or not self.sync_replicas:
+            # fp32 partial sums: low-precision accumulation across micro-batches loses accuracy.
+            if unit.partial is None:
+                unit.partial = self.output.float()
+            else:
+                unit.partial += self.output
+            if not self.sync_replicas:
+                # Summed into the partial: do not hold the buffer until the end of backward (a view would).
+                self.output = self.output.new_empty(0)
+                self.stage = Stage.DONE
+                return
+            self.output, unit.partial = unit.partial, None
+        wire_dtype = unit.policy.replicate_reduce(self.params[0].dtype)
+        if self.output.dtype != wire_dtype:
+            self.output = self.output.to(wire_dtype)
+        self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
+        self.stage = Stage.REPLICA_HOP
+
+    def abandon(self) -> None:
+        """Wait for the collective in flight and drop its result (the backward that started it raised)."""
+        self._handle.wait()
+        self._handle = Handle()
+        self.output = self.output.new_empty(0)
+        self.stage = Stage.DONE
+
+    def finish(self) -> None:
+        """Wait for both hops and accumulate the reduced shards into ``param.grad`` of the sharded params."""
+        if self.stage is Stage.DONE:
+            return
+        self.start_replica_hop()
+        if self.stage is Stage.DONE:
+            return
+        self._handle.wait()
+        n = len(self.params)
+        has_grad = (self.output[-n:] > 0).tolist()
+        offset = 0
+        for p, flag in zip(self.params, has_grad, strict=True):
+            if flag:
+                p.accumulate_grad(self.output[offset: offset + p.layout.local_numel].view(p.layout.local_shape))
+            offset += p.layout.padded_numel
+        self.stage = Stage.DONE
+
+
+def _reduce_scatter_input(p: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+                          s: int) -> torch.Tensor:
+    """A gradient as ``_chunk_cat`` input: dim-0 chunks go to the shard ranks; a replicated (0-d) parameter's
+    gradient goes whole to every rank (an expanded view, like the flags), so each receives the average."""
+    g = torch.zeros(p.layout.global_shape, dtype=dtype, device=device) if grad is None else grad.to(dtype)
+    return g.reshape(1, -1).expand(s, -1) if p.layout.replicated else g

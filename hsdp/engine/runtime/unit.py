@@ -1,0 +1,192 @@
+"""A unit: the parameters gathered by one all-gather and reduced by one reduce-scatter (FSDP2's param group).
+
+Flat layout (per rank, "slot"): the padded chunks of the unit's parameters back to back. The sharded
+parameters are views into ``sharded_flat``, so the all-gather input needs no copy-in; the all-gather output
+is rank-major ``(S, slot)`` and one ``split_with_sizes_copy`` moves it into the unsharded parameters.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from hsdp.engine.collectives import Comm, Handle
+from hsdp.engine.hops import AllReduceHop, ReplicaHop
+from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
+from hsdp.engine.runtime.reduction import Reduction
+from hsdp.engine.runtime.sharded_param import ShardedParam
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather in flight
+    UNSHARDED = "unsharded"
+
+
+class ShardUnit:
+    """Parameters of one module (minus those of nested units), sharded over the mesh's shard group."""
+
+    def __init__(self, module: nn.Module, params: list[ShardedParam], comm: Comm,
+                 reshard_after_forward: bool, key: str = "",
+                 policy: MixedPrecision = FULL_PRECISION, hop: ReplicaHop | None = None) -> None:
+        self.module = module
+        self.params = params
+        self.comm = comm
+        self.reshard_after_forward = reshard_after_forward
+        self.key = key  # the unit module's name in the model ("" for the root); names hop state
+        self.policy = policy
+        self.hop: ReplicaHop = hop or AllReduceHop()
+        self.state = ShardedState.SHARDED
+        self.name = f"{type(module).__name__}({key or 'root'})"
+        # fp32 reduce-scattered gradient sum of micro-batches that did not sync replicas (1D, flags last).
+        self.partial: torch.Tensor | None = None
+        self._gather_handle: Handle | None = None
+        self._gather_buffer: torch.Tensor | None = None
+        # Per-step bookkeeping, reset by the root at the end of backward.
+        self.used_in_grad_forward = False
+        self.pending_post_backward = 0
+        self.sharded_flat = self._build_sharded_flat()
+
+    # -- layout ------------------------------------------------------------------------------------------
+    @property
+    def slot_numel(self) -> int:
+        return sum(p.layout.padded_numel for p in self.params)
+
+    @property
+    def sharding_degree(self) -> int:
+        return self.comm.size("shard")
+
+    @classmethod
+    def empty(cls, module: nn.Module, comm: Comm, policy: MixedPrecision = FULL_PRECISION) -> ShardUnit:
+        """A unit that owns no parameters: it only gives the root its hooks (and input/output casts)."""
+        return cls(module, [], comm, reshard_after_forward=False, policy=policy)
+
+    def _build_sharded_flat(self) -> torch.Tensor:
+        # 1D: this rank's padded chunks of every parameter, in order; padding stays zero.
+        if not self.params:
+            return torch.empty(0, device=self.comm.mesh.device)
+        p0 = self.params[0]
+        flat = torch.zeros(self.slot_numel, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in self.params:
+            p.bind_sharded(flat[offset: offset + p.layout.padded_numel], self.comm.mesh.device_mesh)
+            offset += p.layout.padded_numel
+        return flat
+
+    def adopt_flat(self, flat: torch.Tensor, grads: list[torch.Tensor | None]) -> None:
+        """Make ``flat`` (``sharded_flat`` converted to another dtype or device, same shape) this unit's shard
+        buffer: every parameter is re-bound to its slot in it (``ShardedParam.rebind``), with ``grads`` (this
+        rank's converted gradient chunks, ``None`` where there is none) and an unsharded face in the policy's
+        compute dtype for the new dtype. Padding is zeroed (a conversion like ``to_empty`` leaves garbage).
+        """
+        assert self.state is ShardedState.SHARDED and flat.shape == self.sharded_flat.shape
+        self.sharded_flat = flat
+        compute = self.policy.compute(flat.dtype)
+        offset = 0
+        with torch.no_grad():
+            for p, grad in zip(self.params, grads, strict=True):
+                p.rebind(flat[offset: offset + p.layout.padded_numel], self.comm.mesh.device_mesh, compute, grad)
+                p.to_sharded()
+                if not flat.is_meta:
+                    flat[offset + p.layout.local_numel: offset + p.layout.padded_numel].zero_()
+                offset += p.layout.padded_numel
+
+    def load_full(self, fulls: list[torch.Tensor]) -> None:
+        """Copy this rank's chunk of each full tensor into the sharded parameters."""
+        with torch.no_grad():
+            for p, full in zip(self.params, fulls, strict=True):
+                p.sharded_local.copy_(p.layout.chunk(full))
+
+    # -- unshard / reshard (forward and pre-backward) -------------------------------------------------
+    def unshard(self, async_op: bool = True) -> None:
+        """Start the all-gather of this unit's parameters (no-op when unsharded or in flight)."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        if not self.params:
+            self.state = ShardedState.UNSHARDED
+            return
+        if self.sharded_flat.is_meta:
+            raise ValueError(f"{self.name}: parameters are on the meta device (the model was built under "
+                             f"torch.device('meta')): call hsdp.materialize(model) or hsdp.load_pretrained(model, "
+                             f"path), or model.to_empty(device=...) and initialise them, before the forward")
+        s = self.sharding_degree
+        dtype = self.params[0].compute_dtype
+        # Mixed precision: the one cast of the step happens here, on the shard (copy-in); fp32 otherwise.
+        source = self.sharded_flat if dtype == self.sharded_flat.dtype else self.sharded_flat.to(dtype)
+        self._gather_buffer = torch.empty(s * self.slot_numel, dtype=dtype, device=source.device)
+        self._gather_handle = self.comm.all_gather(self._gather_buffer, source, "shard", async_op=async_op,
+                                                  label=self.name)
+        self.state = ShardedState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather, copy it into the unsharded parameters and expose them to the module."""
+        if self.state is ShardedState.SHARDED:
+            self.unshard(async_op=False)
+        if self.state is ShardedState.UNSHARDED:
+            return
+        assert self._gather_handle is not None and self._gather_buffer is not None
+        self._gather_handle.wait()
+        for p in self.params:
+            p.alloc_unsharded()
+        gathered = self._gather_buffer.view(self.sharding_degree, self.slot_numel)
+        outs = [p.all_gather_output for p in self.params]
+        # The unsharded parameters may be saved by autograd from an earlier forward: refilling them with
+        # the same values must not bump their version counter.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+            torch.split_with_sizes_copy(gathered, [p.layout.padded_numel for p in self.params], dim=1,
+                                        out=outs)
+        self._gather_buffer = self._gather_handle = None
+        for p in self.params:
+            p.to_unsharded()
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and put the sharded ones back into the module."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is ShardedState.SHARDED:
+            return
+        for p in self.params:
+            p.free_unsharded()
+            p.to_sharded()
+        self.state = ShardedState.SHARDED
+
+    # -- gradients (post-backward) ---------------------------------------------------------------------
+    def reduce_grads(self, sync_shards: bool = True, sync_replicas: bool = True) -> Reduction | None:
+        """Take the unsharded gradients, reshard, and start their reduce-scatter; ``None`` when nothing is
+        communicated.
+
+        Resharding comes first (as in FSDP2's post_backward) so that the unit's unsharded parameters are
+        freed before the reduce-scatter buffers are allocated: that moment is the peak of many steps.
+
+        Every rank that ran this unit in forward must call this, even when its own gradients are all
+        ``None``: it then contributes zeros, and the gradient stays ``None`` only if no rank had one.
+        ``sync_shards=False`` keeps fp32 unsharded sums instead (no communication this micro-batch);
+        ``sync_replicas=False`` reduce-scatters but defers the inter-node hop.
+        """
+        trainable = [p for p in self.params if p.requires_grad]
+        if not trainable:
+            self.reshard()
+            return None
+        if not sync_shards:
+            for p in trainable:
+                p.accumulate_unsharded_grad()
+            self.reshard()
+            return None
+        grads = [p.take_unsharded_grad() for p in trainable]
+        self.reshard()
+        return Reduction.start(self, trainable, grads, sync_replicas)
+
+    def gathered_full(self) -> list[torch.Tensor]:
+        """Full copies of every parameter (a collective in the shard group; state unchanged)."""
+        s = self.sharding_degree
+        out = torch.empty(s * self.slot_numel, dtype=self.sharded_flat.dtype, device=self.sharded_flat.device)
+        self.comm.all_gather(out, self.sharded_flat, "shard", label=self.name)
+        pieces = out.view(s, self.slot_numel).split([p.layout.padded_numel for p in self.params], dim=1)
+        return [piece.reshape(-1)[: p.unsharded.numel()].view(p.layout.global_shape).clone()
+                for p, piece in zip(self.params, pieces, strict=True)]
+
+    def __repr__(self) -> str:
+        return f"ShardUnit({self.name}, params={len(self.params)}, state={self.state.value})"

@@ -1,0 +1,34 @@
+"""Consolidated (unsharded) state dicts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hsdp.engine.model import ShardedModel
+
+
+def full_state_dict(model: ShardedModel, *, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict, original keys and shapes, on global rank 0; ``{}`` elsewhere.
+
+    A collective: every rank must call it. Only the ranks of replica 0 gather (their shard group holds
+    rank 0); other replicas return at once, so no inter-node bytes are spent.
+    """
+    if not isinstance(model, ShardedModel):
+        raise ValueError("full_state_dict expects a ShardedModel; a plain module's state_dict() is already full")
+    mesh = model.mesh
+    model.reshard()  # module slots must hold the sharded parameters
+    if mesh.replicate_rank != 0:
+        return {}
+    full: dict[int, torch.Tensor] = {}
+    for unit in model.units:
+        for p, tensor in zip(unit.params, unit.gathered_full(), strict=True):
+            full[id(p.sharded)] = tensor
+    if mesh.rank != 0:
+        return {}
+    local = nn.Module.state_dict(model, keep_vars=True)  # original keys and order; sharded values
+    out = {}
+    for key, value in local.items():
+        tensor = full.get(id(value), value).detach()
+        out[key] = tensor.cpu() if cpu else tensor.clone()
+    return out

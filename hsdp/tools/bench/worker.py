@@ -1,0 +1,146 @@
+"""One benchmark run under torchrun: train a GPT with one system and print a JSON line of measurements.
+
+Every system sees the same initial weights (seeded), the same batches and the same optimizer. Step time is
+the wall time of forward + backward + optimizer step, measured on every rank between barriers and
+reported as the slowest rank per step; the median over the measured steps (after warm-up) is the figure.
+Peak tensor memory comes from one more step, run under a memory tracker (see ``peak_memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from hsdp.models import GPT, preset
+from hsdp.tools.bench.peak_memory import measure_step_peak
+from hsdp.tools.bench.systems import SYSTEMS, Wrapped
+from hsdp.tools.planner.metrics import link_counters
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--system", choices=sorted(SYSTEMS), required=True)
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-batch")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--sharding-degree", type=int, default=None)
+    p.add_argument("--out", default=None, help="write the JSON here (rank 0) as well as printing it")
+    return p.parse_args()
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _gather(values: list[int] | list[float], world: int, dtype: torch.dtype) -> list[list]:
+    """Every rank's ``values``, in rank order."""
+    mine = torch.tensor(values, dtype=dtype)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
+def _inter_node_bytes_per_node(before: tuple[int, int], world: int) -> list[list[int]]:
+    """Per node: [sent, received] during the measured steps (local rank 0 of each node reads its link)."""
+    after = link_counters()
+    reads_link = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    mine = [after[0] - before[0], after[1] - before[1]] if reads_link else [0, 0]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return _gather(mine, world, torch.int64)[::local]
+
+
+def _step_parts(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Callable[[], float | None]]:
+    """One optimizer step as callables: each micro-batch's forward and backward (returning its loss), then
+    the optimizer step."""
+
+    def micro_batch(i: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        w.set_sync(i == len(batches) - 1)
+        _, loss = w.model(x, y)
+        (loss / len(batches)).backward()
+        return loss.item()
+
+    def optimizer_step() -> None:
+        w.optimizer.step()
+        w.optimizer.zero_grad(set_to_none=True)
+
+    return [functools.partial(micro_batch, i, x, y) for i, (x, y) in enumerate(batches)] + [optimizer_step]
+
+
+def _step(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Train one step; the last micro-batch's loss."""
+    return [part() for part in _step_parts(w, batches)][-2]
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    s = args.sharding_degree or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    dm = init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard"))
+    cfg = preset(args.preset)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    rss_before = _peak_rss_mib()
+    w = SYSTEMS[args.system](model, dm, 3e-4)
+    g = torch.Generator().manual_seed(1000 + rank)
+
+    def next_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(t[:, :-1], t[:, 1:]) for t in
+                (torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+                 for _ in range(args.micro_batches))]
+
+    times, losses = [], []
+    counters = (0, 0)
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            dist.barrier()
+            counters = link_counters()
+        batches = next_batches()
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(_step(w, batches))
+        elapsed = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    per_node = _inter_node_bytes_per_node(counters, world)
+    rss_peak = _peak_rss_mib()  # of the timed steps: the tracked step below allocates bookkeeping of its own
+    results, tensor_peak = measure_step_peak(_step_parts(w, next_batches()), w.model, w.optimizer,
+                                             torch.device("cpu"))
+    peaks = _gather([rss_peak, tensor_peak / 2**20], world, torch.float64)
+    measured = times[args.warmup:]
+    result = {
+        "system": args.system, "preset": args.preset, "params": n_params, "world": world, "sharding_degree": s,
+        "batch": args.batch, "seq": args.seq, "micro_batches": args.micro_batches,
+        "median_step_s": statistics.median(measured), "step_s": measured, "losses": losses,
+        "peak_rss_mib_per_rank": [p[0] for p in peaks], "rss_before_wrap_mib": rss_before,
+        "peak_tensor_mib_per_rank": [p[1] for p in peaks], "memory_step_loss": results[-2],
+        "optimizer_steps": args.warmup + args.steps + 1,
+        # Link counters of the measured steps, which include each step's barrier and timing all-reduce
+        # (a few bytes) and the TCP/IP headers.
+        "inter_node_bytes_per_step": [[b / args.steps for b in node] for node in per_node],
+    }
+    if rank == 0:
+        print("BENCH_RESULT " + json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The ``hsdp launch`` subcommand: its arguments and the call into :mod:`hsdp.tools.launch.emulated`.
+
+Kept apart from ``hsdp/apps/cli.py`` so the command line only names the subcommand; everything about launching
+lives in this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE_ERROR = 2  # as argparse exits on bad arguments
+
+EPILOG = """\
+examples:
+  hsdp launch --nodes 2 --nproc-per-node 2 -- train.py --epochs 1
+  hsdp launch --inter-node-bandwidth 50mbit --stats-json traffic.json -- -m my.module
+  hsdp launch --cleanup
+
+With root and iproute2, every node is a network namespace behind a shaped link and the run ends with a
+table of the bytes each node sent and received over it. Otherwise the nodes run as local processes on
+loopback (a one-line warning says why; --require-emulation makes that an error).
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``launch`` on ``subparsers`` (of the ``hsdp`` parser)."""
+    p = subparsers.add_parser("launch", help="run a torchrun job on an emulated multi-node cluster",
+                              description="Run SCRIPT under torchrun on N emulated nodes with shaped links.",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes, one torchrun agent each (default 2)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
+    p.add_argument("--inter-node-bandwidth", default="1gbit",
+                   help="rate of each node's link, each direction, tc units: bit/kbit/mbit/gbit (default 1gbit)")
+    p.add_argument("--inter-node-latency", default="0",
+                   help="one-way node-to-node delay, e.g. 1ms or 500us; needs the kernel's netem (default 0)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--require-emulation", action="store_true",
+                      help="fail instead of falling back to loopback when the network cannot be emulated")
+    mode.add_argument("--no-emulation", action="store_true",
+                      help="run the nodes on loopback on purpose (a baseline without shaping or counters)")
+    p.add_argument("--stats-json", metavar="FILE", help="also write the per-node traffic report as JSON")
+    p.add_argument("--cleanup", action="store_true",
+                   help="remove namespaces, links and processes left by runs whose launcher died, then exit")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
+                   help="the training script (or -m module) and its arguments")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed ``hsdp launch``; the process exit status (2 for bad arguments)."""
+    from hsdp.tools.launch.emulated import LaunchOptions, cleanup, launch
+
+    if args.cleanup:
+        return cleanup()
+    script = list(args.script_args)
+    if script[:1] == ["--"]:
+        script = script[1:]
+    try:
+        options = LaunchOptions(tuple(script), nodes=args.nodes, nproc_per_node=args.nproc_per_node,
+                                bandwidth=args.inter_node_bandwidth, latency=args.inter_node_latency,
+                                require_emulation=args.require_emulation, no_emulation=args.no_emulation,
+                                stats_json=args.stats_json)
+    except ValueError as e:  # a bad rate, duration, node count or no script: a usage error, not a traceback
+        print(f"hsdp launch: error: {e}\nusage: hsdp launch [options] -- SCRIPT [ARGS...]", file=sys.stderr)
+        return USAGE_ERROR
+    return launch(options)

@@ -1,0 +1,279 @@
+"""``hsdp launch``: run a torchrun job on an emulated cluster of network namespaces, or on loopback.
+
+With root and iproute2 (``ip``, ``tc``), every node is a network namespace behind a rate-limited link
+(:mod:`hsdp.tools.launch.netns`) and runs one torchrun agent (``ip netns exec <ns> python -m torch.distributed.run
+...``) with node 0's address as the rendezvous. Without them the nodes fall back to plain local processes on
+loopback (:func:`hsdp.tools.launch.local.local_agents`) after a one-line warning, unless emulation is required.
+
+Cleanup is layered so that no namespace, link or process outlives the run:
+
+  * success, a failing rank, Ctrl-C, SIGTERM/SIGHUP: :class:`~hsdp.tools.launch.local.Supervisor` stops the agents,
+    then ``finally`` tears the namespaces down (with those signals ignored, so a second Ctrl-C cannot cut the
+    teardown short), stopping any worker an agent left behind;
+  * SIGKILL of the launcher: the agents get SIGTERM from the kernel (parent-death signal) and the
+    :class:`~hsdp.tools.launch.reaper.Reaper` removes the namespaces;
+  * anything else (a crashed machine): ``hsdp launch --cleanup``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hsdp.tools.launch.local import AgentSpec, Supervisor, agent_env, local_agents, torchrun_command
+from hsdp.tools.launch.netns import (
+    PREFIX,
+    ClusterSpec,
+    EmulatedCluster,
+    NetnsError,
+    Tools,
+    allocated_run,
+    cleanup_leftovers,
+    find_tools,
+)
+from hsdp.tools.launch.reaper import Reaper
+from hsdp.tools.launch.shaping import ShapingError, netem_missing_note
+from hsdp.tools.launch.traffic import TrafficReport, node_traffic, print_report, write_json
+from hsdp.tools.launch.units import parse_duration, parse_rate
+
+MASTER_PORT = 29500  # node 0's namespace is fresh: no other program can hold a port there
+USAGE_ERROR = 2  # emulation required but unavailable: the exit status of a command-line error
+MAX_NODES = 250  # one /24 holds the node addresses
+_RANK_PREFIX = "[rank${rank}]: "
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """One ``hsdp launch``: ``nodes`` x ``nproc_per_node`` ranks running ``script_args`` (``script.py ...``
+    or ``-m module ...``) behind links of ``bandwidth`` (tc rate, e.g. ``"1gbit"``) and ``latency`` (one-way
+    node-to-node delay, e.g. ``"1ms"``; ``"0"`` for none). ``env`` adds variables for every rank.
+
+    ``no_emulation`` runs on loopback on purpose (a baseline; no warning), ``require_emulation`` makes the
+    loopback fallback an error. ``ValueError`` on construction for an empty script, bad counts, rates or
+    durations, or both of those flags."""
+
+    script_args: tuple[str, ...]
+    nodes: int = 2
+    nproc_per_node: int = 1
+    bandwidth: str = "1gbit"
+    latency: str = "0"
+    require_emulation: bool = False
+    no_emulation: bool = False
+    stats_json: str | None = None
+    env: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, before anything is created: a typo must not cost a cluster setup and teardown.
+        if not self.script_args:
+            raise ValueError("nothing to run: pass a script and its arguments after `--`")
+        if not 1 <= self.nodes <= MAX_NODES or self.nproc_per_node < 1:
+            raise ValueError(f"nodes={self.nodes} must be in 1..{MAX_NODES} and nproc_per_node="
+                             f"{self.nproc_per_node} at least 1")
+        if self.require_emulation and self.no_emulation:
+            raise ValueError("require_emulation and no_emulation contradict each other")
+        parse_rate(self.bandwidth)
+        parse_duration(self.latency)
+
+
+def _warn(message: str) -> None:
+    print(f"hsdp launch: {message}", file=sys.stderr, flush=True)
+
+
+def unavailable_reason(tools: Tools | None) -> str | None:
+    """Why the network cannot be emulated here (``None``: it can)."""
+    if os.geteuid() != 0:
+        return "not running as root (network namespaces and tc need it)"
+    if tools is None:
+        return "`ip` or `tc` (iproute2) not found on PATH"
+    return None
+
+
+def torchrun_flags(log_dir: str) -> list[str]:
+    """torchrun options placed before the script: tee each rank's output to the console, where torchrun
+    prefixes every line with the global rank (the prefix template travels in the environment)."""
+    return ["--tee", "3", "--log-dir", log_dir]
+
+
+def rank_prefix_env() -> dict[str, str]:
+    """Environment that makes torchrun prefix each output line with ``[rank<global rank>]:``."""
+    return {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _RANK_PREFIX}
+
+
+def namespace_agents(tools: Tools, spec: ClusterSpec, nproc_per_node: int, script_args: Sequence[str],
+                     env: Mapping[str, str] | None = None) -> list[AgentSpec]:
+    """One torchrun agent per node, started inside the node's namespace and bound to its link."""
+    width = len(f"node {spec.nodes - 1}") + 2
+    base = agent_env(spec.nodes * nproc_per_node, width, {**(env or {}), **rank_prefix_env()})
+    agents = []
+    for i in range(spec.nodes):
+        node = spec.node(i)
+        torchrun = torchrun_command(spec.nodes, i, nproc_per_node, spec.master_addr, MASTER_PORT, script_args)
+        agents.append(AgentSpec((tools.ip, "netns", "exec", node.namespace, *torchrun),
+                                {**base, **node.env()}, f"node {i}"))
+    return agents
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Signals: stop signals interrupt the run, and are ignored while tearing down.
+# ---------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _signal_handlers(handler: Callable[[int, Any], Any] | int) -> Iterator[None]:
+    if sys.platform == "win32" or not _in_main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class _Interrupted(KeyboardInterrupt):
+    """A stop signal arrived; ``signum`` says which (for the ``128 + n`` exit status)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted(signum)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two ways to run.
+# ---------------------------------------------------------------------------------------------------------
+def _run_agents(agents: list[AgentSpec]) -> tuple[int, float]:
+    started = time.monotonic()
+    code = Supervisor(agents).run()
+    return code, time.monotonic() - started
+
+
+def _finish(report: TrafficReport, stats_json: str | None) -> int:
+    print_report(report)
+    if stats_json:
+        write_json(report, stats_json)
+    return report.exit_code
+
+
+def _run_fallback(options: LaunchOptions) -> int:
+    with tempfile.TemporaryDirectory(prefix=f"{PREFIX}-logs-") as logs:
+        agents = local_agents(options.nodes, options.nproc_per_node,
+                              [*torchrun_flags(logs), *options.script_args], {**(options.env or {}),
+                                                                              **rank_prefix_env()})
+        code, elapsed = _run_agents(agents)
+    return _finish(TrafficReport(False, options.nodes, options.nproc_per_node, code, elapsed), options.stats_json)
+
+
+def _set_up(tools: Tools, options: LaunchOptions, bandwidth: int, latency: float,
+            parts: dict[str, Any]) -> EmulatedCluster:
+    # Everything created is recorded in `parts` at once, so the caller's `finally` can remove it whatever
+    # is interrupted where.
+    parts["logs"] = tempfile.mkdtemp(prefix=f"{PREFIX}-logs-")
+    with allocated_run(tools) as run:
+        # The reaper first: from here on even a SIGKILLed launcher leaves nothing behind.
+        parts["reaper"] = Reaper(run.name, tools.ip, parts["logs"])
+        cluster = parts["cluster"] = EmulatedCluster(tools, ClusterSpec(options.nodes, bandwidth, latency, run))
+        cluster.create_switch()  # reserves the subnet: allocations after this lock see it
+    cluster.create_nodes()
+    if latency > 0 and not cluster.latency_emulated:
+        _warn(netem_missing_note(latency))
+    return cluster
+
+
+def _tear_down(parts: dict[str, Any]) -> None:
+    with _signal_handlers(signal.SIG_IGN):
+        if "cluster" in parts:
+            parts["cluster"].teardown()
+        if "reaper" in parts:
+            parts["reaper"].release()
+        if "logs" in parts:
+            shutil.rmtree(parts["logs"], ignore_errors=True)
+
+
+def _run_job(tools: Tools, cluster: EmulatedCluster, options: LaunchOptions, logs: str) -> int:
+    spec = cluster.spec
+    before = cluster.counters()
+    script = [*torchrun_flags(logs), *options.script_args]
+    code, elapsed = _run_agents(namespace_agents(tools, spec, options.nproc_per_node, script, options.env))
+    report = TrafficReport(True, spec.nodes, options.nproc_per_node, code, elapsed, spec.bandwidth_bit_s,
+                           spec.latency_s, cluster.latency_emulated, node_traffic(spec, before, cluster.counters()))
+    return _finish(report, options.stats_json)
+
+
+def _setup_failed(error: Exception, options: LaunchOptions) -> int | None:
+    if options.require_emulation:
+        _warn(f"error: network emulation required but its setup failed: {error}")
+        return USAGE_ERROR
+    _warn(f"warning: network emulation failed ({error}); running the nodes as local processes on loopback")
+    return None
+
+
+def _run_emulated(tools: Tools, options: LaunchOptions, bandwidth: int, latency: float) -> int | None:
+    """Exit status of the emulated run; ``None`` when the network could not be set up and the caller should
+    fall back (whatever was created is removed before this returns, in every case)."""
+    parts: dict[str, Any] = {}
+    with _signal_handlers(_raise_interrupted):
+        try:
+            try:
+                cluster = _set_up(tools, options, bandwidth, latency, parts)
+            except (NetnsError, ShapingError) as e:
+                return _setup_failed(e, options)
+            return _run_job(tools, cluster, options, parts["logs"])
+        except _Interrupted as e:
+            _warn("interrupted: removing the emulated cluster")
+            return 128 + e.signum
+        finally:
+            _tear_down(parts)
+
+
+def launch(options: LaunchOptions) -> int:
+    """Run the job; return its exit status (0 when every rank succeeded, else the first failing agent's,
+    ``128 + n`` after signal ``n``; 2 when emulation is required but unavailable).
+
+    Prints the per-node inter-node traffic table at the end and, with ``stats_json``, writes it as JSON.
+    """
+    if options.no_emulation:
+        return _run_fallback(options)
+    bandwidth, latency = parse_rate(options.bandwidth), parse_duration(options.latency)
+    tools = find_tools()
+    reason = unavailable_reason(tools)
+    if reason is not None:
+        if options.require_emulation:
+            _warn(f"error: network emulation required but unavailable: {reason}")
+            return USAGE_ERROR
+        _warn(f"warning: no network emulation ({reason}); running the nodes as local processes on loopback")
+        return _run_fallback(options)
+    assert tools is not None
+    code = _run_emulated(tools, options, bandwidth, latency)
+    return _run_fallback(options) if code is None else code
+
+
+def cleanup() -> int:
+    """``hsdp launch --cleanup``: remove what runs whose launcher died left behind; print what went."""
+    tools = find_tools()
+    reason = unavailable_reason(tools)
+    if reason is not None or tools is None:
+        _warn(f"nothing to clean up: {reason}")
+        return 0
+    removed = cleanup_leftovers(tools)
+    for name in removed:
+        print(f"removed network namespace {name}")
+    if not removed:
+        print("no leftovers of earlier runs")
+    return 0

@@ -1,0 +1,98 @@
+"""The per-node inter-node traffic report of an emulated run: a table for people, JSON for benchmarks.
+
+The numbers are the kernel's byte counters of each node's link, read before the agents start and after they
+all exit: everything the node sent to or received from other nodes during the job, whatever program sent it
+(torchrun's rendezvous, gloo, NCCL, a peer's library). Traffic between ranks of the same node stays on that
+node's loopback and is not in them. They count Ethernet frames, so they include the TCP/IP/Ethernet headers:
+a few percent above the payload bytes a collective moves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hsdp.tools.launch.netns import ClusterSpec, LinkCounters
+from hsdp.tools.launch.units import format_bytes, format_rate
+
+
+@dataclass(frozen=True)
+class NodeTraffic:
+    """Bytes node ``node`` sent to and received from the other nodes during the job."""
+
+    node: int
+    address: str
+    interface: str
+    sent_bytes: int
+    received_bytes: int
+
+
+@dataclass(frozen=True)
+class TrafficReport:
+    """Outcome of one launch: the setting, the exit status, the wall time and (when emulated) the traffic.
+
+    ``nodes`` is empty when the run fell back to loopback, where inter-node bytes cannot be told apart.
+    """
+
+    emulated: bool
+    num_nodes: int
+    nproc_per_node: int
+    exit_code: int
+    elapsed_s: float
+    bandwidth_bit_s: int | None = None
+    latency_s: float | None = None
+    latency_emulated: bool = False
+    nodes: tuple[NodeTraffic, ...] = field(default_factory=tuple)
+
+    @property
+    def total_inter_node_bytes(self) -> int:
+        """Bytes that crossed from one node to another (each counted once, on the sending side)."""
+        return sum(n.sent_bytes for n in self.nodes)
+
+
+def node_traffic(spec: ClusterSpec, before: Sequence[LinkCounters], after: Sequence[LinkCounters]) -> tuple[
+        NodeTraffic, ...]:
+    """Per node, the counter increase between ``before`` and ``after`` (sent = tx, received = rx)."""
+    return tuple(
+        NodeTraffic(i, spec.node(i).address, spec.node(i).interface, a.tx_bytes - b.tx_bytes, a.rx_bytes - b.rx_bytes)
+        for i, (b, a) in enumerate(zip(before, after))
+    )
+
+
+def traffic_table(report: TrafficReport) -> Table:
+    """A rich table with one row per node and a total row."""
+    setting = format_rate(report.bandwidth_bit_s) if report.bandwidth_bit_s else "?"
+    if report.latency_s:
+        setting += f", {report.latency_s * 1e3:g} ms" + ("" if report.latency_emulated else " (not emulated)")
+    table = Table(title=f"Inter-node traffic ({setting} links, {report.elapsed_s:.1f} s)")
+    for name in ("node", "address", "sent", "received", "sent (bytes)", "received (bytes)"):
+        table.add_column(name, justify="left" if name in ("node", "address") else "right")
+    for n in report.nodes:
+        table.add_row(str(n.node), n.address, format_bytes(n.sent_bytes), format_bytes(n.received_bytes),
+                      str(n.sent_bytes), str(n.received_bytes))
+    received = sum(n.received_bytes for n in report.nodes)
+    total = report.total_inter_node_bytes
+    table.add_row("total", "", format_bytes(total), format_bytes(received), str(total), str(received), style="bold")
+    return table
+
+
+def print_report(report: TrafficReport, console: Console | None = None) -> None:
+    """Print the table, or one line saying why there is none (loopback fallback)."""
+    console = console or Console()
+    if not report.emulated:
+        console.print("no inter-node traffic table: the nodes ran on the loopback, where inter-node and "
+                      "intra-node bytes are indistinguishable")
+        return
+    console.print(traffic_table(report))
+
+
+def write_json(report: TrafficReport, path: str | Path) -> None:
+    """Write ``report`` as JSON (the dataclass fields, plus ``total_inter_node_bytes``) to ``path``."""
+    data = asdict(report)
+    data["total_inter_node_bytes"] = report.total_inter_node_bytes
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,255 @@
+"""Step time of one layout: compute plus the communication that overlap does not hide.
+
+The estimate replays hsdp's schedule (``hsdp/engine/runtime/state.py``) on three timelines: the training thread
+(compute, and waits), the shard group's collectives and the replicate group's collectives, each a FIFO as a
+process group is. Per micro-batch:
+
+  forward   the root's all-gather, then for each block: wait for its all-gather, issue the next one
+            (prefetch), compute; the root's head last;
+  backward  the root (kept gathered) first, issuing the last block's all-gather; per block: wait for its
+            all-gather, prefetch the next, compute, issue its reduce-scatter, then wait for the *previous*
+            block's reduce-scatter and start that block's inter-node hop; at the end the root's
+            reduce-scatter, and a wait for every hop;
+  step      the optimizer over this rank's ``P / S`` elements.
+
+When both kinds of group cross nodes (a shard group spans nodes *and* R > 1), their collectives share
+each node's link: a collective that needs the link starts only once the other group's transfer has left
+it (bandwidth shared in aggregate, the order simplified). CPU time the collectives take from compute on
+CPU-only ranks is the cluster's ``host_s_per_*_byte``, which ``hsdp tune`` calibrates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from hsdp.tools.planner.cluster import ClusterSpec
+from hsdp.tools.planner.comm import (
+    GroupLinks,
+    collective_seconds,
+    group_links,
+    link_seconds,
+    node_bytes,
+    rank_split_bytes,
+)
+from hsdp.tools.planner.memory import full_elements
+from hsdp.tools.planner.model import ComputeProfile, ModelSpec, UnitSpec
+from hsdp.tools.planner.options import TrainOptions
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective: its duration, and how much of it holds the inter-node link."""
+
+    seconds: float = 0.0
+    link_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Seconds of one unit per micro-batch: compute and each collective (0 when the group has one rank)."""
+
+    forward: float
+    backward: float
+    all_gather: Transfer
+    reduce_scatter: Transfer
+    hop: Transfer
+    reduces: bool = True
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One optimizer step on one rank. ``exposed_comm_s`` is what overlap did not hide: ``step_s`` minus
+    compute and optimizer. Bytes are per step: ``inter_node_bytes`` sent by the busiest node to other
+    nodes (what a link counter shows), ``rank_wire_bytes`` sent by one rank over any link and
+    ``rank_inter_bytes`` the part of it that leaves the node (an average rank)."""
+
+    step_s: float
+    compute_s: float
+    optimizer_s: float
+    exposed_comm_s: float
+    comm_busy_s: float
+    inter_node_bytes: float
+    rank_wire_bytes: float
+    rank_inter_bytes: float
+    collectives: int
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Links:
+    shard: GroupLinks
+    replicate: GroupLinks
+
+
+def _compute_split(model: ModelSpec, cluster: ClusterSpec, profile: ComputeProfile | None) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each unit per micro-batch: FLOPs / rate, or the profile split by FLOPs."""
+    flops = [u.forward_flops_per_token * model.tokens for u in model.units]
+    total = sum(flops) or 1.0
+    if profile is not None:
+        return [(profile.forward_s * f / total, profile.backward_s * f / total) for f in flops]
+    return [(f / cluster.compute_rate, 2 * f / cluster.compute_rate) for f in flops]
+
+
+def _hop(links: GroupLinks, cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions) -> tuple[str, float]:
+    elements = u.trainable_slot(shard) + u.tensors  # the reduced shard plus a "has gradient" flag per tensor
+    if options.replicate_dtype == "int8":
+        return "all_gather", links.size * elements * options.replicate_bytes
+    return "all_reduce", elements * options.replicate_bytes
+
+
+def _transfer(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> Transfer:
+    return Transfer(collective_seconds(links, cluster, op, nbytes), link_seconds(links, cluster, op, nbytes))
+
+
+def _scatter_bytes(u: UnitSpec, shard: int, reduce_bytes: int) -> float:
+    return shard * (u.trainable_slot(shard) + u.tensors) * reduce_bytes
+
+
+def unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
+               profile: ComputeProfile | None = None) -> list[UnitCost]:
+    links = _Links(group_links(cluster, shard, "shard"), group_links(cluster, shard, "replicate"))
+    p = options.precision
+    out = []
+    for u, (fwd, bwd) in zip(model.units, _compute_split(model, cluster, profile), strict=True):
+        if options.activation_checkpointing and u is not model.root:
+            bwd += fwd  # the block's forward runs again inside its backward
+        # A unit without parameters gathers nothing; one without trainable ones reduces nothing.
+        gather = _transfer(links.shard, cluster, "all_gather", full_elements(u, shard) * p.compute_bytes) \
+            if u.numel else Transfer()
+        scatter = _transfer(links.shard, cluster, "reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes))
+        hop = _transfer(links.replicate, cluster, *_hop(links.replicate, cluster, u, shard, options))
+        out.append(UnitCost(fwd, bwd, gather, scatter, hop, u.tensors > 0))
+    return out
+
+
+class _Timeline:
+    """The training thread and one FIFO per process group; times in seconds from the step's start."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0
+        self.free = {"shard": 0.0, "replicate": 0.0}
+        self.link_free = 0.0  # when the inter-node link is next free of the *other* group's transfers
+        self.link_group = ""
+        self.busy = 0.0
+
+    def issue(self, group: str, t: Transfer) -> float:
+        start = max(self.free[group], self.cpu)
+        if t.link_s > 0:
+            if self.link_group != group:
+                start = max(start, self.link_free)
+            self.link_free, self.link_group = start + t.link_s, group
+        self.free[group] = start + t.seconds
+        self.busy += t.seconds
+        return self.free[group]
+
+    def wait(self, end: float) -> None:
+        self.cpu = max(self.cpu, end)
+
+
+def _forward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions) -> None:
+    gathered: dict[int, float] = {0: tl.issue("shard", costs[0].all_gather)}
+    for i in range(1, len(costs)):
+        if i not in gathered:
+            gathered[i] = tl.issue("shard", costs[i].all_gather)
+        tl.wait(gathered[i])
+        if options.prefetch and i + 1 < len(costs):
+            gathered[i + 1] = tl.issue("shard", costs[i + 1].all_gather)
+        tl.cpu += costs[i].forward
+    tl.cpu += costs[0].forward  # the root's head and loss, after the blocks
+
+
+@dataclass
+class _Reduction:
+    unit: int
+    scattered: float  # when its reduce-scatter ends
+    hopped: float | None = None  # when its inter-node hop ends (None: not started)
+
+
+def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro_batch: int) -> None:
+    order = list(range(len(costs) - 1, 0, -1))  # blocks in reverse; the root runs first and stays gathered
+    regather = options.reshard_after_forward
+    gathered: dict[int, float] = {}
+    if regather and options.prefetch and order:
+        gathered[order[0]] = tl.issue("shard", costs[order[0]].all_gather)
+    tl.cpu += costs[0].backward
+    pending: list[_Reduction] = []
+    sync = options.syncs_replicas(micro_batch)
+
+    def start_hop(r: _Reduction) -> None:
+        # The runtime waits for the reduce-scatter on the training thread before it issues the hop.
+        tl.wait(r.scattered)
+        r.hopped = tl.issue("replicate", costs[r.unit].hop) if sync else r.scattered
+
+    def reduce(unit: int) -> None:
+        if not costs[unit].reduces:
+            return
+        if pending:
+            start_hop(pending[-1])
+        pending.append(_Reduction(unit, tl.issue("shard", costs[unit].reduce_scatter)))
+
+    for j, i in enumerate(order):
+        if regather:
+            if i not in gathered:
+                gathered[i] = tl.issue("shard", costs[i].all_gather)
+            tl.wait(gathered[i])
+            if options.prefetch and j + 1 < len(order):
+                gathered[order[j + 1]] = tl.issue("shard", costs[order[j + 1]].all_gather)
+        tl.cpu += costs[i].backward
+        if options.reduces_shards(micro_batch):
+            reduce(i)
+    if options.reduces_shards(micro_batch):
+        reduce(0)  # the root's gradients: reduced by the end-of-backward callback
+        for r in pending:
+            if r.hopped is None:
+                start_hop(r)
+            tl.wait(r.hopped)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Traffic:
+    node: float  # bytes the busiest node sends to other nodes
+    rank_intra: float  # bytes an average rank sends inside its node
+    rank_inter: float  # ... and to other nodes
+    calls: int
+
+
+def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions) -> _Traffic:
+    """Bytes and collective calls of one optimizer step."""
+    sl, rl = group_links(cluster, shard, "shard"), group_links(cluster, shard, "replicate")
+    p, k = options.precision, options.micro_batches
+    node = intra = inter = 0.0
+    calls = 0
+    syncs = sum(options.syncs_replicas(m) for m in range(k))
+    reduces = sum(options.reduces_shards(m) for m in range(k))
+    for u in model.units:
+        gathers = k * (1 + (options.reshard_after_forward and u is not model.root)) if u.numel else 0
+        ops = [("all_gather", full_elements(u, shard) * p.compute_bytes, gathers, sl),
+               ("reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes), reduces if u.tensors else 0, sl),
+               (*_hop(rl, cluster, u, shard, options), syncs if u.tensors else 0, rl)]
+        for op, nbytes, count, links in ops:
+            if links.size > 1:
+                node += count * node_bytes(links, cluster, op, nbytes)
+                a, b = rank_split_bytes(links, cluster, op, nbytes)
+                intra, inter, calls = intra + count * a, inter + count * b, calls + count
+    return _Traffic(node, intra, inter, calls)
+
+
+def estimate_step(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
+                  profile: ComputeProfile | None = None) -> StepEstimate:
+    """Seconds and bytes of one optimizer step with sharding degree ``shard`` (a divisor of the world)."""
+    costs = unit_costs(model, cluster, shard, options, profile)
+    tl = _Timeline()
+    for m in range(options.micro_batches):
+        _forward(tl, costs, options)
+        _backward(tl, costs, options, m)
+    per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
+    optimizer = per_element * sum(u.trainable_slot(shard) for u in model.units)
+    compute = options.micro_batches * sum(c.forward + c.backward for c in costs)
+    t = _traffic(model, cluster, shard, options)
+    # Host time per byte sent is spent on the same cores as compute: added, never overlapped.
+    host = cluster.host_s_per_intra_byte * t.rank_intra + cluster.host_s_per_inter_byte * t.rank_inter
+    step = tl.cpu + optimizer + host
+    return StepEstimate(step, compute, optimizer, max(0.0, step - compute - optimizer), tl.busy, t.node,
+                        t.rank_intra + t.rank_inter, t.rank_inter, t.calls)

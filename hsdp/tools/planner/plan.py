@@ -1,0 +1,202 @@
+"""Every valid layout of a cluster, estimated, and the recommendation with its reasons in plain words.
+
+A layout is valid when its shard degree divides the world size (the engine's rule). It *fits* when its
+peak memory per rank stays under ``gpu_memory x (1 - headroom)``; the headroom (10% by default) covers
+what no formula sees: allocator fragmentation, the CUDA context, communication buffers. The recommendation
+is the fitting layout with the shortest step; layouts within 1% of it count as a tie, broken by less
+memory (the cheaper insurance).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hsdp.tools.planner.cluster import ClusterSpec, valid_degrees
+from hsdp.tools.planner.cost import StepEstimate, estimate_step
+from hsdp.tools.planner.memory import MemoryEstimate, estimate_memory
+from hsdp.tools.planner.model import ComputeProfile, ModelSpec
+from hsdp.tools.planner.options import Layout, TrainOptions
+from hsdp.tools.planner.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
+
+TIE = 0.01
+DEFAULT_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """One layout's predicted memory per rank and step; ``tokens_per_s`` is for the whole cluster."""
+
+    layout: Layout
+    kind: str
+    memory: MemoryEstimate
+    step: StepEstimate
+    fits: bool
+    tokens_per_s: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {"replicate": self.layout.replicate, "shard": self.layout.shard, "kind": self.kind,
+                "fits": self.fits, "tokens_per_s": self.tokens_per_s, "memory_bytes": self.memory.as_dict(),
+                "step": self.step.as_dict()}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """All layouts (by shard degree), the recommended one (``None`` when nothing fits) and why."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    options: TrainOptions
+    memory_limit: float
+    layouts: tuple[LayoutEstimate, ...]
+    best: LayoutEstimate | None
+    reasons: tuple[str, ...]
+
+    def layout(self, shard: int) -> LayoutEstimate:
+        for e in self.layouts:
+            if e.layout.shard == shard:
+                return e
+        raise ValueError(f"shard degree {shard} is not in this plan: choose one of "
+                         f"{[e.layout.shard for e in self.layouts]}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "model": {"name": self.model.name, "params": self.model.params, "units": len(self.model.units),
+                      "seq_len": self.model.seq_len, "micro_batch": self.model.micro_batch},
+            "cluster": {k: (None if isinstance(v, float) and math.isinf(v) else v)
+                        for k, v in vars(self.cluster).items()},
+            "options": {**{k: v for k, v in vars(self.options).items() if k != "precision"},
+                        "precision": vars(self.options.precision)},
+            "memory_limit_bytes": None if math.isinf(self.memory_limit) else self.memory_limit,
+            "recommended": None if self.best is None else {"replicate": self.best.layout.replicate,
+                                                           "shard": self.best.layout.shard},
+            "reasons": list(self.reasons),
+            "layouts": [e.as_dict() for e in self.layouts],
+        }
+
+
+def estimate_layout(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
+                    profile: ComputeProfile | None = None, memory_limit: float = math.inf) -> LayoutEstimate:
+    layout = Layout(cluster.world_size // shard, shard)
+    memory = estimate_memory(model, shard, options, profile)
+    step = estimate_step(model, cluster, shard, options, profile)
+    tokens = model.tokens * options.micro_batches * cluster.world_size
+    return LayoutEstimate(layout, layout.kind(cluster.gpus_per_node), memory, step, memory.total <= memory_limit,
+                          tokens / step.step_s)
+
+
+def _choose(estimates: Sequence[LayoutEstimate]) -> LayoutEstimate | None:
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        return None
+    fastest = min(e.step.step_s for e in fitting)
+    ties = [e for e in fitting if e.step.step_s <= fastest * (1 + TIE)]
+    return min(ties, key=lambda e: (e.memory.total, e.step.step_s))
+
+
+def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, profile: ComputeProfile | None = None,
+              degrees: Sequence[int] | None = None, headroom: float = DEFAULT_HEADROOM) -> Plan:
+    """Estimate ``degrees`` (default: every divisor of the world size) and recommend one.
+
+    ``ValueError`` when a degree does not divide the world size or ``headroom`` is outside [0, 1).
+    """
+    world = cluster.world_size
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom} must be in [0, 1): the fraction of GPU memory kept free")
+    chosen = list(degrees) if degrees else valid_degrees(world)
+    bad = [d for d in chosen if d < 1 or world % d]
+    if bad:
+        raise ValueError(f"shard degrees {bad} do not divide the world size {world}: choose from "
+                         f"{valid_degrees(world)}")
+    limit = cluster.gpu_memory * (1 - headroom)
+    estimates = tuple(estimate_layout(model, cluster, d, options, profile, limit) for d in sorted(chosen))
+    best = _choose(estimates)
+    return Plan(model, cluster, options, limit, estimates, best, tuple(explain(estimates, best, cluster, model,
+                                                                               options, limit)))
+
+
+def _name(e: LayoutEstimate) -> str:
+    return f"{e.layout.label} (S={e.layout.shard}, {e.kind})"
+
+
+def _memory_reason(best: LayoutEstimate, limit: float, model: ModelSpec, options: TrainOptions) -> str:
+    m = best.memory
+    per = options.precision.state_bytes_per_param
+    limit_text = "no memory limit" if math.isinf(limit) else f"{fmt_bytes(limit)} usable"
+    acts = f"activations {fmt_bytes(m.activations)}" if m.activations else "activations not estimated"
+    return (f"Memory: {fmt_bytes(m.total)} per GPU of {limit_text}: model state {fmt_bytes(m.state)} "
+            f"({per} B x {fmt_count(model.params)} params / S={best.layout.shard}), {acts}, gathered units "
+            f"{fmt_bytes(m.unsharded)}.")
+
+
+def _traffic_reason(best: LayoutEstimate, cluster: ClusterSpec) -> str:
+    s = best.step
+    if cluster.nodes == 1 or s.inter_node_bytes == 0:
+        return "Traffic: nothing crosses nodes in this layout."
+    crossing = ("only the gradient all-reduce crosses nodes" if best.layout.shard <= cluster.gpus_per_node
+                else "its shard groups span nodes, so all-gathers and reduce-scatters cross nodes too")
+    link_s = s.inter_node_bytes / cluster.inter_bandwidth
+    return (f"Traffic: {crossing}: {s.inter_node_bytes / 1e9:.3g} GB per node per step, "
+            f"{fmt_seconds(link_s)} at {fmt_rate(cluster.inter_bandwidth)}; {fmt_seconds(s.exposed_comm_s)} of "
+            f"communication is left exposed after overlap (step {fmt_seconds(s.step_s)}, compute "
+            f"{fmt_seconds(s.compute_s)}).")
+
+
+def _rejected_reason(estimates: Sequence[LayoutEstimate], limit: float) -> str | None:
+    over = [e for e in estimates if not e.fits]
+    if not over:
+        return None
+    names = ", ".join(f"S={e.layout.shard} ({fmt_bytes(e.memory.total)})" for e in over)
+    return f"Does not fit in {fmt_bytes(limit)}: {names}."
+
+
+def _runner_up_reason(estimates: Sequence[LayoutEstimate], best: LayoutEstimate) -> str | None:
+    others = sorted((e for e in estimates if e.fits and e is not best), key=lambda e: e.step.step_s)
+    if not others:
+        return None
+    r = others[0]
+    slower = r.step.step_s / best.step.step_s - 1
+    why = ("more inter-node traffic" if r.step.inter_node_bytes > best.step.inter_node_bytes * 1.05
+           else "more exposed communication" if r.step.exposed_comm_s > best.step.exposed_comm_s
+           else "a longer optimizer step" if r.step.optimizer_s > best.step.optimizer_s else "the same traffic")
+    extra = "" if slower > TIE else f" but needs {fmt_bytes(r.memory.total - best.memory.total)} more memory"
+    return (f"Runner-up: {_name(r)}, {slower:+.0%} step time ({why}: {r.step.inter_node_bytes / 1e9:.3g} GB per "
+            f"node per step, {fmt_seconds(r.step.exposed_comm_s)} exposed){extra}.")
+
+
+def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, options: TrainOptions) -> str | None:
+    """When communication is a large part of the step, which inter-node hop dtype would shorten it (each
+    estimated, not guessed: an int8 hop all-gathers, so its bytes grow with R and it can lose to bf16)."""
+    s = best.step
+    if s.exposed_comm_s < 0.15 * s.step_s or best.layout.replicate == 1:
+        return None
+    gains = []
+    for dtype in ("bf16", "int8"):
+        variant = replace(options, replicate_dtype=dtype)
+        if variant.replicate_bytes >= options.replicate_bytes and dtype != "int8":
+            continue
+        step = estimate_step(model, cluster, best.layout.shard, variant).step_s
+        if step < 0.95 * s.step_s:
+            gains.append(f"--inter-node-dtype {dtype} ({step / s.step_s - 1:+.0%} step time)")
+    if not gains:
+        return None
+    return f"Communication is {s.exposed_comm_s / s.step_s:.0%} of the step; consider {' or '.join(gains)}."
+
+
+def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cluster: ClusterSpec,
+            model: ModelSpec, options: TrainOptions, limit: float) -> list[str]:
+    """The recommendation's reasons, one sentence each."""
+    if best is None:
+        smallest = min(estimates, key=lambda e: e.memory.total)
+        return [f"No layout fits: the smallest, {_name(smallest)}, needs {fmt_bytes(smallest.memory.total)} per "
+                f"GPU against {fmt_bytes(limit)} usable; add nodes, use activation checkpointing or a smaller "
+                f"micro-batch."]
+    fitting = sum(e.fits for e in estimates)
+    lines = [f"Recommended: {_name(best)}, the fastest of the {fitting} layouts that fit: "
+             f"{fmt_seconds(best.step.step_s)} per step, {best.tokens_per_s:,.0f} tokens/s on "
+             f"{cluster.world_size} GPUs.",
+             _memory_reason(best, limit, model, options), _traffic_reason(best, cluster)]
+    lines += [x for x in (_runner_up_reason(estimates, best), _rejected_reason(estimates, limit),
+                          _advice(best, model, cluster, options)) if x]
+    return lines

@@ -1,0 +1,112 @@
+"""Tables for people: a plan and a tuning report as rich tables (terminal) or Markdown (results files)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from hsdp.tools.planner.compare import TuneReport
+from hsdp.tools.planner.plan import LayoutEstimate, Plan
+from hsdp.tools.planner.units import fmt_bytes, fmt_seconds
+
+PLAN_COLUMNS = ("layout", "kind", "state/GPU", "peak/GPU", "fits", "step", "compute", "exposed comm",
+                "inter-node GB/node/step", "tokens/s")
+TUNE_COLUMNS = ("S", "measured s", "runs", "nominal s", "calibrated s", "error", "held-out s", "held-out error",
+                "inter-node MB/node/step measured", "predicted", "state bytes measured", "predicted")
+
+
+def _console() -> Console:
+    # Piped into a file or a log, rich would wrap at 80 columns: the tables are wider than that.
+    return Console() if sys.stdout.isatty() else Console(width=170)
+
+
+def _plan_row(e: LayoutEstimate, best: LayoutEstimate | None) -> list[str]:
+    mark = "* " if e is best else ""
+    return [f"{mark}{e.layout.label}", e.kind, fmt_bytes(e.memory.state), fmt_bytes(e.memory.total),
+            "yes" if e.fits else "NO", fmt_seconds(e.step.step_s), fmt_seconds(e.step.compute_s),
+            fmt_seconds(e.step.exposed_comm_s), f"{e.step.inter_node_bytes / 1e9:.3g}", f"{e.tokens_per_s:,.0f}"]
+
+
+def plan_rows(plan: Plan) -> list[list[str]]:
+    return [_plan_row(e, plan.best) for e in plan.layouts]
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> None:
+    """The layout table (``*`` marks the recommendation), then the reasons."""
+    console = console or _console()
+    limit = "no limit" if math.isinf(plan.memory_limit) else f"{fmt_bytes(plan.memory_limit)} usable per GPU"
+    table = Table(title=f"{plan.model.name} ({plan.model.params / 1e9:.3g}B params) on {plan.cluster.describe()}; "
+                        f"{limit}")
+    for i, col in enumerate(PLAN_COLUMNS):
+        table.add_column(col, justify="left" if i < 2 else "right")
+    for row in plan_rows(plan):
+        table.add_row(*row)
+    console.print(table)
+    for line in plan.reasons:
+        console.print(f"- {line}", highlight=False)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
+def tune_rows(report: TuneReport) -> list[list[str]]:
+    out = []
+    for r in report.rows:
+        mark = "* " if r.shard == report.recommended_shard else ""
+        inter = "n/a" if r.measured_inter_node_bytes is None else f"{r.measured_inter_node_bytes / 1e6:.1f}"
+        state = "n/a" if r.measured_state_bytes is None else f"{r.measured_state_bytes:,.0f}"
+        runs = "/".join(f"{x:.2f}" for x in sorted(r.run_medians))
+        out.append([f"{mark}{r.shard}", f"{r.measured_s:.3f}", runs, f"{r.nominal_s:.3f}", f"{r.calibrated_s:.3f}",
+                    _pct(r.error), "n/a" if r.held_out_s is None else f"{r.held_out_s:.3f}", _pct(r.held_out_error),
+                    inter, f"{r.predicted_inter_node_bytes / 1e6:.1f}", state, f"{r.predicted_state_bytes:,.0f}"])
+    return out
+
+
+def constants_line(report: TuneReport) -> str:
+    v = report.calibrated.values
+    return (f"calibrated: compute x{v.get('compute_scale', 1):.2f} of the profile, intra-node "
+            f"{v.get('intra_bandwidth', 0) / 1e6:.0f} MB/s per ring edge, inter-node "
+            f"{v.get('inter_bandwidth', 0) / 1e6:.1f} MB/s per node, {v.get('collective_overhead', 0) * 1e3:.2f} ms "
+            f"per collective (ring steps x{v.get('latency_scale', 1):.2g}), compute lost per byte sent "
+            f"{v.get('host_s_per_intra_byte', 0) * 1e9:.2f} ns inside a node, "
+            f"{v.get('host_s_per_inter_byte', 0) * 1e9:.2f} ns to another node")
+
+
+LEGEND = ("measured: median of every measured step of every run; runs: each run's own median; nominal: the "
+          "model before calibration; calibrated: constants fitted to all measured layouts; held-out: constants "
+          "fitted to the other layouts only. Inter-node bytes: link counters (TCP/IP headers included) against "
+          "the predicted payload. State bytes: hsdp.state_bytes on the largest rank against the prediction.")
+
+
+def print_tune(report: TuneReport, console: Console | None = None) -> None:
+    console = console or _console()
+    table = Table(title=f"hsdp tune: {report.measured.model.name} on {report.measured.world_size} ranks "
+                        f"({report.measured.nproc_per_node} per node), predicted vs measured step time")
+    for col in TUNE_COLUMNS:
+        table.add_column(col, justify="right")
+    for row in tune_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    console.print(LEGEND, style="dim", highlight=False)
+    console.print(constants_line(report), highlight=False)
+    fastest = report.measured_fastest.shard
+    vs = report.recommended_vs_fastest()
+    console.print(f"recommended S={report.recommended_shard}; measured fastest S={fastest}"
+                  + ("" if vs is None else f" (recommendation {vs:+.1%} vs fastest)"), highlight=False)
+    for line in report.plan.reasons:
+        console.print(f"- {line}", highlight=False)
+    for failure in report.measured.failures:
+        console.print(f"[red]failed: {failure}[/red]")
+    for warning in report.measured.warnings:
+        console.print(f"[yellow]warning: {warning}[/yellow]")
+
+
+def markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,141 @@
+"""``hsdp tune``: arguments, the run (measure, calibrate, compare) and the results files."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hsdp.tools.planner.command import dump_json, parse_degrees
+from hsdp.tools.planner.compare import TuneReport, analyse, emulated_cluster, options_from_metrics
+from hsdp.tools.planner.tune import DEFAULT_SCRIPT, TuneRun, collect, default_workdir, load_metrics, summarise
+from hsdp.tools.planner.units import parse_bandwidth, parse_bytes
+
+TUNE_EPILOG = f"""\
+examples:
+  hsdp tune                                          # the built-in workload on 2 emulated nodes x 2 ranks
+  hsdp tune --nodes 4 --nproc-per-node 2 --inter-node-bandwidth 100mbit --repeats 3 -- train.py --steps 8
+  hsdp tune --from-metrics runs/tune/ --nodes 16 --nproc-per-node 8 --inter-node-bandwidth 50GB/s
+
+The script runs once per shard degree and repeat with HSDP_SHARDING_DEGREE set (hsdp.init_mesh() reads it)
+and HSDP_METRICS_FILE naming where it writes its measurements (hsdp.tools.planner.metrics.StepRecorder).
+Without a script: {" ".join(DEFAULT_SCRIPT)}.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tune", help="measure each shard degree, calibrate the cost model, recommend",
+                              description="Run a few steps of each candidate layout, fit the cost model's "
+                                          "constants to the measurements and print predicted vs measured.",
+                              epilog=TUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, help="nodes (emulated: one namespace each; default 2)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--inter-node-bandwidth", default="1gbit", help="emulated link rate, tc units (default 1gbit)")
+    p.add_argument("--inter-node-latency", default="0", help="emulated one-way delay, e.g. 1ms (default 0)")
+    p.add_argument("--intra-node-bandwidth", default=None,
+                   help="nominal rate inside a node before calibration (default: 200MB/s, gloo on loopback)")
+    p.add_argument("--degrees", default=None, help="comma list of shard degrees (default: every divisor)")
+    p.add_argument("--repeats", type=int, default=2, help="launches per degree, round-robin (default 2)")
+    p.add_argument("--gpu-memory", default=None, help="memory limit per rank for 'fits' (default: none)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--no-emulation", action="store_true", help="run the nodes on loopback (no shaping)")
+    mode.add_argument("--allow-fallback", action="store_true", help="fall back to loopback without root")
+    p.add_argument("--from-metrics", nargs="+", metavar="PATH", help="analyse existing metrics files or dirs")
+    p.add_argument("--workdir", default=None, help="keep every run's metrics and log here (default: a temp dir)")
+    p.add_argument("--out", default=None, help="write tune_<date>[_<tag>].json/.md/.png into this directory")
+    p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout)")
+    p.add_argument("--plot", metavar="FILE", help="write the calibrated plan with the measured points (PNG)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]")
+    return p
+
+
+def _tune_run(args: argparse.Namespace) -> TuneRun:
+    script = list(args.script_args)
+    if script[:1] == ["--"]:
+        script = script[1:]
+    emulation = "none" if args.no_emulation else "auto" if args.allow_fallback else "require"
+    return TuneRun(tuple(script) or DEFAULT_SCRIPT, args.nodes, args.nproc_per_node, args.inter_node_bandwidth,
+                   args.inter_node_latency, tuple(parse_degrees(args.degrees) or ()), args.repeats, emulation)
+
+
+def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> TuneReport:
+    measured = summarise(results)
+    backend = next((r.get("backend", "gloo") for r in results if "error" not in r), "gloo")
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else math.inf
+    nominal = emulated_cluster(measured.world_size // measured.nproc_per_node, measured.nproc_per_node,
+                               args.inter_node_bandwidth, memory, backend)
+    if args.intra_node_bandwidth:
+        from dataclasses import replace
+
+        nominal = replace(nominal, intra_bandwidth=parse_bandwidth(args.intra_node_bandwidth))
+    ok = next(r for r in results if "error" not in r)
+    return analyse(measured, nominal, options_from_metrics(ok))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed ``hsdp tune``; 0 when every candidate ran, 1 when some failed, 2 on bad arguments."""
+    from hsdp.tools.planner.render import print_tune
+
+    try:
+        if args.from_metrics:
+            results = load_metrics(args.from_metrics)
+        else:
+            tune_run = _tune_run(args)
+            workdir = Path(args.workdir) if args.workdir else default_workdir()
+            print(f"[tune] {tune_run.nodes} x {tune_run.nproc_per_node} ranks, degrees "
+                  f"{tune_run.candidate_degrees}, {tune_run.repeats} repeats; runs in {workdir}", flush=True)
+            results = collect(tune_run, workdir, echo=lambda s: print(s, flush=True))
+        report = _report(args, results)
+    except ValueError as e:
+        print(f"hsdp tune: error: {e}", file=sys.stderr)
+        return 2
+    print_tune(report)
+    if args.json:
+        dump_json(report.as_dict(), args.json)
+    if args.plot:
+        from hsdp.tools.planner.plot import plot_plan
+
+        plot_plan(report.plan, args.plot, report)
+    if args.out:
+        write_results(report, Path(args.out), args.tag, results)
+    return 1 if report.measured.failures else 0
+
+
+def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[str, Any]]) -> Path:
+    """``tune_<date>[_<tag>]``: JSON (report, command, every run), Markdown (command, tables), PNG."""
+    from hsdp.tools.planner.plot import plot_plan
+    from hsdp.tools.planner.render import LEGEND, TUNE_COLUMNS, constants_line, markdown, tune_rows
+
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    name = f"tune_{stamp}{'_' + tag if tag else ''}"
+    command = "hsdp tune " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["tune"] else sys.argv[1:])
+    meta = {"date": stamp, "command": command, "git": _git_commit()}
+    dump_json({"meta": meta, "report": report.as_dict(), "runs": results}, str(out / f"{name}.json"))
+    plot_plan(report.plan, out / f"{name}.png", report)
+    vs = report.recommended_vs_fastest()
+    text = [f"# hsdp tune {stamp}{' (' + tag + ')' if tag else ''}", "", f"Command: `{command}` (git {meta['git']})",
+            "", f"{report.measured.model.name}, {report.measured.model.params:,} parameters, "
+            f"{report.measured.world_size} ranks ({report.measured.nproc_per_node} per node).", "",
+            markdown(TUNE_COLUMNS, tune_rows(report)), LEGEND, "", constants_line(report), "",
+            f"Recommended S={report.recommended_shard}; measured fastest S={report.measured_fastest.shard}"
+            + ("" if vs is None else f"; the recommendation measured {vs:+.1%} against the fastest") + ".", "",
+            *[f"- {line}" for line in report.plan.reasons], "",
+            *[f"Failed run: {x}" for x in report.measured.failures],
+            *[f"Warning: {x}" for x in report.measured.warnings], f"![plot]({name}.png)", ""]
+    (out / f"{name}.md").write_text("\n".join(text))
+    return out / f"{name}.md"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=False).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
