@@ -21,10 +21,12 @@ demo: venv
 
 test: venv
 	$(BIN)/ruff check hsdp tests examples benchmarks
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: venv
 	$(BIN)/ruff check hsdp tests examples benchmarks
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -38,7 +38,7 @@ _EXPORTS = {
     "ShardedOptimizer": "hsdp.engine.optim.sharded_optimizer",
     "MixedPrecision": "hsdp.engine.policy",
     "ReplicaDivergence": "hsdp.engine.replicas",
-    "check_replicas": "hsdp.engine.replicas",
+    "check_replicas": "hsdp.engine.model",
     "full_state_dict": "hsdp.engine.state_dict",
     "FaultPolicy": "hsdp.engine.faults.watchdog",
     "PreemptionGuard": "hsdp.engine.faults.preemption",
@@ -66,7 +66,8 @@ if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
     from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
     from hsdp.engine.policy import MixedPrecision
-    from hsdp.engine.replicas import ReplicaDivergence, check_replicas
+    from hsdp.engine.model import check_replicas
+    from hsdp.engine.replicas import ReplicaDivergence
     from hsdp.engine.state_dict import full_state_dict
 
 

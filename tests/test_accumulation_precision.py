@@ -79,17 +79,15 @@ def _precision(rank: int, world: int) -> dict:
     loss_fn(ref(torch.cat(xs)), torch.cat(ys)).backward()
     ref_grads = _grads(ref)
     out = {}
-    policies = {
-        "bf16 compute, fp32 both hops": hsdp.MixedPrecision(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16),
-        "bf16 compute, bf16 across nodes": hsdp.MixedPrecision(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, replicate_reduce_dtype=torch.bfloat16,
-            buffer_dtype=torch.bfloat16),
-        "fp32, bf16 hop": None,
+    bf16_compute = hsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                       buffer_dtype=torch.bfloat16)
+    policies = {  # (mixed precision, inter-node hop)
+        "bf16 compute, fp32 both hops": (bf16_compute, None),
+        "bf16 compute, bf16 across nodes": (bf16_compute, AllReduceHop(torch.bfloat16)),
+        "fp32, bf16 hop": (None, AllReduceHop(torch.bfloat16)),
     }
-    for name, policy in policies.items():
+    for name, (policy, hop) in policies.items():
         torch.manual_seed(SEED)
-        hop = AllReduceHop(torch.bfloat16) if policy is None else None
         model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), mixed_precision=policy, replica_hop=hop)
         model.reset_comm_stats()
         x, y = batch(0, rank)

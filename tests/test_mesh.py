@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hsdp.engine.mesh import default_sharding_degree, grid_position, rank_grid, validate_degree
-from hsdp.engine.runtime.sharded_param import ShardLayout
+from hsdp.engine.runtime.layout import ShardLayout
 
 
 def test_rank_grid_puts_consecutive_ranks_in_one_shard_group() -> None:

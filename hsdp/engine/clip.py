@@ -45,7 +45,7 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
 
 def _total_norm(model: ShardedModel, grads: list[torch.Tensor], p: float) -> torch.Tensor:
     device = model.mesh.device
-    comm = model._hsdp_state.comm
+    comm = model.comm
     if math.isinf(p):
         local = torch.stack([g.detach().abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
         total = local.max().float().reshape(1)

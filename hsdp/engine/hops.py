@@ -5,9 +5,13 @@ forbids hooks for hybrid sharding). The buffer a hop receives is 1-D: the shard'
 "has gradient" flag per parameter (see ``runtime/reduction.py``); when the returned handle is waited,
 the buffer must hold the average over the replicate group, flags included.
 
-Built-ins: :class:`AllReduceHop` (plain, optionally in another dtype; ``AllReduceHop(torch.bfloat16)``
-halves inter-node bytes) and :class:`Int8ErrorFeedbackHop` (per-block int8 with error feedback, about a
-quarter of the fp32 bytes, lossy but convergent; its residuals are saved with the optimizer state).
+The hop owns what crosses nodes, dtype included: it is the one setting for the inter-node wire format
+(``MixedPrecision`` covers compute and the intra-node reduce-scatter). Built-ins: :class:`AllReduceHop`
+(plain, optionally in another dtype; ``AllReduceHop(torch.bfloat16)`` halves inter-node bytes) and
+:class:`Int8ErrorFeedbackHop` (per-block int8 with error feedback, about a quarter of the fp32 bytes, lossy
+but convergent). A hop that keeps state across steps (the int8 hop's residuals) exposes it through
+``state_dict``/``load_state_dict``; ``ShardedOptimizer.state_dict`` saves it per parameter, so it
+reshards with the checkpoint (``runtime/hop_state.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,19 @@ def _label(key: str) -> str:
 
 
 class ReplicaHop(Protocol):
+    """What a unit's gradient shard goes through across nodes. ``key`` names the unit (its module's name)."""
+
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
         """Begin averaging ``buffer`` over the replicate group; in place once the handle is waited."""
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """State kept across steps, ``{unit key: 1-D tensor}`` laid out like the unit's reduced slot (see
+        ``runtime/reduction.py``); ``None`` for a hop that keeps no state (``{}``: none yet)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore (some units' entries of) what :meth:`state_dict` returned."""
         ...
 
 
@@ -46,6 +61,12 @@ class AllReduceHop:
         wire = buffer.to(self.dtype)
         handle = comm.all_reduce(wire, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=_label(key))
         return handle.then(lambda: buffer.copy_(wire))
+
+    def state_dict(self) -> None:
+        return None  # stateless
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
 
 
 @dataclass
@@ -90,3 +111,25 @@ class Int8ErrorFeedbackHop:
             buffer[n:].copy_(metas[:, n_blocks:].mean(dim=0))
 
         return Handle.all(handles, on_done=decompress)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.residuals)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals.update(state)
+
+
+# The built-in hops by the names configuration files and the planner use.
+HOP_NAMES = ("fp32", "bf16", "int8")
+
+
+def named_hop(name: str) -> ReplicaHop:
+    """A fresh built-in hop by name: ``"fp32"`` (exact all-reduce), ``"bf16"`` (all-reduce in bf16, half
+    the inter-node bytes), ``"int8"`` (error-feedback int8, about a quarter)."""
+    if name == "fp32":
+        return AllReduceHop()
+    if name == "bf16":
+        return AllReduceHop(torch.bfloat16)
+    if name == "int8":
+        return Int8ErrorFeedbackHop()
+    raise ValueError(f"unknown replica hop {name!r}: choose one of {', '.join(HOP_NAMES)}")

@@ -6,9 +6,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hsdp.engine.model import ShardedModel
+from hsdp.engine.runtime.dtensor import local_of
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,7 @@ class StateBytes:
 
 def _nbytes(t: torch.Tensor) -> int:
     """Bytes this rank holds: a DTensor's local chunk, not its global size."""
-    if isinstance(t, DTensor):
-        t = t.to_local()
+    t = local_of(t)
     return t.numel() * t.element_size()
 
 

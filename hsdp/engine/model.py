@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from hsdp.engine.class_swap import swap_class
 from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.mesh import HSDPMesh, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
+from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.runtime.dtensor import as_sharded
-from hsdp.engine.runtime.sharded_param import ShardedParam, ShardLayout
-from hsdp.engine.runtime.state import ShardingState
+from hsdp.engine.runtime.sharded_param import ShardedParam
+from hsdp.engine.runtime.state import HSDPState
+from hsdp.engine.runtime.step_guard import install_unwrapped_step_guard
+from hsdp.engine.runtime.storage import apply_to_sharded_model
 from hsdp.engine.runtime.unit import ShardUnit
-from hsdp.engine.wrap import ParamAssignment, WrapPolicy, assign_params, select_unit_modules
-
-_CLASS_CACHE: dict[type, type] = {}
+from hsdp.engine.sharding import Sharded, UnitOptions, shard_module
+from hsdp.engine.wrap import WrapPolicy
 
 
 class ShardedModel(nn.Module):
@@ -61,7 +63,7 @@ class ShardedModel(nn.Module):
       * ``replica_hop``: what replaces the inter-node all-reduce (see ``hsdp.engine.hops``), e.g. bf16 or int8.
     """
 
-    _hsdp_state: ShardingState
+    _hsdp_state: HSDPState
     _hsdp_mesh: HSDPMesh
 
     def __new__(cls, module: nn.Module, sharding_degree: int | None = None, *, mesh: HSDPMesh | None = None,
@@ -78,13 +80,9 @@ class ShardedModel(nn.Module):
         mesh = _resolve_mesh(sharding_degree, mesh)
         options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop(),
                               broadcast_buffers)
-        _shard_module(module, mesh, wrap, options)
-        from hsdp.engine.optim.sharded_optimizer import (
-            install_unwrapped_step_guard,  # hsdp.engine.optim.sharded_optimizer imports this module
-        )
-
+        _attach(module, shard_module(module, mesh, wrap, options))
         install_unwrapped_step_guard()
-        module.__class__ = _sharded_class(type(module))
+        swap_class(module, ShardedModel)
         return module  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -99,6 +97,12 @@ class ShardedModel(nn.Module):
     @property
     def units(self) -> list[ShardUnit]:
         return self._hsdp_state.units
+
+    @property
+    def comm(self) -> Comm:
+        """The one caller of collectives for this model: what engine extensions (clipping, replica checks,
+        sharded optimizer steps) communicate through, so their traffic shows in :meth:`comm_stats`."""
+        return self._hsdp_state.comm
 
     def comm_stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """Collective calls, bytes, ring wire bytes and seconds per group and op since the last reset."""
@@ -135,9 +139,7 @@ class ShardedModel(nn.Module):
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across
         replicas (a collective in the replicate group; call it on every rank)."""
-        from hsdp.engine.replicas import check_replicas
-
-        check_replicas(self)
+        check_replica_shards(self.sharded_params(), self.comm)
 
     def reshard(self) -> None:
         """Free every unsharded parameter (e.g. after a forward whose backward never ran)."""
@@ -158,10 +160,8 @@ class ShardedModel(nn.Module):
         dtype. Buffers go through ``nn.Module._apply`` (then ``MixedPrecision.buffer_dtype`` is re-applied).
         As in plain torch, build the optimizer after a dtype or device change: existing optimizer state
         keeps its old dtype. A conversion that changes shapes or leaves the mesh's device raises
-        ``ValueError``. See ``hsdp/engine/init/storage.py``.
+        ``ValueError``. See ``hsdp/engine/runtime/storage.py``.
         """
-        from hsdp.engine.init.storage import apply_to_sharded_model  # hsdp.engine.init imports this module
-
         return apply_to_sharded_model(self, fn, recurse, super()._apply)
 
     # -- state dict ----------------------------------------------------------------------------------
@@ -187,6 +187,24 @@ class ShardedModel(nn.Module):
         return super().load_state_dict(state_dict, strict=strict)
 
 
+def check_replicas(model: ShardedModel) -> None:
+    """``hsdp.check_replicas(model)``: :meth:`ShardedModel.check_replicas` as a function."""
+    if not isinstance(model, ShardedModel):
+        raise ValueError("check_replicas expects a ShardedModel")
+    model.check_replicas()
+
+
+def _attach(module: nn.Module, sharded: Sharded) -> None:
+    """Give the root (and the nested wrappers it absorbed) the shared runtime and the load hook."""
+    object.__setattr__(module, "_hsdp_state", sharded.state)
+    object.__setattr__(module, "_hsdp_mesh", sharded.state.mesh)
+    for child in sharded.nested:
+        object.__setattr__(child, "_hsdp_state", sharded.state)
+        child._hsdp_load_hook.remove()
+    hook = module._register_load_state_dict_pre_hook(_load_state_dict_pre_hook, with_module=True)
+    object.__setattr__(module, "_hsdp_load_hook", hook)
+
+
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                               local_metadata: dict[str, Any], *args: Any) -> None:
     """Runs before ``module`` (a root ShardedModel) loads, also from a parent's ``load_state_dict``: put the
@@ -194,7 +212,7 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], pre
     ``nn.Module``'s ``param.copy_(value)`` copies shard into shard."""
     if local_metadata.get("assign_to_params_buffers"):
         raise ValueError("assign=True would replace the sharded parameters: load with assign=False")
-    state: ShardingState = module._hsdp_state
+    state: HSDPState = module._hsdp_state
     state.reshard_all()
     for unit in state.units:
         for p in unit.params:
@@ -202,12 +220,6 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], pre
                 key = prefix + slot.fqn
                 if key in state_dict:
                     state_dict[key] = as_sharded(state_dict[key], p.layout, p.device_mesh)
-
-
-def _sharded_class(orig: type) -> type:
-    if orig not in _CLASS_CACHE:
-        _CLASS_CACHE[orig] = type(f"Sharded{orig.__name__}", (ShardedModel, orig), {})
-    return _CLASS_CACHE[orig]
 
 
 def _resolve_mesh(sharding_degree: int | None, mesh: HSDPMesh | None) -> HSDPMesh:
@@ -219,176 +231,3 @@ def _resolve_mesh(sharding_degree: int | None, mesh: HSDPMesh | None) -> HSDPMes
             f"pass only one of them"
         )
     return mesh
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Building the units.
-# ---------------------------------------------------------------------------------------------------------
-def _nested_roots(module: nn.Module) -> list[nn.Module]:
-    """Already-wrapped submodules (outermost only): their units are absorbed into the new root."""
-    out: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            if isinstance(child, ShardedModel):
-                out.append(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return out
-
-
-def _validate_unit(owner: nn.Module, assigned: list[ParamAssignment]) -> None:
-    devices = {a.param.device for a in assigned}
-    if len(devices) > 1:
-        detail = ", ".join(f"{a.slots[0].fqn}: {a.param.device}" for a in assigned)
-        raise ValueError(
-            f"parameters of one unit ({type(owner).__name__}) must share a device, found {detail}: "
-            f"call model.to(device) before wrapping"
-        )
-
-
-def _dtype_groups(assigned: list[ParamAssignment]) -> list[list[ParamAssignment]]:
-    """A unit module's parameters split by dtype, in order of first appearance.
-
-    [Note: mixed dtypes in one module] A flat shard buffer holds one dtype, so a module whose parameters
-    mix dtypes (an fp32 norm inside a bf16 block) becomes one unit per dtype on the same module: each is
-    gathered and reduced on its own (one more all-gather and reduce-scatter per extra dtype) and the hooks
-    of all of them run around the module's forward and backward.
-    """
-    groups: dict[torch.dtype, list[ParamAssignment]] = {}
-    for a in assigned:
-        groups.setdefault(a.param.dtype, []).append(a)
-    return list(groups.values())
-
-
-def _unit_key(module_key: str, group: int, dtype: torch.dtype) -> str:
-    """Unit names: the module's name, plus the dtype for a module's second and later dtype groups (hop
-    state is keyed by it, so it must be unique)."""
-    return module_key if group == 0 else f"{module_key}[{str(dtype).removeprefix('torch.')}]"
-
-
-@dataclass(frozen=True)
-class UnitOptions:
-    reshard_after_forward: bool
-    mixed_precision: MixedPrecision
-    replica_hop: ReplicaHop
-    broadcast_buffers: bool | None = None  # None: automatic (see hsdp/engine/runtime/buffers.py)
-
-    def __post_init__(self) -> None:
-        # Checked here, before the first collective of wrapping.
-        if self.broadcast_buffers is not None and not isinstance(self.broadcast_buffers, bool):
-            raise ValueError(f"broadcast_buffers must be True, False or None (automatic: on iff the model has "
-                             f"BatchNorm-style running statistics), got {self.broadcast_buffers!r}")
-
-
-def _shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: UnitOptions) -> None:
-    nested = _nested_roots(module)
-    for child in nested:
-        if child._hsdp_mesh is not mesh:
-            raise ValueError("nested ShardedModels must share one HSDPMesh: pass mesh= to every wrap")
-    unit_modules = select_unit_modules(module, wrap, exclude=nested)
-    assignments = assign_params(module, unit_modules, skip=nested)
-    by_owner: dict[int, list[ParamAssignment]] = {id(m): [] for m in unit_modules}
-    for a in assignments:
-        by_owner[id(a.owner)].append(a)
-    # Every check above and here runs before the first collective below.
-    _check_meta(assignments)
-    for m in unit_modules:
-        _validate_unit(m, by_owner[id(m)])
-
-    comm = Comm(mesh)
-    # One flat broadcast per unit (and one for the buffers): peak extra memory is one unit, not the model.
-    for m in unit_modules:
-        _broadcast_from_rank0(comm, [a.param for a in by_owner[id(m)]])
-    _broadcast_from_rank0(comm, _own_buffers(module, nested))
-    if options.mixed_precision.buffer_dtype is not None:
-        _cast_buffers(module, nested, options.mixed_precision.buffer_dtype)
-    prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
-    units = []
-    for m in unit_modules:
-        for i, group in enumerate(_dtype_groups(by_owner[id(m)])):
-            key = _unit_key(prefixes[id(m)].rstrip("."), i, group[0].param.dtype)
-            units.append(_build_unit(m, group, comm, mesh, options, key))
-    for child in nested:
-        child_state: ShardingState = child._hsdp_state
-        child_state.remove_hooks()
-        units.extend(child_state.units)
-        for u in child_state.units:
-            u.comm = comm
-            dtype_tag = u.key[u.key.index("["):] if "[" in u.key else ""  # module names hold no "["
-            u.key = prefixes[id(u.module)].rstrip(".") + dtype_tag
-            for p in u.params:
-                p.rebase(prefixes)
-    if not units or units[0].module is not module:
-        # The root still needs hooks to be the root (e.g. all params live in nested units).
-        units.insert(0, ShardUnit.empty(module, comm, options.mixed_precision))
-    state = ShardingState(mesh, comm, units, broadcast_buffers=options.broadcast_buffers)
-    state.register_hooks(units)
-    object.__setattr__(module, "_hsdp_state", state)
-    object.__setattr__(module, "_hsdp_mesh", mesh)
-    for child in nested:
-        object.__setattr__(child, "_hsdp_state", state)
-        child._hsdp_load_hook.remove()
-    hook = module._register_load_state_dict_pre_hook(_load_state_dict_pre_hook, with_module=True)
-    object.__setattr__(module, "_hsdp_load_hook", hook)
-
-
-def _check_meta(assignments: list[ParamAssignment]) -> None:
-    """A model built under ``torch.device("meta")`` is wrapped with its shards left on meta (no values to
-    broadcast) until ``hsdp.materialize`` / ``hsdp.load_pretrained`` / ``to_empty``; half-meta models are
-    refused, since their real half would be initialised by construction and the rest by materialize."""
-    meta = [a.slots[0].fqn for a in assignments if a.param.is_meta]
-    if meta and len(meta) < len(assignments):
-        real = [a.slots[0].fqn for a in assignments if not a.param.is_meta]
-        raise ValueError(
-            f"some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}): build the "
-            f"whole model under `with torch.device('meta'):` (then hsdp.materialize) or none of it"
-        )
-
-
-def _own_buffers(module: nn.Module, nested: list[nn.Module]) -> list[torch.Tensor]:
-    skip = {id(b) for n in nested for b in n.buffers()}
-    return [b for b in module.buffers() if id(b) not in skip]
-
-
-def _cast_buffers(module: nn.Module, nested: list[nn.Module], dtype: torch.dtype) -> None:
-    skip = {id(b) for n in nested for b in n.buffers()}
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point() and id(b) not in skip:
-                m._buffers[name] = b.to(dtype)
-
-
-def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor]) -> None:
-    """Replicas start identical: one flat broadcast per (device, dtype) of ``tensors``. Meta tensors hold no
-    values: they are skipped (``hsdp.materialize`` initialises them identically on every rank)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if not t.is_meta:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for tensors in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            comm.broadcast(flat, 0, "world")
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-def _build_unit(module: nn.Module, assigned: list[ParamAssignment], comm: Comm, mesh: HSDPMesh,
-                options: UnitOptions, key: str) -> ShardUnit:
-    policy = options.mixed_precision
-    params = [
-        ShardedParam(a.slots, a.param, ShardLayout(tuple(a.param.shape), mesh.sharding_degree, mesh.shard_rank),
-                     policy.compute(a.param.dtype))
-        for a in assigned
-    ]
-    unit = ShardUnit(module, params, comm, options.reshard_after_forward, key, policy, options.replica_hop)
-    unit.load_full([a.param.detach() for a in assigned])
-    for p in params:
-        p.to_sharded()
-    return unit
-

@@ -12,22 +12,21 @@ class MixedPrecision:
     """Dtypes per role. ``None`` means "the parameter's own dtype" (or the previous hop's, for reductions).
 
     Master shards and optimizer state keep the parameters' dtype (normally fp32). ``param_dtype`` is the
-    dtype of the all-gather and of compute; ``reduce_dtype`` is the intra-node reduce-scatter's;
-    ``replicate_reduce_dtype`` is the inter-node all-reduce's, so the slow hop can be bf16 (half the
-    inter-node bytes) while the fast hop stays fp32, or the reverse for stability at scale. Partial sums
-    kept across micro-batches are always fp32. ``output_dtype`` casts the root's floating outputs;
+    dtype of the all-gather and of compute; ``reduce_dtype`` is the intra-node reduce-scatter's, and the
+    inter-node hop receives that dtype. What crosses nodes is the hop's choice, the one setting for it
+    (``replica_hop=AllReduceHop(torch.bfloat16)`` halves the slow links' bytes while the fast hop stays fp32).
+    Partial sums kept across micro-batches are always fp32. ``output_dtype`` casts the root's floating outputs;
     ``buffer_dtype`` casts floating buffers once at wrap time (buffers are not sharded).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    replicate_reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "replicate_reduce_dtype", "output_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise ValueError(f"MixedPrecision.{name} must be a floating torch.dtype or None, got {value!r}")
@@ -37,9 +36,6 @@ class MixedPrecision:
 
     def reduce(self, orig: torch.dtype) -> torch.dtype:
         return self.reduce_dtype or self.compute(orig)
-
-    def replicate_reduce(self, orig: torch.dtype) -> torch.dtype:
-        return self.replicate_reduce_dtype or self.reduce(orig)
 
 
 FULL_PRECISION = MixedPrecision()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hsdp.engine.model import ShardedModel
+from hsdp.engine.collectives import Comm
+from hsdp.engine.runtime.sharded_param import ShardedParam
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -13,11 +14,11 @@ class ReplicaDivergence(RuntimeError):
     """Replicas of some shards differ (a missed sync, a non-deterministic op, a bit flip)."""
 
 
-def shard_checksums(model: ShardedModel) -> torch.Tensor:
+def shard_checksums(params: list[ShardedParam]) -> torch.Tensor:
     """Per sharded parameter, two int64 sums over its raw bits (plain and position-weighted): a cheap
     checksum that any changed bit changes; ``(n_params, 2)``."""
     rows = []
-    for p in model.sharded_params():
+    for p in params:
         local = p.sharded_local.detach()
         bits = local.reshape(-1).view(_INT_VIEW[local.element_size()]).to(torch.int64)
         weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
@@ -25,25 +26,23 @@ def shard_checksums(model: ShardedModel) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
 
 
-def check_replicas(model: ShardedModel) -> None:
+def check_replica_shards(params: list[ShardedParam], comm: Comm) -> None:
     """Compare every shard's checksum across the replicate group; raise naming the parameters that differ.
 
     A collective in the replicate group moving 16 bytes per parameter; every rank must call it. Raises on
     every rank of the affected replicate groups (the comparison is done everywhere on the same data).
+    (``ShardedModel.check_replicas`` and ``hsdp.check_replicas(model)`` call this.)
     """
-    if not isinstance(model, ShardedModel):
-        raise ValueError("check_replicas expects a ShardedModel")
-    comm = model._hsdp_state.comm
-    mine = shard_checksums(model).to(model.mesh.device)
+    mine = shard_checksums(params).to(comm.mesh.device)
     r = comm.size("replicate")
     everyone = torch.empty(r * mine.numel(), dtype=mine.dtype, device=mine.device)
     comm.all_gather(everyone, mine.reshape(-1), "replicate", label="check_replicas")
     table = everyone.view(r, *mine.shape).cpu()
     differ = (table != table[0]).any(dim=0).any(dim=-1)
     if differ.any():
-        names = [p.fqn for p, bad in zip(model.sharded_params(), differ.tolist(), strict=True) if bad]
+        names = [p.fqn for p, bad in zip(params, differ.tolist(), strict=True) if bad]
         raise ReplicaDivergence(
-            f"{len(names)} parameter shard(s) differ across replicas (shard rank {model.mesh.shard_rank}): "
+            f"{len(names)} parameter shard(s) differ across replicas (shard rank {comm.mesh.shard_rank}): "
             f"{names[:10]}{' ...' if len(names) > 10 else ''}. Replicas apply the same averaged gradient, so "
             f"this means a missed or non-deterministic sync, or state changed on one replica only"
         )

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from hsdp.engine.collectives import Comm
-from hsdp.engine.init.storage import allocate_shards, cast_floating_buffers
+from hsdp.engine.model import ShardedModel
 from hsdp.engine.runtime.sharded_param import ShardedParam
-from hsdp.engine.runtime.state import ShardingState
+from hsdp.engine.runtime.storage import allocate_shards, cast_floating_buffers
 from hsdp.engine.runtime.unit import ShardUnit
 
 InitFn = Callable[[nn.Module], None]
@@ -59,24 +59,24 @@ def materialize(model: nn.Module, device: torch.device | str | None = None,
     the optimizer afterwards, as after ``to_empty``. A model that is not on meta is re-initialised in place
     (its non-meta buffers are left to its inits). See [Note: why module by module] in this file.
     """
-    state = root_state(model, "materialize")
-    init_device = torch.device(device) if device is not None else state.mesh.device
+    model = root_model(model, "materialize")
+    init_device = torch.device(device) if device is not None else model.mesh.device
     if init_device.type == "meta":
         raise ValueError("materialize(device='meta') would initialise nothing: pass the device to initialise on "
                          "(default: the mesh's device)")
-    owners = slot_owners(state)
+    owners = slot_owners(model)
     calls = _plan(model, owners, init)  # raises before the collective below
-    check_same_rng(state.comm, init_device)
-    state.reshard_all()
-    unit_of = {id(p): u for u in state.units for p in u.params}
+    check_same_rng(model.comm, init_device)
+    model.reshard()
+    unit_of = {id(p): u for u in model.units for p in u.params}
     names = {id(m): name for name, m in model.named_modules()}
     done: set[int] = set()
     for i, (m, fn) in enumerate(calls):
         scratch = init_device if i + 1 < len(calls) else torch.device("meta")
-        _ModuleInit(m, names[id(m)], owners, done, init_device, scratch).run(fn, unit_of, state)
-    for unit in state.units:
-        allocate_shards(unit, state.mesh)  # units whose parameters no module initialised (none, normally)
-    buffer_dtype = state.root_unit.policy.buffer_dtype
+        _ModuleInit(m, names[id(m)], owners, done, init_device, scratch).run(fn, unit_of, model)
+    for unit in model.units:
+        allocate_shards(unit, model.mesh)  # units whose parameters no module initialised (none, normally)
+    buffer_dtype = model.units[0].policy.buffer_dtype
     if buffer_dtype is not None:
         cast_floating_buffers(model, buffer_dtype)
     return model
@@ -85,24 +85,20 @@ def materialize(model: nn.Module, device: torch.device | str | None = None,
 # ---------------------------------------------------------------------------------------------------------
 # Helpers shared with load_pretrained.
 # ---------------------------------------------------------------------------------------------------------
-def root_state(model: nn.Module, what: str) -> ShardingState:
-    from hsdp.engine.model import (
-        ShardedModel,  # hsdp.engine.model imports hsdp.engine.init lazily: no cycle at import time
-    )
-
+def root_model(model: nn.Module, what: str) -> ShardedModel:
+    """``model`` itself, checked to be the outermost ShardedModel (whose units hold every shard)."""
     if not isinstance(model, ShardedModel):
         raise ValueError(f"{what} expects a ShardedModel: wrap the model first, e.g. "
                          f"model = hsdp.ShardedModel(model, mesh=mesh) (built under torch.device('meta'))")
-    state: ShardingState = model._hsdp_state
-    if state.root_unit.module is not model:
+    if model.units[0].module is not model:
         raise ValueError(f"{what}: {type(model).__name__} is nested inside another ShardedModel: pass the "
                          f"outermost one")
-    return state
+    return model
 
 
-def slot_owners(state: ShardingState) -> dict[tuple[int, str], ShardedParam]:
+def slot_owners(model: ShardedModel) -> dict[tuple[int, str], ShardedParam]:
     """``(id(module), name)`` of every place a sharded parameter is registered -> that parameter."""
-    return {(id(s.module), s.name): p for u in state.units for p in u.params for s in p.slots}
+    return {(id(s.module), s.name): p for u in model.units for p in u.params for s in p.slots}
 
 
 def meta_buffer_names(module: nn.Module) -> list[str]:
@@ -230,14 +226,14 @@ class _ModuleInit:
     device: torch.device
     scratch_device: torch.device
 
-    def run(self, fn: InitFn, unit_of: dict[int, ShardUnit], state: ShardingState) -> None:
+    def run(self, fn: InitFn, unit_of: dict[int, ShardUnit], model: ShardedModel) -> None:
         m = self.module
         params = {n: self.owners[(id(m), n)] for n, p in m._parameters.items() if p is not None}
         fresh = {n: sp for n, sp in params.items() if id(sp) not in self.done}
         for sp in fresh.values():
             # Before the full-size tensors: long-lived shards below short-lived scratch keep the CPU heap
             # from fragmenting (glibc keeps freed holes resident).
-            allocate_shards(unit_of[id(sp)], state.mesh)
+            allocate_shards(unit_of[id(sp)], model.mesh)
         full = scratch_placeholders([(fresh[n].layout.global_shape, fresh[n].dtype) for n in fresh], self.device)
         placeholders = dict(zip(fresh, full, strict=True))
         holders = {}
@@ -265,7 +261,7 @@ class _ModuleInit:
                 sp.sharded_local.copy_(sp.layout.chunk(values[n].detach()))
                 self.done.add(id(sp))
         for n, value in new_buffers.items():
-            m._buffers[n] = value.detach().to(state.mesh.device)
+            m._buffers[n] = value.detach().to(model.mesh.device)
 
     def _check(self, values: dict[str, object], holders: dict[str, torch.Tensor],
                new_buffers: dict[str, object], buffers: dict[str, torch.Tensor], versions: dict[int, int]) -> None:

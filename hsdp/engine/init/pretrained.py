@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hsdp.engine.init.meta import init_placeholder, meta_buffer_names, root_state, unwritten
+from hsdp.engine.init.meta import init_placeholder, meta_buffer_names, root_model, unwritten
 from hsdp.engine.init.safetensors_source import KeyMap, SafetensorsSource
-from hsdp.engine.init.storage import allocate_shards, cast_floating_buffers
+from hsdp.engine.model import ShardedModel
 from hsdp.engine.runtime.sharded_param import ShardedParam
-from hsdp.engine.runtime.state import ShardingState
+from hsdp.engine.runtime.storage import allocate_shards, cast_floating_buffers
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike, *, key_map: KeyMap = None) -> nn.Module:
@@ -40,16 +40,16 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, key_map: KeyMa
     touched). Build the optimizer afterwards. Every rank must be able to open ``path`` (headers only off
     replica 0).
     """
-    state = root_state(model, "load_pretrained")
+    model = root_model(model, "load_pretrained")
     source = SafetensorsSource(path, key_map)
-    plan = _match(model, state, source)
+    plan = _match(model, source)
     plan.raise_problems(os.fspath(path))
-    state.reshard_all()
-    _load_params(state, source, plan)
-    _load_buffers(state, source, plan)
+    model.reshard()
+    _load_params(model, source, plan)
+    _load_buffers(model, source, plan)
     for module, prefix in plan.rebuild:
-        _rebuild_meta_buffers(module, prefix, state.mesh.device)
-    buffer_dtype = state.root_unit.policy.buffer_dtype
+        _rebuild_meta_buffers(module, prefix, model.mesh.device)
+    buffer_dtype = model.units[0].policy.buffer_dtype
     if buffer_dtype is not None:
         cast_floating_buffers(model, buffer_dtype)
     return model
@@ -82,10 +82,10 @@ class _Plan:
                 f"re-creates them, or create them outside the meta device")
 
 
-def _match(model: nn.Module, state: ShardingState, source: SafetensorsSource) -> _Plan:
+def _match(model: ShardedModel, source: SafetensorsSource) -> _Plan:
     """Pair model tensors with checkpoint entries; collect every problem (no collective, no data read)."""
     plan, used = _Plan(), set()
-    for unit in state.units:
+    for unit in model.units:
         for p in unit.params:
             names = [s.fqn for s in p.slots]
             hit = next((n for n in names if n in source.entries), None)
@@ -121,11 +121,11 @@ def _match(model: nn.Module, state: ShardingState, source: SafetensorsSource) ->
     return plan
 
 
-def _load_params(state: ShardingState, source: SafetensorsSource, plan: _Plan) -> None:
+def _load_params(model: ShardedModel, source: SafetensorsSource, plan: _Plan) -> None:
     """Replica 0's ranks read their rows of each unit; one broadcast per unit in the replicate group."""
-    mesh, comm = state.mesh, state.comm
+    mesh, comm = model.mesh, model.comm
     reading = mesh.replicate_rank == 0
-    for unit in state.units:
+    for unit in model.units:
         if not unit.params:
             continue
         allocate_shards(unit, mesh)
@@ -144,10 +144,10 @@ def _row_requests(params: list[ShardedParam], plan: _Plan) -> list[tuple[str, in
     return out
 
 
-def _load_buffers(state: ShardingState, source: SafetensorsSource, plan: _Plan) -> None:
+def _load_buffers(model: ShardedModel, source: SafetensorsSource, plan: _Plan) -> None:
     """Replica 0 reads the buffers whole; one broadcast per dtype in the replicate group."""
-    device = state.mesh.device
-    reading = state.mesh.replicate_rank == 0
+    device = model.mesh.device
+    reading = model.mesh.replicate_rank == 0
     values = [torch.empty(source.entries[e].shape, dtype=m._buffers[n].dtype, device=device)
               for m, n, e in plan.buffers]
     if reading:
@@ -159,7 +159,7 @@ def _load_buffers(state: ShardingState, source: SafetensorsSource, plan: _Plan) 
         groups.setdefault(v.dtype, []).append(v)
     for tensors in groups.values():
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        state.comm.broadcast(flat, 0, "replicate")
+        model.comm.broadcast(flat, 0, "replicate")
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.copy_(piece.view_as(t))
     with torch.no_grad():

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from hsdp.engine.collectives import Comm
-from hsdp.engine.runtime.dtensor import to_sharded_dtensor
-from hsdp.engine.runtime.sharded_param import ShardedParam, ShardLayout
+from hsdp.engine.runtime.dtensor import local_of, replicated_dtensor, to_sharded_dtensor
+from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
@@ -46,7 +47,7 @@ def adafactor_step(optimizer: torch.optim.Adafactor, model: ShardedModel) -> Non
 
     A collective in the shard group (two small all-reduces per parameter group): every rank must call it.
     """
-    comm = model._hsdp_state.comm
+    comm = model.comm
     by_param = {id(sp.sharded): sp for sp in model.sharded_params()}
     with torch.no_grad():
         for group in optimizer.param_groups:
@@ -97,12 +98,7 @@ def _sharded_zeros(shape: tuple[int, ...], sp: ShardedParam, mesh: DeviceMesh) -
 
 
 def _replicated_zeros(shape: tuple[int, ...], sp: ShardedParam, mesh: DeviceMesh) -> DTensor:
-    local = torch.zeros(shape, dtype=sp.dtype, device=sp.device)
-    return DTensor.from_local(local, mesh, (Replicate(), Replicate()), run_check=False)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return replicated_dtensor(torch.zeros(shape, dtype=sp.dtype, device=sp.device), mesh)
 
 
 def _group_step(comm: Comm, group: dict, items: list[_Item]) -> None:
@@ -117,10 +113,10 @@ def _group_step(comm: Comm, group: dict, items: list[_Item]) -> None:
         parts.append(_counted_once(it, it.param.float().square().sum().reshape(1)))
         if it.grad.dim() > 1:
             row_mean = torch.norm(it.grad, dim=-1, keepdim=True).square_().div_(it.grad.size(-1))
-            _local(it.state["row_var"]).lerp_(row_mean, it.step ** beta2_decay)
+            local_of(it.state["row_var"]).lerp_(row_mean, it.step ** beta2_decay)
             if it.grad.dim() == 2:
                 parts.append(it.grad.float().square().sum(dim=0))
-                parts.append(_local(it.state["row_var"]).float().sum().reshape(1))
+                parts.append(local_of(it.state["row_var"]).float().sum().reshape(1))
     sums = _Sums(comm, parts)
     # Phase 2: the updates; one more all-reduce for their sums of squares (the clipping RMS).
     alphas, updates, update_sq = [], [], []
@@ -152,10 +148,10 @@ def _variance_estimate(it: _Item, sums: _Sums, beta2_decay: float, eps1: float) 
     factor sums (consumed here, in phase 1's order)."""
     grad, state, beta = it.grad, it.state, it.step ** beta2_decay
     if grad.dim() <= 1:
-        variance = _local(state["variance"])
+        variance = local_of(state["variance"])
         variance.lerp_(grad * grad, beta)
         return variance.clone()
-    row_var, col_var = _local(state["row_var"]), _local(state["col_var"])
+    row_var, col_var = local_of(state["row_var"]), local_of(state["col_var"])
     if grad.dim() == 2:
         rows = it.sp.layout.rows
         col_var.lerp_(sums.tensor(grad.size(-1)).to(grad.dtype).div(rows).view(1, -1), beta)

@@ -26,11 +26,12 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from hsdp.engine.collectives import Comm
-from hsdp.engine.runtime.sharded_param import ShardedParam, ShardLayout
+from hsdp.engine.runtime.dtensor import local_of
+from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
@@ -45,7 +46,7 @@ def muon_step(optimizer: torch.optim.Muon, model: ShardedModel) -> None:
     A collective in the shard group (two all-to-alls per parameter group): every rank must call it.
     State (``momentum_buffer``) stays a DTensor chunk like the parameter, as torch's Muon would keep it.
     """
-    comm = model._hsdp_state.comm
+    comm = model.comm
     by_param = {id(sp.sharded): sp for sp in model.sharded_params()}
     with torch.no_grad():
         for group in optimizer.param_groups:
@@ -73,15 +74,11 @@ def _momentum_updates(optimizer: torch.optim.Optimizer, group: dict, by_param: d
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         sp = by_param[id(p)]
-        grad, buf = sp.grad_local, _local(state["momentum_buffer"])
+        grad, buf = sp.grad_local, local_of(state["momentum_buffer"])
         buf.lerp_(grad, 1 - momentum)
         params.append(sp)
         updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
     return params, updates
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def owners(numels: list[int], ranks: int) -> list[int]:

@@ -9,28 +9,23 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from hsdp.engine.class_swap import original_class, swap_class
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.adafactor import adafactor_step, state_is_replicated
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
-from hsdp.engine.runtime.dtensor import PLACEMENTS, is_hsdp_layout, to_sharded_dtensor
-from hsdp.engine.runtime.sharded_param import ShardedParam, ShardLayout
+from hsdp.engine.runtime.dtensor import as_sharded_state
+from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
+from hsdp.engine.runtime.sharded_param import ShardedParam
+from hsdp.engine.runtime.step_guard import refusal
 
-_CLASS_CACHE: dict[type, type] = {}
 # Not element-wise, but hsdp replaces their step by an exact sharded one (adafactor.py, muon.py).
 # (The element-wise torch.optim optimizers are listed in local_step.py.)
 _SHARDED_STEPS: dict[type, Callable[[Any, ShardedModel], None]] = {
     torch.optim.Adafactor: adafactor_step,
     torch.optim.Muon: muon_step,
-}
-# Not element-wise and not handled: the reason and the fix, for the ValueError.
-_NOT_ELEMENTWISE = {
-    "LBFGS": "it builds one flat vector of all gradients and line-searches on it; use Adam, AdamW or SGD",
-    "SparseAdam": "it needs sparse gradients and hsdp's are dense; use Adam or AdamW",
 }
 
 
@@ -62,7 +57,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if check_replicas_every is not None and check_replicas_every < 1:
             raise ValueError(f"check_replicas_every must be a positive step count or None, got {check_replicas_every}")
         _repoint_params(model, optimizer)
-        optimizer.__class__ = _sharded_class(type(optimizer))
+        swap_class(optimizer, ShardedOptimizer)
         object.__setattr__(optimizer, "_hsdp_model", model)
         object.__setattr__(optimizer, "_hsdp_check_every", check_replicas_every)
         object.__setattr__(optimizer, "_hsdp_steps", 0)
@@ -120,13 +115,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         raw = super().state_dict()
         by_param = _sharded_by_param(self._hsdp_model)
         params = self._index_params()
-        dm = self._hsdp_model.mesh.device_mesh
         fqn = [by_param[id(p)].fqn for p in params]
         # Per-parameter state is already DTensor (built like the DTensor parameters): only rename.
         state = {fqn[idx]: dict(entries) for idx, entries in raw["state"].items()}
         groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in raw["param_groups"]]
         out = {"state": state, "param_groups": groups}
-        hop_state = {name: _residual_dtensor(v, sp, dm) for name, (sp, v) in _hop_residuals(self._hsdp_model).items()}
+        hop_state = hop_state_dict(self._hsdp_model.units, self._hsdp_model.mesh)
         if hop_state:
             out["hop_residuals"] = hop_state
         return out
@@ -146,80 +140,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {}
         for name, entries in state_dict["state"].items():
             sp = by_param[id(params[index[name]])]
-            state[index[name]] = {k: _as_state_of(v, sp, state_is_replicated(k, len(sp.layout.global_shape))
-                                                  and isinstance(self, torch.optim.Adafactor))
+            state[index[name]] = {k: as_sharded_state(v, sp.layout, sp.device_mesh,
+                                                       state_is_replicated(k, len(sp.layout.global_shape))
+                                                       and isinstance(self, torch.optim.Adafactor))
                                   for k, v in entries.items()}
         raw_groups = [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
         super().load_state_dict({"state": state, "param_groups": raw_groups})
-        _load_hop_residuals(self._hsdp_model, state_dict.get("hop_residuals", {}))
-
-
-def _residual_layout(unit: Any) -> list[tuple[ShardedParam, int]]:
-    """(param, offset) in a unit's reduce slot: trainable parameters, padded chunks back to back."""
-    out, offset = [], 0
-    for p in unit.params:
-        if p.requires_grad:
-            out.append((p, offset))
-            offset += p.layout.padded_numel
-    return out
-
-
-def _hop_residuals(model: ShardedModel) -> dict[str, tuple[ShardedParam, torch.Tensor]]:
-    """Error-feedback residuals of the inter-node hop, split per parameter (so they reshard)."""
-    out = {}
-    for unit in model.units:
-        flat = getattr(unit.hop, "residuals", {}).get(unit.key)
-        if flat is None:
-            continue
-        for p, off in _residual_layout(unit):
-            out[p.fqn] = (p, flat[off: off + p.layout.local_numel].view(p.layout.local_shape))
-    return out
-
-
-def _residual_dtensor(value: torch.Tensor, sp: ShardedParam, device_mesh: Any) -> DTensor:
-    """Residuals differ per replica (each keeps its own rounding error): a leading replica dim, sharded
-    over the replicate mesh dim, so every replica's residual is saved, not one copy of one of them."""
-    shape = torch.Size((device_mesh.size(0), *sp.layout.global_shape))
-    inner = Replicate() if sp.layout.replicated else Shard(1)  # a 0-d parameter is whole on every shard rank
-    return DTensor.from_local(value.unsqueeze(0), device_mesh, [Shard(0), inner], run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
-
-
-def _local_residual(value: Any, sp: ShardedParam, replicate_rank: int, replicas: int) -> torch.Tensor | None:
-    if isinstance(value, DTensor):
-        if value.shape[0] != replicas:
-            return None  # another replica count: the residuals do not map; start from zero
-        if value.placements == (Shard(0), Shard(1)) and tuple(value.to_local().shape[1:]) == sp.layout.local_shape:
-            return value.to_local()[0]
-        value = value.full_tensor()
-    if isinstance(value, torch.Tensor) and tuple(value.shape) == (replicas, *sp.layout.global_shape):
-        return sp.layout.chunk(value[replicate_rank])
-    return None
-
-
-def _load_hop_residuals(model: ShardedModel, saved: dict[str, Any]) -> None:
-    mesh = model.mesh
-    for unit in model.units:
-        residuals = getattr(unit.hop, "residuals", None)
-        layout = _residual_layout(unit)
-        if residuals is None or not layout or not any(p.fqn in saved for p, _ in layout):
-            continue
-        p_last, off_last = layout[-1]
-        flat = torch.zeros(off_last + p_last.layout.padded_numel, device=unit.sharded_flat.device)
-        for p, off in layout:
-            local = _local_residual(saved.get(p.fqn), p, mesh.replicate_rank, mesh.replicate_degree)
-            if local is None:
-                warnings.warn(f"no usable inter-node hop residual for {p.fqn} (saved on another replica count?): "
-                              f"starting it from zero", stacklevel=3)
-                continue
-            flat[off: off + p.layout.local_numel] = local.reshape(-1)
-        residuals[unit.key] = flat
-
-
-def _sharded_class(orig: type) -> type:
-    if orig not in _CLASS_CACHE:
-        _CLASS_CACHE[orig] = type(f"Sharded{orig.__name__}", (ShardedOptimizer, orig), {})
-    return _CLASS_CACHE[orig]
+        load_hop_state_dict(self._hsdp_model.units, self._hsdp_model.mesh, state_dict.get("hop_residuals", {}))
 
 
 def _validate(model: Any, optimizer: Any) -> None:
@@ -229,47 +156,19 @@ def _validate(model: Any, optimizer: Any) -> None:
         raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, ShardedOptimizer):
         raise ValueError("this optimizer is already a ShardedOptimizer: wrap it once")
-    for cls in type(optimizer).__mro__:
-        if cls.__module__.startswith("torch.optim") and cls.__name__ in _NOT_ELEMENTWISE:
-            raise ValueError(f"{type(optimizer).__name__} is not element-wise and cannot step dim-0 shards: "
-                             f"{_NOT_ELEMENTWISE[cls.__name__]}")
-
-
-def install_unwrapped_step_guard() -> None:
-    """Refuse, at their first step, torch optimizers that would silently mis-step hsdp's parameters because
-    they were not wrapped in ``ShardedOptimizer``: Muon (whole-matrix updates; through DTensor it is off
-    by 1e-3 and also all-reduces across nodes) and the rejected ones. Element-wise optimizers are exact
-    unwrapped (through DTensor dispatch) and pass; Adafactor unwrapped would crash inside torch, so it is
-    refused here with the fix instead. One global optimizer pre-step hook, installed once."""
-    global _GUARD_INSTALLED
-    if not _GUARD_INSTALLED:
-        register_optimizer_step_pre_hook(_refuse_unwrapped)
-        _GUARD_INSTALLED = True
-
-
-_GUARD_INSTALLED = False
-
-
-def _refuse_unwrapped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if isinstance(optimizer, ShardedOptimizer) or is_elementwise(optimizer):
-        return
-    known = [c.__name__ for c in type(optimizer).__mro__
-             if c in _SHARDED_STEPS or (c.__module__.startswith("torch.optim") and c.__name__ in _NOT_ELEMENTWISE)]
-    if not known or not any(getattr(p, "_hsdp_sharded", False) for g in optimizer.param_groups for p in g["params"]):
-        return
-    raise ValueError(f"{type(optimizer).__name__} steps hsdp's sharded parameters directly, which gives wrong "
-                     f"updates ({known[0]} is not element-wise): wrap it, "
-                     f"optimizer = hsdp.ShardedOptimizer(model, optimizer)")
+    why = refusal(optimizer)
+    if why is not None:
+        raise ValueError(f"{type(optimizer).__name__} is not element-wise and cannot step dim-0 shards: {why}")
 
 
 def _base_name(optimizer: ShardedOptimizer) -> str:
-    return next(c for c in type(optimizer).__mro__ if not issubclass(c, ShardedOptimizer)).__name__
+    return original_class(optimizer, ShardedOptimizer).__name__
 
 
 def _own_step(optimizer: torch.optim.Optimizer, cls: type) -> bool:
     """Whether ``optimizer`` steps with ``cls.step`` (not a subclass's override). Compared unwrapped: torch
     wraps ``step`` in place for its hooks."""
-    own = next(c for c in type(optimizer).__mro__ if not issubclass(c, ShardedOptimizer))
+    own = original_class(optimizer, ShardedOptimizer)
     return issubclass(own, cls) and inspect.unwrap(own.step) is inspect.unwrap(cls.step)
 
 
@@ -303,35 +202,3 @@ def _repoint_params(model: ShardedModel, optimizer: torch.optim.Optimizer) -> No
                 )
             new.append(sp.sharded)
         group["params"] = new
-
-
-def _as_state_of(value: Any, sp: ShardedParam, replicated: bool = False) -> Any:
-    """Per-parameter state as hsdp keeps it, owning its memory (a view would keep a whole loaded tensor
-    alive): a DTensor ``(Replicate(), Shard(0))`` chunk of the state's own global shape when that shape has
-    the parameter's rank and rows (moments, Adafactor's row factors), a fully replicated DTensor when
-    ``replicated`` (Adafactor's column factor of a matrix); scalars and other shapes unchanged."""
-    if isinstance(value, DTensor):
-        # A replicated entry may have been loaded as a chunked DTensor when its shape equals the parameter's
-        # (a one-row matrix's col_var): ``replicated`` decides, not the shape.
-        if not replicated and (is_hsdp_layout(value, sp.layout) or _chunked_as_hsdp(value, sp)):
-            return value
-        # A replicated value (any mesh) is its own full tensor: no collective.
-        value = value.to_local() if all(p == Replicate() for p in value.placements) else value.full_tensor()
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    shape = tuple(value.shape)
-    if replicated:
-        return DTensor.from_local(value.clone(), sp.device_mesh, (Replicate(), Replicate()), run_check=False)
-    if len(shape) != len(sp.layout.global_shape) or shape[0] != sp.layout.rows:
-        return value
-    layout = ShardLayout(shape, sp.layout.sharding_degree, sp.layout.shard_rank)
-    return to_sharded_dtensor(layout.chunk(value).clone(), sp.device_mesh, shape)
-
-
-def _chunked_as_hsdp(value: DTensor, sp: ShardedParam) -> bool:
-    """Whether a DTensor already is this rank's chunk of its own global shape on ``sp``'s mesh (its local
-    tensor can be kept as is)."""
-    if tuple(value.placements) != PLACEMENTS or value.dim() == 0 or value.device_mesh != sp.device_mesh:
-        return False
-    layout = ShardLayout(tuple(value.shape), sp.layout.sharding_degree, sp.layout.shard_rank)
-    return tuple(value.to_local().shape) == layout.local_shape

@@ -10,15 +10,14 @@ the local chunk through DTensor dispatch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-if TYPE_CHECKING:
-    from hsdp.engine.runtime.sharded_param import ShardLayout
+from hsdp.engine.runtime.layout import ShardLayout
 
 PLACEMENTS = (Replicate(), Shard(0))
 
@@ -73,6 +72,16 @@ def _with_local(outer: DTensor, local: torch.Tensor) -> DTensor:
     return outer
 
 
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local chunk, a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def replicated_dtensor(local: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
+    """``local`` as a DTensor whole on every rank (placements ``(Replicate(), Replicate())``); no copy."""
+    return DTensor.from_local(local, device_mesh, (Replicate(), Replicate()), run_check=False)
+
+
 def is_hsdp_layout(value: DTensor, layout: ShardLayout) -> bool:
     """Whether ``value`` is already sharded the way ``layout`` says (its local tensor can be used as is)."""
     return (tuple(value.placements) == layout.placements and tuple(value.shape) == layout.global_shape
@@ -100,3 +109,36 @@ def as_sharded(value: Any, layout: ShardLayout, device_mesh: DeviceMesh) -> Any:
     if local is value or not isinstance(local, torch.Tensor):
         return value
     return to_sharded_dtensor(local, device_mesh, layout.global_shape, layout.placements)
+
+
+def as_sharded_state(value: Any, layout: ShardLayout, device_mesh: DeviceMesh, replicated: bool = False) -> Any:
+    """Per-parameter optimizer state (of the parameter with ``layout``) as hsdp keeps it, owning its memory (a view
+    would keep a whole loaded tensor alive): a DTensor ``(Replicate(), Shard(0))`` chunk of the state's own
+    global shape when that shape has the parameter's rank and rows (moments, Adafactor's row factors), a fully
+    replicated DTensor when ``replicated`` (Adafactor's column factor of a matrix); scalars and other shapes
+    unchanged."""
+    if isinstance(value, DTensor):
+        # A replicated entry may have been loaded as a chunked DTensor when its shape equals the parameter's
+        # (a one-row matrix's col_var): ``replicated`` decides, not the shape.
+        if not replicated and (is_hsdp_layout(value, layout) or _chunked_as_hsdp(value, layout, device_mesh)):
+            return value
+        # A replicated value (any mesh) is its own full tensor: no collective.
+        value = value.to_local() if all(p == Replicate() for p in value.placements) else value.full_tensor()
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    shape = tuple(value.shape)
+    if replicated:
+        return replicated_dtensor(value.clone(), device_mesh)
+    if len(shape) != len(layout.global_shape) or shape[0] != layout.rows:
+        return value
+    own = ShardLayout(shape, layout.sharding_degree, layout.shard_rank)
+    return to_sharded_dtensor(own.chunk(value).clone(), device_mesh, shape)
+
+
+def _chunked_as_hsdp(value: DTensor, layout: ShardLayout, device_mesh: DeviceMesh) -> bool:
+    """Whether a DTensor already is this rank's chunk of its own global shape on ``device_mesh`` (its local
+    tensor can be kept as is)."""
+    if tuple(value.placements) != PLACEMENTS or value.dim() == 0 or value.device_mesh != device_mesh:
+        return False
+    own = ShardLayout(tuple(value.shape), layout.sharding_degree, layout.shard_rank)
+    return tuple(value.to_local().shape) == own.local_shape

@@ -17,16 +17,54 @@ semantics for unused parameters (gradient ``None`` only when unused everywhere) 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Handle
 from hsdp.engine.runtime.sharded_param import ShardedParam
+from hsdp.engine.runtime.unit import ShardUnit
 
-if TYPE_CHECKING:
-    from hsdp.engine.runtime.unit import ShardUnit
+
+def reduced_params(unit: ShardUnit) -> list[ShardedParam]:
+    """The parameters a unit's reduction carries, in slot order: the trainable ones."""
+    return [p for p in unit.params if p.requires_grad]
+
+
+def slot_offsets(params: list[ShardedParam]) -> list[int]:
+    """Where each parameter's chunk starts in a reduced slot: padded chunks back to back (the flags follow).
+    Hop state (error-feedback residuals) is laid out the same way."""
+    offsets, offset = [], 0
+    for p in params:
+        offsets.append(offset)
+        offset += p.layout.padded_numel
+    return offsets
+
+
+def reduce_grads(unit: ShardUnit, sync_shards: bool = True, sync_replicas: bool = True) -> Reduction | None:
+    """Take a unit's unsharded gradients, reshard it, and start their reduce-scatter; ``None`` when nothing
+    is communicated.
+
+    Resharding comes first (as in FSDP2's post_backward) so that the unit's unsharded parameters are
+    freed before the reduce-scatter buffers are allocated: that moment is the peak of many steps.
+
+    Every rank that ran this unit in forward must call this, even when its own gradients are all
+    ``None``: it then contributes zeros, and the gradient stays ``None`` only if no rank had one.
+    ``sync_shards=False`` keeps fp32 unsharded sums instead (no communication this micro-batch);
+    ``sync_replicas=False`` reduce-scatters but defers the inter-node hop.
+    """
+    trainable = reduced_params(unit)
+    if not trainable:
+        unit.reshard()
+        return None
+    if not sync_shards:
+        for p in trainable:
+            p.accumulate_unsharded_grad()
+        unit.reshard()
+        return None
+    grads = [p.take_unsharded_grad() for p in trainable]
+    unit.reshard()
+    return Reduction.start(unit, trainable, grads, sync_replicas)
 
 
 class Stage(enum.Enum):
@@ -90,9 +128,9 @@ class Reduction:
                 self.stage = Stage.DONE
                 return
             self.output, unit.partial = unit.partial, None
-        wire_dtype = unit.policy.replicate_reduce(self.params[0].dtype)
-        if self.output.dtype != wire_dtype:
-            self.output = self.output.to(wire_dtype)
+        hop_dtype = unit.policy.reduce(self.params[0].dtype)  # a sync after fp32 partial sums: back to it
+        if self.output.dtype != hop_dtype:
+            self.output = self.output.to(hop_dtype)
         self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
         self.stage = Stage.REPLICA_HOP
 
@@ -113,11 +151,9 @@ class Reduction:
         self._handle.wait()
         n = len(self.params)
         has_grad = (self.output[-n:] > 0).tolist()
-        offset = 0
-        for p, flag in zip(self.params, has_grad, strict=True):
+        for p, offset, flag in zip(self.params, slot_offsets(self.params), has_grad, strict=True):
             if flag:
                 p.accumulate_grad(self.output[offset: offset + p.layout.local_numel].view(p.layout.local_shape))
-            offset += p.layout.padded_numel
         self.stage = Stage.DONE
 
 

@@ -27,7 +27,7 @@ needs the parameters gathered, nothing else, except when the original forward ra
 A torn step leaves nothing behind: a forward that raised reshards at once (an always-called hook of the
 root); a backward that raised, or a forward whose graph was dropped, is repaired by the next root
 pre_forward or ``model.reshard()`` (which the optimizer step calls): see
-:meth:`ShardingState._repair_torn_step`. Compiled autograd is refused (it would skip the end of backward).
+:meth:`HSDPState._repair_torn_step`. Compiled autograd is refused (it would skip the end of backward).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.buffers import BufferSync
-from hsdp.engine.runtime.reduction import Reduction
+from hsdp.engine.runtime.reduction import Reduction, reduce_grads
 from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
 # Methods that run as hooks inside forward and backward; each is kept out of torch.compile graphs.
@@ -70,7 +70,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class ShardingState:
+class HSDPState:
     """Hooks and per-step bookkeeping for the units of one root :class:`~hsdp.ShardedModel`."""
 
     def __init__(self, mesh: HSDPMesh, comm: Comm, units: list[ShardUnit],
@@ -270,7 +270,7 @@ class ShardingState:
         return True
 
     def _reduce(self, unit: ShardUnit) -> None:
-        reduction = unit.reduce_grads(self.requires_gradient_sync, self.requires_all_reduce)
+        reduction = reduce_grads(unit, self.requires_gradient_sync, self.requires_all_reduce)
         unit.used_in_grad_forward = False
         if reduction is None:
             return

@@ -15,7 +15,6 @@ from torch import nn
 from hsdp.engine.collectives import Comm, Handle
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
-from hsdp.engine.runtime.reduction import Reduction
 from hsdp.engine.runtime.sharded_param import ShardedParam
 
 
@@ -152,32 +151,6 @@ class ShardUnit:
             p.free_unsharded()
             p.to_sharded()
         self.state = ShardedState.SHARDED
-
-    # -- gradients (post-backward) ---------------------------------------------------------------------
-    def reduce_grads(self, sync_shards: bool = True, sync_replicas: bool = True) -> Reduction | None:
-        """Take the unsharded gradients, reshard, and start their reduce-scatter; ``None`` when nothing is
-        communicated.
-
-        Resharding comes first (as in FSDP2's post_backward) so that the unit's unsharded parameters are
-        freed before the reduce-scatter buffers are allocated: that moment is the peak of many steps.
-
-        Every rank that ran this unit in forward must call this, even when its own gradients are all
-        ``None``: it then contributes zeros, and the gradient stays ``None`` only if no rank had one.
-        ``sync_shards=False`` keeps fp32 unsharded sums instead (no communication this micro-batch);
-        ``sync_replicas=False`` reduce-scatters but defers the inter-node hop.
-        """
-        trainable = [p for p in self.params if p.requires_grad]
-        if not trainable:
-            self.reshard()
-            return None
-        if not sync_shards:
-            for p in trainable:
-                p.accumulate_unsharded_grad()
-            self.reshard()
-            return None
-        grads = [p.take_unsharded_grad() for p in trainable]
-        self.reshard()
-        return Reduction.start(self, trainable, grads, sync_replicas)
 
     def gathered_full(self) -> list[torch.Tensor]:
         """Full copies of every parameter (a collective in the shard group; state unchanged)."""
