@@ -2,7 +2,7 @@
 
 import sys
 
-from hsdp.tools.bench.driver import main
+from hsdp.apps.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

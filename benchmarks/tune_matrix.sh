@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=benchmarks/results
-FAST=(-m hsdp.planner.workload --preset small --steps 6 --warmup 2)
-SLOW=(-m hsdp.planner.workload --preset small --steps 4 --warmup 1)  # link-bound: steady, and slow
+FAST=(-m hsdp.tools.planner.workload --preset small --steps 6 --warmup 2)
+SLOW=(-m hsdp.tools.planner.workload --preset small --steps 4 --warmup 1)  # link-bound: steady, and slow
 
 $PY -m hsdp tune --nodes 2 --nproc-per-node 2 --inter-node-bandwidth 1gbit --repeats 3 \
     --out $OUT --tag 4ranks_1gbit -- "${FAST[@]}"

@@ -63,10 +63,9 @@ if TYPE_CHECKING:
     from hsdp.engine.init import load_pretrained, materialize
     from hsdp.engine.memory import StateBytes, state_bytes
     from hsdp.engine.mesh import HSDPMesh, init_mesh, rank_grid
-    from hsdp.engine.model import ShardedModel
+    from hsdp.engine.model import ShardedModel, check_replicas
     from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
     from hsdp.engine.policy import MixedPrecision
-    from hsdp.engine.model import check_replicas
     from hsdp.engine.replicas import ReplicaDivergence
     from hsdp.engine.state_dict import full_state_dict
 

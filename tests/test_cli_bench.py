@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hsdp.apps.cli import main
-from hsdp.tools.bench.driver import combine_repeats, jobs, parse_args, summarise
+from hsdp.apps.cli.bench import parse_args
+from hsdp.tools.bench.driver import combine_repeats, jobs, summarise
 from hsdp.tools.bench.report import markdown_table
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from hsdp.tools.launch.netns import RunId, find_tools, list_namespaces, process_start_ticks
-from hsdp.tools.launch.units import format_rate, parse_duration, parse_rate
+from hsdp.tools.quantities import format_rate, parse_duration, parse_tc_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "programs" / "allreduce.py"
@@ -264,11 +264,12 @@ def test_a_failed_setup_is_removed_and_reported(tmp_path: Path) -> None:
 # Units and names (no processes).
 # ---------------------------------------------------------------------------------------------------------
 def test_rates_and_durations_use_tc_units() -> None:
-    assert parse_rate("1gbit") == 10**9 and parse_rate("50Mbit") == 50 * 10**6 and parse_rate("1.5kbit") == 1500
-    assert format_rate(50 * 10**6) == "50mbit"
+    assert parse_tc_rate("1gbit") == 10**9 and parse_tc_rate("50Mbit") == 50 * 10**6
+    assert parse_tc_rate("1.5kbit") == 1500
+    assert format_rate(50 * 10**6, bits=True) == "50mbit"
     assert parse_duration("1ms") == pytest.approx(1e-3) and parse_duration("0") == 0.0
     with pytest.raises(ValueError, match="bytes per second"):
-        parse_rate("10mbps")
+        parse_tc_rate("10mbps")
     with pytest.raises(ValueError, match="unknown unit"):
         parse_duration("3 parsecs")
 

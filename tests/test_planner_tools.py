@@ -24,7 +24,7 @@ from hsdp.tools.planner.options import TrainOptions
 from hsdp.tools.planner.plan import make_plan
 from hsdp.tools.planner.presets import inter_link, model_preset
 from hsdp.tools.planner.tune import TuneRun, launch_command, load_metrics, summarise
-from hsdp.tools.planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+from hsdp.tools.quantities import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
 GiB = 2**30
 

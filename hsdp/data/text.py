@@ -53,11 +53,6 @@ def default_corpus_bytes(max_bytes: int = DEFAULT_CORPUS_BYTES) -> bytes:
     return b"".join(chunks)
 
 
-def default_corpus_text(max_bytes: int = DEFAULT_CORPUS_BYTES) -> str:
-    """:func:`default_corpus_bytes` decoded as UTF-8 (invalid bytes replaced)."""
-    return default_corpus_bytes(max_bytes).decode("utf-8", errors="replace")
-
-
 class ByteTokenizer:
     """Bytes as tokens: ``encode`` gives the UTF-8 bytes of a text, ``decode`` inverts it (invalid
     sequences, e.g. a multi-byte character cut by sampling, become U+FFFD)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +52,6 @@ class CommStats:
 
     def calls(self, group: str, op: str) -> int:
         return self.ops[(group, op)].calls if (group, op) in self.ops else 0
-
-    def group_wire_bytes(self, group: str) -> int:
-        return sum(s.wire_bytes for (g, _), s in self.ops.items() if g == group)
 
     def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
         out: dict[str, dict[str, dict[str, float]]] = {}
@@ -211,13 +208,24 @@ class Comm:
         src = src_group_rank if pg is None else dist.get_global_rank(pg, src_group_rank)
         self._finish(dist.broadcast(tensor, src=src, group=pg, async_op=True), stats, async_op=False)
 
+    def barrier(self, group: str = "world") -> None:
+        """Return once every rank of the group has called it: e.g. so that a timed region starts together
+        everywhere. Booked as ``barrier`` with no bytes."""
+        if self._sizes[group] == 1:
+            return
+        stats = self._record(group, "barrier", 0, 0.0)
+        region = profiler_region("barrier", group)
+        with record_function(region):
+            work = dist.barrier(group=self._groups[group], async_op=True)
+        self._finish(work, stats, async_op=False, region=region)
+
     def _finish(self, work: dist.Work, stats: OpStats, async_op: bool, region: str = "") -> Handle:
         handle = Handle(work, stats, region=region)
         if not async_op:
             handle.wait()
         return handle
 
-    # -- small control messages (checkpointing: agreeing on an error, sharing a resolved path) ----------
+    # -- small control messages (checkpointing: agreeing on an error, sharing a resolved path; measurements)
     def all_gather_bytes(self, data: bytes, group: str = "world") -> list[bytes]:
         """Every group rank's ``data``, in group-rank order: two all-gathers (lengths, padded payloads)."""
         n = self._sizes[group]
@@ -234,6 +242,15 @@ class Comm:
         self.all_gather(gathered, _padded_bytes(data, longest, device), group)
         rows = gathered.view(n, longest).cpu()
         return [rows[i, : sizes[i]].numpy().tobytes() for i in range(n)]
+
+    def all_gather_floats(self, values: Sequence[float], group: str = "world") -> list[list[float]]:
+        """Every group rank's ``values``, in group-rank order (every rank passes as many): for measurements
+        such as step times or byte counts, sent as float64 (integers are exact below 2**53)."""
+        n = self._sizes[group]
+        mine = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
+        everyone = torch.empty(n * mine.numel(), dtype=torch.float64, device=self.mesh.device)
+        self.all_gather(everyone, mine, group)
+        return everyone.view(n, mine.numel()).tolist()
 
     def broadcast_bytes(self, data: bytes | None, src_group_rank: int = 0, group: str = "world") -> bytes:
         """``data`` of the group's rank ``src_group_rank`` (ignored elsewhere; pass ``None`` there)."""

@@ -208,11 +208,7 @@ def init_mesh(
         mesh = mesh_from_device_mesh(device_mesh)
         if fault_policy is not None:
             start_watchdog(fault_policy)
-        if sharding_degree is not None and sharding_degree != mesh.sharding_degree:
-            raise ValueError(
-                f"sharding_degree={sharding_degree} disagrees with the given mesh's shard dim "
-                f"({mesh.sharding_degree}): pass only one of them"
-            )
+        check_degree_agrees(sharding_degree, mesh)
         return mesh
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
@@ -227,3 +223,10 @@ def init_mesh(
         start_watchdog(fault_policy)
     dm = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=MESH_DIM_NAMES)
     return HSDPMesh(dm)
+
+
+def check_degree_agrees(sharding_degree: int | None, mesh: HSDPMesh) -> None:
+    """A ``sharding_degree`` given next to a mesh must be the mesh's (before any collective)."""
+    if sharding_degree is not None and sharding_degree != mesh.sharding_degree:
+        raise ValueError(f"sharding_degree={sharding_degree} disagrees with the mesh's shard dim "
+                         f"({mesh.sharding_degree}): pass only one of them")

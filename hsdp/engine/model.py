@@ -12,7 +12,7 @@ from torch import nn
 from hsdp.engine.class_swap import swap_class
 from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
-from hsdp.engine.mesh import HSDPMesh, init_mesh
+from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
 from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.runtime.dtensor import as_sharded
@@ -225,9 +225,5 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], pre
 def _resolve_mesh(sharding_degree: int | None, mesh: HSDPMesh | None) -> HSDPMesh:
     if mesh is None:
         return init_mesh(sharding_degree)
-    if sharding_degree is not None and sharding_degree != mesh.sharding_degree:
-        raise ValueError(
-            f"sharding_degree={sharding_degree} disagrees with mesh.sharding_degree={mesh.sharding_degree}: "
-            f"pass only one of them"
-        )
+    check_degree_agrees(sharding_degree, mesh)
     return mesh

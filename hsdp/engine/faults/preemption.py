@@ -18,14 +18,14 @@ ends a stuck job is the scheduler's SIGKILL. SIGINT (Ctrl-C) is left alone: it s
 from __future__ import annotations
 
 import signal
-import threading
+from contextlib import ExitStack
 from types import FrameType
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Comm
+from hsdp.engine.faults.signals import handle_signals
 from hsdp.engine.mesh import HSDPMesh
 
 STOP_EXIT_STATUS = 128 + signal.SIGTERM
@@ -37,23 +37,18 @@ class StopSignals:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.requested = False
-        self._previous: Any = None
-        self._installed = False
+        self._handlers = ExitStack()  # holds the installed handler until __exit__
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True  # only a flag: the loop acts on it between steps
 
     def __enter__(self) -> StopSignals:
-        # Python delivers signals to the main thread only; elsewhere there is nothing to install.
-        if self.enabled and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-            self._installed = True
+        if self.enabled:
+            self._handlers.enter_context(handle_signals([signal.SIGTERM], self._handle))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        self._handlers.close()
 
 
 class PreemptionGuard:

@@ -14,7 +14,6 @@ a dated Markdown table with the exact command, and a plot to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shlex
 import statistics
@@ -24,31 +23,9 @@ import tempfile
 from pathlib import Path
 
 from hsdp.tools.bench.report import markdown_table, plot
+from hsdp.tools.results import results_run
 
 DEFAULT_SYSTEMS = "hsdp,fsdp2-hsdp,fsdp2-full,ddp"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="hsdp bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help="comma list; also hsdp-bf16-hop, hsdp-int8-hop")
-    p.add_argument("--bandwidths", default="1gbit,200mbit", help="emulated inter-node rates ('' for none)")
-    p.add_argument("--no-loopback", action="store_true", help="skip the plain-loopback runs")
-    p.add_argument("--preset", default="bench")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="", help="suffix of the result file names")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the whole job list this many times, interleaved (A B A B, so drifts in machine load "
-                        "hit every system alike); each figure is the median over the repeats")
-    p.add_argument("--no-extras", action="store_true",
-                   help="skip the hsdp variants on the first bandwidth: bf16 and int8 inter-node hops, and "
-                        "4 micro-batches with deferred sync (hsdp and FSDP2 HSDP)")
-    return p.parse_args(argv)
 
 
 def _launch_command(network: str, stats: str) -> list[str]:
@@ -125,42 +102,13 @@ def combine_repeats(runs: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.repeat < 1:
-        raise SystemExit(f"hsdp bench: error: --repeat must be at least 1, got {args.repeat}")
-    runs = []
-    todo = jobs(args) * args.repeat
-    for i, (network, system, micro) in enumerate(todo, 1):
-        print(f"[bench {i}/{len(todo)}] {system} on {network}, {micro} micro-batch(es) ...", flush=True)
-        r = run_one(args, network, system, micro)
-        print(f"[bench]   median step {r.get('median_step_s', r.get('error'))}", flush=True)
-        runs.append(r)
-    results = summarise(combine_repeats(runs))
-    write(args, results, argv)
-    return 0 if all("error" not in r for r in results) else 1
-
-
 def write(args: argparse.Namespace, results: list[dict], argv: list[str] | None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
-    name = f"bench_{stamp}{'_' + args.tag if args.tag else ''}"
     command = "hsdp bench " + shlex.join(sys.argv[1:] if argv is None else argv)
-    meta = {"date": stamp, "command": command, "git": _git_commit(), "args": vars(args)}
+    run = results_run("bench", args.tag, command, args=vars(args))
+    name, meta = run.name, run.meta
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / f"{name}.md").write_text(markdown_table(meta, results))
     plot(results, out / f"{name}.png")
     print((out / f"{name}.md").read_text())
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

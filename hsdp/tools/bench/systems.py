@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import hsdp
-from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop
+from hsdp.engine.hops import named_hop
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,7 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def _hsdp(model: nn.Module, dm: DeviceMesh, lr: float, hop: str = "fp32") -> Wrapped:
-    hops = {"fp32": AllReduceHop(), "bf16": AllReduceHop(torch.bfloat16), "int8": Int8ErrorFeedbackHop()}
-    m = hsdp.ShardedModel(model, mesh=hsdp.init_mesh(device_mesh=dm), replica_hop=hops[hop])
+    m = hsdp.ShardedModel(model, mesh=hsdp.init_mesh(device_mesh=dm), replica_hop=named_hop(hop))
     return Wrapped(m, hsdp.ShardedOptimizer(m, _adamw(m, lr)), m.set_requires_all_reduce)
 
 

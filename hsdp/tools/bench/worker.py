@@ -12,19 +12,21 @@ import argparse
 import functools
 import json
 import os
-import resource
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from hsdp.engine.collectives import Comm
+from hsdp.engine.mesh import mesh_from_device_mesh
 from hsdp.models import GPT, preset
 from hsdp.tools.bench.peak_memory import measure_step_peak
 from hsdp.tools.bench.systems import SYSTEMS, Wrapped
-from hsdp.tools.planner.metrics import link_counters
+from hsdp.tools.step_timing import StepTimer, peak_rss_bytes
+
+MIB = 2**20
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,27 +41,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sharding-degree", type=int, default=None)
     p.add_argument("--out", default=None, help="write the JSON here (rank 0) as well as printing it")
     return p.parse_args()
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def _gather(values: list[int] | list[float], world: int, dtype: torch.dtype) -> list[list]:
-    """Every rank's ``values``, in rank order."""
-    mine = torch.tensor(values, dtype=dtype)
-    everyone = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    return [t.tolist() for t in everyone]
-
-
-def _inter_node_bytes_per_node(before: tuple[int, int], world: int) -> list[list[int]]:
-    """Per node: [sent, received] during the measured steps (local rank 0 of each node reads its link)."""
-    after = link_counters()
-    reads_link = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    mine = [after[0] - before[0], after[1] - before[1]] if reads_link else [0, 0]
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return _gather(mine, world, torch.int64)[::local]
 
 
 def _step_parts(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Callable[[], float | None]]:
@@ -95,7 +76,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    rss_before = _peak_rss_mib()
+    rss_before = peak_rss_bytes() / MIB
     w = SYSTEMS[args.system](model, dm, 3e-4)
     g = torch.Generator().manual_seed(1000 + rank)
 
@@ -104,25 +85,19 @@ def main() -> None:
                 (torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
                  for _ in range(args.micro_batches))]
 
-    times, losses = [], []
-    counters = (0, 0)
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            dist.barrier()
-            counters = link_counters()
+    # Timing collectives on a Comm of their own: the same for every system, hsdp's statistics untouched.
+    timer = StepTimer(Comm(mesh_from_device_mesh(dm)), args.warmup)
+    losses = []
+    for _ in range(args.warmup + args.steps):
         batches = next_batches()
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses.append(_step(w, batches))
-        elapsed = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    per_node = _inter_node_bytes_per_node(counters, world)
-    rss_peak = _peak_rss_mib()  # of the timed steps: the tracked step below allocates bookkeeping of its own
+        with timer.step():
+            losses.append(_step(w, batches))
+    per_node = timer.link_bytes_per_node()
+    rss_peak = peak_rss_bytes() / MIB  # of the timed steps: the tracked step below allocates bookkeeping of its own
     results, tensor_peak = measure_step_peak(_step_parts(w, next_batches()), w.model, w.optimizer,
                                              torch.device("cpu"))
-    peaks = _gather([rss_peak, tensor_peak / 2**20], world, torch.float64)
-    measured = times[args.warmup:]
+    peaks = timer.comm.all_gather_floats([rss_peak, tensor_peak / MIB])
+    measured = timer.measured
     result = {
         "system": args.system, "preset": args.preset, "params": n_params, "world": world, "sharding_degree": s,
         "batch": args.batch, "seq": args.seq, "micro_batches": args.micro_batches,

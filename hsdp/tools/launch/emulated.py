@@ -17,19 +17,26 @@ Cleanup is layered so that no namespace, link or process outlives the run:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hsdp.tools.launch.local import AgentSpec, Supervisor, agent_env, local_agents, torchrun_command
+from hsdp.engine.faults.signals import handle_signals
+from hsdp.tools.launch.local import (
+    AgentSpec,
+    Interrupted,
+    Supervisor,
+    agent_env,
+    local_agents,
+    raise_interrupted,
+    torchrun_command,
+)
 from hsdp.tools.launch.netns import (
     PREFIX,
     ClusterSpec,
@@ -43,7 +50,7 @@ from hsdp.tools.launch.netns import (
 from hsdp.tools.launch.reaper import Reaper
 from hsdp.tools.launch.shaping import ShapingError, netem_missing_note
 from hsdp.tools.launch.traffic import TrafficReport, node_traffic, print_report, write_json
-from hsdp.tools.launch.units import parse_duration, parse_rate
+from hsdp.tools.quantities import parse_duration, parse_tc_rate
 
 MASTER_PORT = 29500  # node 0's namespace is fresh: no other program can hold a port there
 USAGE_ERROR = 2  # emulation required but unavailable: the exit status of a command-line error
@@ -81,7 +88,7 @@ class LaunchOptions:
                              f"{self.nproc_per_node} at least 1")
         if self.require_emulation and self.no_emulation:
             raise ValueError("require_emulation and no_emulation contradict each other")
-        parse_rate(self.bandwidth)
+        parse_tc_rate(self.bandwidth)
         parse_duration(self.latency)
 
 
@@ -121,38 +128,6 @@ def namespace_agents(tools: Tools, spec: ClusterSpec, nproc_per_node: int, scrip
         agents.append(AgentSpec((tools.ip, "netns", "exec", node.namespace, *torchrun),
                                 {**base, **node.env()}, f"node {i}"))
     return agents
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Signals: stop signals interrupt the run, and are ignored while tearing down.
-# ---------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _signal_handlers(handler: Callable[[int, Any], Any] | int) -> Iterator[None]:
-    if sys.platform == "win32" or not _in_main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
-class _Interrupted(KeyboardInterrupt):
-    """A stop signal arrived; ``signum`` says which (for the ``128 + n`` exit status)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_interrupted(signum: int, frame: Any) -> None:
-    raise _Interrupted(signum)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,7 +172,7 @@ def _set_up(tools: Tools, options: LaunchOptions, bandwidth: int, latency: float
 
 
 def _tear_down(parts: dict[str, Any]) -> None:
-    with _signal_handlers(signal.SIG_IGN):
+    with handle_signals(_STOP_SIGNALS, signal.SIG_IGN):  # a second Ctrl-C must not cut this short
         if "cluster" in parts:
             parts["cluster"].teardown()
         if "reaper" in parts:
@@ -228,14 +203,14 @@ def _run_emulated(tools: Tools, options: LaunchOptions, bandwidth: int, latency:
     """Exit status of the emulated run; ``None`` when the network could not be set up and the caller should
     fall back (whatever was created is removed before this returns, in every case)."""
     parts: dict[str, Any] = {}
-    with _signal_handlers(_raise_interrupted):
+    with handle_signals(_STOP_SIGNALS, raise_interrupted):
         try:
             try:
                 cluster = _set_up(tools, options, bandwidth, latency, parts)
             except (NetnsError, ShapingError) as e:
                 return _setup_failed(e, options)
             return _run_job(tools, cluster, options, parts["logs"])
-        except _Interrupted as e:
+        except Interrupted as e:
             _warn("interrupted: removing the emulated cluster")
             return 128 + e.signum
         finally:
@@ -250,7 +225,7 @@ def launch(options: LaunchOptions) -> int:
     """
     if options.no_emulation:
         return _run_fallback(options)
-    bandwidth, latency = parse_rate(options.bandwidth), parse_duration(options.latency)
+    bandwidth, latency = parse_tc_rate(options.bandwidth), parse_duration(options.latency)
     tools = find_tools()
     reason = unavailable_reason(tools)
     if reason is not None:

@@ -24,9 +24,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
+
+from hsdp.engine.faults.signals import handle_signals
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_GRACE_S = 10.0
@@ -134,13 +136,13 @@ class Supervisor:
         self._pumps: list[threading.Thread] = []
 
     def run(self) -> int:
-        with _SignalsAsInterrupts() as caught:
+        with handle_signals([signal.SIGTERM], raise_interrupted):
             try:
                 self._start()
                 return self._wait_for_first_failure()
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:  # Ctrl-C, or a signal turned into Interrupted
                 self._write(self._err, "launcher", "interrupted: stopping every node\n")
-                return 128 + caught.get("signal", signal.SIGINT)
+                return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
             finally:
                 self.stop()
                 for t in self._pumps:
@@ -204,28 +206,18 @@ def _signal_groups(procs: Sequence[subprocess.Popen[bytes]], sig: signal.Signals
             os.killpg(p.pid, sig)
 
 
-class _SignalsAsInterrupts:
-    """Within the block, SIGTERM raises KeyboardInterrupt like Ctrl-C does (main thread only); the
-    signal that arrived is recorded under ``"signal"``."""
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived (see :func:`raise_interrupted`); ``signum`` says which, for the ``128 + n`` exit
+    status. A ``KeyboardInterrupt``, so the code that handles Ctrl-C handles it too."""
 
-    def __init__(self) -> None:
-        self.caught: dict[str, int] = {}
-        self._previous: Callable[..., Any] | int | None = None
-        self._installed = False
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.caught["signal"] = signum
-        raise KeyboardInterrupt
 
-    def __enter__(self) -> dict[str, int]:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
-            self._installed = True
-        return self.caught
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
+def raise_interrupted(signum: int, frame: Any) -> None:
+    """A signal handler that interrupts the main thread as Ctrl-C does, with :class:`Interrupted`."""
+    raise Interrupted(signum)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hsdp.tools.launch.netns import ClusterSpec, LinkCounters
-from hsdp.tools.launch.units import format_bytes, format_rate
+from hsdp.tools.quantities import format_bytes, format_rate
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,20 @@ def node_traffic(spec: ClusterSpec, before: Sequence[LinkCounters], after: Seque
 
 def traffic_table(report: TrafficReport) -> Table:
     """A rich table with one row per node and a total row."""
-    setting = format_rate(report.bandwidth_bit_s) if report.bandwidth_bit_s else "?"
+    setting = format_rate(report.bandwidth_bit_s, bits=True) if report.bandwidth_bit_s else "?"
     if report.latency_s:
         setting += f", {report.latency_s * 1e3:g} ms" + ("" if report.latency_emulated else " (not emulated)")
     table = Table(title=f"Inter-node traffic ({setting} links, {report.elapsed_s:.1f} s)")
     for name in ("node", "address", "sent", "received", "sent (bytes)", "received (bytes)"):
         table.add_column(name, justify="left" if name in ("node", "address") else "right")
     for n in report.nodes:
-        table.add_row(str(n.node), n.address, format_bytes(n.sent_bytes), format_bytes(n.received_bytes),
+        table.add_row(str(n.node), n.address, format_bytes(n.sent_bytes, decimal=True),
+                      format_bytes(n.received_bytes, decimal=True),
                       str(n.sent_bytes), str(n.received_bytes))
     received = sum(n.received_bytes for n in report.nodes)
     total = report.total_inter_node_bytes
-    table.add_row("total", "", format_bytes(total), format_bytes(received), str(total), str(received), style="bold")
+    table.add_row("total", "", format_bytes(total, decimal=True), format_bytes(received, decimal=True), str(total),
+                  str(received), style="bold")
     return table
 
 

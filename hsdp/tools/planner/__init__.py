@@ -2,7 +2,7 @@
 
 * :func:`make_plan` estimates every (replicate, shard) layout of a cluster and recommends one, with reasons;
 * :mod:`hsdp.tools.planner.calibrate` fits the model's constants to measured step times;
-* ``hsdp plan`` and ``hsdp tune`` are the command lines (:mod:`hsdp.tools.planner.cli`).
+* ``hsdp plan`` and ``hsdp tune`` are the command lines (:mod:`hsdp.apps.cli.plan`, :mod:`hsdp.apps.cli.tune`).
 
 The cost model (``model``, ``cluster``, ``options``, ``memory``, ``comm``, ``cost``, ``plan``) is pure Python:
 it needs neither torch nor a process group, so a 70B plan for 1024 GPUs takes milliseconds on a laptop.

@@ -2,7 +2,7 @@
 
 These are also the constants ``hsdp tune`` calibrates: the achieved compute rate, the effective bandwidths
 and the per-step latencies of both kinds of links. Everything is in SI base units (bytes, bytes/s, s,
-FLOP/s); :mod:`hsdp.tools.planner.units` reads the human spellings and :mod:`hsdp.tools.planner.presets` holds common
+FLOP/s); :mod:`hsdp.tools.quantities` reads the human spellings and :mod:`hsdp.tools.planner.presets` holds common
 GPUs and interconnects.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from hsdp.tools.quantities import format_bytes, format_rate
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,11 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
-
     def describe(self) -> str:
-        from hsdp.tools.planner.units import fmt_bytes, fmt_rate
-
-        mem = "unlimited" if math.isinf(self.gpu_memory) else fmt_bytes(self.gpu_memory)
-        return (f"{self.nodes} nodes x {self.gpus_per_node} ranks, {mem}/rank, intra {fmt_rate(self.intra_bandwidth)}"
-                f", inter {fmt_rate(self.inter_bandwidth)}/node, {self.compute_rate / 1e12:.3g} TFLOP/s/rank")
+        mem = "unlimited" if math.isinf(self.gpu_memory) else format_bytes(self.gpu_memory)
+        return (f"{self.nodes} nodes x {self.gpus_per_node} ranks, {mem}/rank, "
+                f"intra {format_rate(self.intra_bandwidth)}, inter {format_rate(self.inter_bandwidth)}/node, "
+                f"{self.compute_rate / 1e12:.3g} TFLOP/s/rank")
 
 
 def valid_degrees(world_size: int) -> list[int]:

@@ -19,7 +19,7 @@ from hsdp.tools.planner.memory import estimate_memory
 from hsdp.tools.planner.options import Precision, TrainOptions
 from hsdp.tools.planner.plan import Plan, make_plan
 from hsdp.tools.planner.tune import Measured
-from hsdp.tools.planner.units import parse_bandwidth
+from hsdp.tools.quantities import parse_bandwidth
 
 # What the emulated CPU cluster looks like before calibration: gloo over loopback inside a node (a few
 # hundred MB/s, CPU-bound), the shaped link between nodes (about 94% of the rate carries payload after

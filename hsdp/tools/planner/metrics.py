@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -28,40 +27,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hsdp.engine.collectives import Comm
 from hsdp.engine.memory import state_bytes
+from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.model import ShardedModel
 from hsdp.tools.planner.introspect import spec_from_module
 from hsdp.tools.planner.model import ComputeProfile
+from hsdp.tools.step_timing import StepTimer, peak_rss_bytes
 
 METRICS_ENV = "HSDP_METRICS_FILE"
 FORMAT = "hsdp-metrics/1"
 
 
-def link_counters() -> tuple[int, int]:
-    """(sent, received) bytes of this node's inter-node link; (0, 0) off an emulated cluster."""
-    iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    base = f"/sys/class/net/{iface}/statistics"
-    if not iface or iface == "lo" or not os.path.isdir(base):
-        return 0, 0
-    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-        return int(tx.read()), int(rx.read())
-
-
-def _gather_floats(values: list[float]) -> list[list[float]]:
-    mine = torch.tensor(values, dtype=torch.float64)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [t.tolist() for t in everyone]
-
-
-def profile_compute(forward: Callable[[], torch.Tensor], params: list[torch.nn.Parameter],
+def profile_compute(mesh: HSDPMesh, forward: Callable[[], torch.Tensor], params: list[torch.nn.Parameter],
                     iters: int = 2) -> ComputeProfile:
     """Time ``forward()`` (returns the loss) and its backward on the *unwrapped* model, plus an AdamW step
-    over ``params``, on every rank at once (so the timing sees the same CPU or GPU contention as
+    over ``params``, on every rank of ``mesh`` at once (so the timing sees the same CPU or GPU contention as
     training); the median over ``iters`` after one warm-up, the slowest rank. Leaves gradients ``None``."""
+    comm = Comm(mesh)
     fwd, bwd = [], []
     for i in range(iters + 1):
-        dist.barrier()
+        comm.barrier()
         t0 = time.perf_counter()
         loss = forward()
         t1 = time.perf_counter()
@@ -75,11 +61,11 @@ def profile_compute(forward: Callable[[], torch.Tensor], params: list[torch.nn.P
         c.grad, p.grad = p.grad, None
     opt = torch.optim.AdamW(copies, foreach=True)
     opt.step()  # allocates the state
-    dist.barrier()
+    comm.barrier()
     t0 = time.perf_counter()
     opt.step()
     per_element = (time.perf_counter() - t0) / max(1, sum(p.numel() for p in copies))
-    rows = _gather_floats([statistics.median(fwd), statistics.median(bwd), per_element])
+    rows = comm.all_gather_floats([statistics.median(fwd), statistics.median(bwd), per_element])
     return ComputeProfile(*(max(r[i] for r in rows) for i in range(3)))
 
 
@@ -102,43 +88,27 @@ class StepRecorder:
         self.model, self.optimizer = model, optimizer
         self.micro_batches, self.warmup = micro_batches, warmup
         self.seq_len, self.micro_batch, self.sync, self.name = seq_len, micro_batch, sync, name
-        self.times: list[float] = []
-        self._counters = (0, 0)
+        self._timer = StepTimer(Comm(model.mesh), warmup)  # its own Comm: timing stays out of comm_stats
         self._state: dict[str, int] | None = None
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        if len(self.times) == self.warmup:
-            dist.barrier()
-            self._counters = link_counters()
-            self.model.reset_comm_stats()
-        dist.barrier()
-        t0 = time.perf_counter()
-        yield
-        elapsed = torch.tensor([time.perf_counter() - t0])
+        if self._timer.next_is_first_measured:
+            self.model.reset_comm_stats()  # count the collectives of the measured steps only
+        with self._timer.step():
+            yield
         # State bytes after the first complete step: gradients and optimizer state exist, not yet zeroed.
         if self._state is None:
             self._state = state_bytes(self.model, self.optimizer).as_dict()
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        self.times.append(elapsed.item())
-
-    def _per_node_bytes(self, steps: int) -> list[list[float]]:
-        after = link_counters()
-        mine = [float(after[0] - self._counters[0]), float(after[1] - self._counters[1])]
-        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-            mine = [0.0, 0.0]
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        rows = _gather_floats(mine)
-        return [[b / steps for b in rows[i]] for i in range(0, len(rows), local)]
 
     def result(self, profile: ComputeProfile | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """The metrics as a dict (a collective: every rank calls it; all get the same dict)."""
-        measured = self.times[self.warmup:]
+        measured = self._timer.measured
         if not measured:
             raise ValueError(f"no measured steps: run more than warmup={self.warmup} steps inside step()")
         steps = len(measured)
         state = self._state or state_bytes(self.model, self.optimizer).as_dict()
-        per_rank = _gather_floats([float(state["total"]), _peak_rss_bytes()])
+        per_rank = self._timer.comm.all_gather_floats([float(state["total"]), peak_rss_bytes()])
         comm = {g: {op: {k: v / steps for k, v in s.items()} for op, s in ops.items()}
                 for g, ops in self.model.comm_stats().items()}
         spec = spec_from_module(self.model, self.seq_len, self.micro_batch, name=self.name)
@@ -149,7 +119,8 @@ class StepRecorder:
             "micro_batches": self.micro_batches, "step_s": measured, "median_step_s": statistics.median(measured),
             "state_bytes": state, "state_bytes_per_rank": [r[0] for r in per_rank],
             "peak_rss_bytes_per_rank": [r[1] for r in per_rank],
-            "inter_node_bytes_per_step": self._per_node_bytes(steps), "comm_per_step": comm,
+            "inter_node_bytes_per_step": [[b / steps for b in node] for node in self._timer.link_bytes_per_node()],
+            "comm_per_step": comm,
             "model": {"name": spec.name, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
                       "units": [{"name": u.name, "shapes": [list(s) for s in u.shapes],
                                  "frozen": [list(s) for s in u.frozen],
@@ -177,7 +148,7 @@ def _engine_options(model: ShardedModel) -> dict[str, Any]:
     u = units[-1]
     dtype = u.sharded_flat.dtype
     hop = type(u.hop).__name__
-    hop_dtype = getattr(u.hop, "dtype", None) or u.policy.replicate_reduce(dtype)
+    hop_dtype = getattr(u.hop, "dtype", None) or u.policy.reduce(dtype)
     return {
         "reshard_after_forward": any(x.reshard_after_forward for x in units),
         "param_bytes": dtype.itemsize,
@@ -185,7 +156,3 @@ def _engine_options(model: ShardedModel) -> dict[str, Any]:
         "reduce_bytes": u.policy.reduce(dtype).itemsize,
         "replicate_dtype": "int8" if "Int8" in hop else {4: "fp32", 2: "bf16"}.get(hop_dtype.itemsize, "same"),
     }
-
-
-def _peak_rss_bytes() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux reports KiB

@@ -91,17 +91,6 @@ class ModelSpec:
         """Forward FLOPs of one micro-batch on one rank (backward is about twice that)."""
         return self.tokens * sum(u.forward_flops_per_token for u in self.units)
 
-    def with_batch(self, micro_batch: int | None = None, seq_len: int | None = None) -> ModelSpec:
-        """The same model for another micro-batch shape (activations and FLOPs scale with tokens)."""
-        mb = self.micro_batch if micro_batch is None else micro_batch
-        seq = self.seq_len if seq_len is None else seq_len
-        scale = (mb * seq) / self.tokens
-        units = self.units
-        if seq != self.seq_len:  # attention FLOPs per token grow with the sequence
-            units = tuple(_rescale_attention(u, self.seq_len, seq) for u in units)
-        return ModelSpec(self.name, units, seq, mb, self.activation_elements * scale,
-                         self.checkpoint_elements * scale, self.description)
-
 
 @dataclass(frozen=True)
 class ComputeProfile:
@@ -202,14 +191,6 @@ def transformer(name: str, t: TransformerShape, seq_len: int, micro_batch: int =
     units = (root, *[UnitSpec(f"block{i}", block.shapes, block.forward_flops_per_token) for i in range(t.layers)])
     return ModelSpec(name, units, seq_len, micro_batch, per_block * t.layers + root_act,
                      tokens * t.hidden * t.layers + root_act, description)
-
-
-def _rescale_attention(u: UnitSpec, old_seq: int, new_seq: int) -> UnitSpec:
-    matmul = sum(r * c for r, c in u.shapes if c > 1)
-    attn = max(0.0, u.forward_flops_per_token - 2.0 * matmul)
-    if attn == 0:
-        return u
-    return UnitSpec(u.name, u.shapes, 2.0 * matmul + attn * new_seq / old_seq, u.frozen)
 
 
 def uniform(name: str, params: float, units: int, seq_len: int = 1, micro_batch: int = 1,

@@ -18,7 +18,7 @@ from hsdp.tools.planner.cost import StepEstimate, estimate_step
 from hsdp.tools.planner.memory import MemoryEstimate, estimate_memory
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec
 from hsdp.tools.planner.options import Layout, TrainOptions
-from hsdp.tools.planner.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
+from hsdp.tools.quantities import format_bytes, format_count, format_rate, format_seconds
 
 TIE = 0.01
 DEFAULT_HEADROOM = 0.10
@@ -123,11 +123,11 @@ def _name(e: LayoutEstimate) -> str:
 def _memory_reason(best: LayoutEstimate, limit: float, model: ModelSpec, options: TrainOptions) -> str:
     m = best.memory
     per = options.precision.state_bytes_per_param
-    limit_text = "no memory limit" if math.isinf(limit) else f"{fmt_bytes(limit)} usable"
-    acts = f"activations {fmt_bytes(m.activations)}" if m.activations else "activations not estimated"
-    return (f"Memory: {fmt_bytes(m.total)} per GPU of {limit_text}: model state {fmt_bytes(m.state)} "
-            f"({per} B x {fmt_count(model.params)} params / S={best.layout.shard}), {acts}, gathered units "
-            f"{fmt_bytes(m.unsharded)}.")
+    limit_text = "no memory limit" if math.isinf(limit) else f"{format_bytes(limit)} usable"
+    acts = f"activations {format_bytes(m.activations)}" if m.activations else "activations not estimated"
+    return (f"Memory: {format_bytes(m.total)} per GPU of {limit_text}: model state {format_bytes(m.state)} "
+            f"({per} B x {format_count(model.params)} params / S={best.layout.shard}), {acts}, gathered units "
+            f"{format_bytes(m.unsharded)}.")
 
 
 def _traffic_reason(best: LayoutEstimate, cluster: ClusterSpec) -> str:
@@ -138,17 +138,17 @@ def _traffic_reason(best: LayoutEstimate, cluster: ClusterSpec) -> str:
                 else "its shard groups span nodes, so all-gathers and reduce-scatters cross nodes too")
     link_s = s.inter_node_bytes / cluster.inter_bandwidth
     return (f"Traffic: {crossing}: {s.inter_node_bytes / 1e9:.3g} GB per node per step, "
-            f"{fmt_seconds(link_s)} at {fmt_rate(cluster.inter_bandwidth)}; {fmt_seconds(s.exposed_comm_s)} of "
-            f"communication is left exposed after overlap (step {fmt_seconds(s.step_s)}, compute "
-            f"{fmt_seconds(s.compute_s)}).")
+            f"{format_seconds(link_s)} at {format_rate(cluster.inter_bandwidth)}; "
+            f"{format_seconds(s.exposed_comm_s)} of communication is left exposed after overlap "
+            f"(step {format_seconds(s.step_s)}, compute {format_seconds(s.compute_s)}).")
 
 
 def _rejected_reason(estimates: Sequence[LayoutEstimate], limit: float) -> str | None:
     over = [e for e in estimates if not e.fits]
     if not over:
         return None
-    names = ", ".join(f"S={e.layout.shard} ({fmt_bytes(e.memory.total)})" for e in over)
-    return f"Does not fit in {fmt_bytes(limit)}: {names}."
+    names = ", ".join(f"S={e.layout.shard} ({format_bytes(e.memory.total)})" for e in over)
+    return f"Does not fit in {format_bytes(limit)}: {names}."
 
 
 def _runner_up_reason(estimates: Sequence[LayoutEstimate], best: LayoutEstimate) -> str | None:
@@ -160,9 +160,9 @@ def _runner_up_reason(estimates: Sequence[LayoutEstimate], best: LayoutEstimate)
     why = ("more inter-node traffic" if r.step.inter_node_bytes > best.step.inter_node_bytes * 1.05
            else "more exposed communication" if r.step.exposed_comm_s > best.step.exposed_comm_s
            else "a longer optimizer step" if r.step.optimizer_s > best.step.optimizer_s else "the same traffic")
-    extra = "" if slower > TIE else f" but needs {fmt_bytes(r.memory.total - best.memory.total)} more memory"
+    extra = "" if slower > TIE else f" but needs {format_bytes(r.memory.total - best.memory.total)} more memory"
     return (f"Runner-up: {_name(r)}, {slower:+.0%} step time ({why}: {r.step.inter_node_bytes / 1e9:.3g} GB per "
-            f"node per step, {fmt_seconds(r.step.exposed_comm_s)} exposed){extra}.")
+            f"node per step, {format_seconds(r.step.exposed_comm_s)} exposed){extra}.")
 
 
 def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, options: TrainOptions) -> str | None:
@@ -189,12 +189,12 @@ def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cl
     """The recommendation's reasons, one sentence each."""
     if best is None:
         smallest = min(estimates, key=lambda e: e.memory.total)
-        return [f"No layout fits: the smallest, {_name(smallest)}, needs {fmt_bytes(smallest.memory.total)} per "
-                f"GPU against {fmt_bytes(limit)} usable; add nodes, use activation checkpointing or a smaller "
+        return [f"No layout fits: the smallest, {_name(smallest)}, needs {format_bytes(smallest.memory.total)} per "
+                f"GPU against {format_bytes(limit)} usable; add nodes, use activation checkpointing or a smaller "
                 f"micro-batch."]
     fitting = sum(e.fits for e in estimates)
     lines = [f"Recommended: {_name(best)}, the fastest of the {fitting} layouts that fit: "
-             f"{fmt_seconds(best.step.step_s)} per step, {best.tokens_per_s:,.0f} tokens/s on "
+             f"{format_seconds(best.step.step_s)} per step, {best.tokens_per_s:,.0f} tokens/s on "
              f"{cluster.world_size} GPUs.",
              _memory_reason(best, limit, model, options), _traffic_reason(best, cluster)]
     lines += [x for x in (_runner_up_reason(estimates, best), _rejected_reason(estimates, limit),

@@ -9,9 +9,11 @@ for small units on large rings, and ``hsdp tune`` replaces them with measured on
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hsdp.tools.planner.model import ModelSpec, TransformerShape, transformer
+from hsdp.tools.quantities import parse_bandwidth
 
 GiB = 2**30
 
@@ -88,6 +90,19 @@ def intra_link(name: str) -> Link:
         raise ValueError(f"unknown intra-node link {name!r}: use one of {sorted(INTRA_LINKS)} or a rate "
                          f"such as '450GB/s'")
     return INTRA_LINKS[name.lower()]
+
+
+def link_or_rate(text: str, presets: Callable[[str], Link]) -> tuple[float, float | None]:
+    """(bytes/s, the preset's latency or ``None``) of a link preset name (looked up by ``presets``:
+    :func:`inter_link` or :func:`intra_link`) or of a rate such as ``50GB/s``."""
+    try:
+        link = presets(text)
+        return link.bandwidth, link.latency
+    except ValueError:
+        try:
+            return parse_bandwidth(text), None
+        except ValueError as e:
+            raise ValueError(f"{text!r} is neither a link preset nor a rate ({e})") from None
 
 
 def gpu(name: str) -> GPU:

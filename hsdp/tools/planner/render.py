@@ -1,17 +1,22 @@
-"""Tables for people: a plan and a tuning report as rich tables (terminal) or Markdown (results files)."""
+"""Output: a plan and a tuning report as rich tables (terminal), JSON, and ``hsdp tune``'s results files."""
 
 from __future__ import annotations
 
+import json
 import math
+import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from hsdp.tools.planner.compare import TuneReport
 from hsdp.tools.planner.plan import LayoutEstimate, Plan
-from hsdp.tools.planner.units import fmt_bytes, fmt_seconds
+from hsdp.tools.quantities import format_bytes, format_seconds
+from hsdp.tools.results import results_run
 
 PLAN_COLUMNS = ("layout", "kind", "state/GPU", "peak/GPU", "fits", "step", "compute", "exposed comm",
                 "inter-node GB/node/step", "tokens/s")
@@ -26,9 +31,9 @@ def _console() -> Console:
 
 def _plan_row(e: LayoutEstimate, best: LayoutEstimate | None) -> list[str]:
     mark = "* " if e is best else ""
-    return [f"{mark}{e.layout.label}", e.kind, fmt_bytes(e.memory.state), fmt_bytes(e.memory.total),
-            "yes" if e.fits else "NO", fmt_seconds(e.step.step_s), fmt_seconds(e.step.compute_s),
-            fmt_seconds(e.step.exposed_comm_s), f"{e.step.inter_node_bytes / 1e9:.3g}", f"{e.tokens_per_s:,.0f}"]
+    return [f"{mark}{e.layout.label}", e.kind, format_bytes(e.memory.state), format_bytes(e.memory.total),
+            "yes" if e.fits else "NO", format_seconds(e.step.step_s), format_seconds(e.step.compute_s),
+            format_seconds(e.step.exposed_comm_s), f"{e.step.inter_node_bytes / 1e9:.3g}", f"{e.tokens_per_s:,.0f}"]
 
 
 def plan_rows(plan: Plan) -> list[list[str]]:
@@ -38,7 +43,7 @@ def plan_rows(plan: Plan) -> list[list[str]]:
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     """The layout table (``*`` marks the recommendation), then the reasons."""
     console = console or _console()
-    limit = "no limit" if math.isinf(plan.memory_limit) else f"{fmt_bytes(plan.memory_limit)} usable per GPU"
+    limit = "no limit" if math.isinf(plan.memory_limit) else f"{format_bytes(plan.memory_limit)} usable per GPU"
     table = Table(title=f"{plan.model.name} ({plan.model.params / 1e9:.3g}B params) on {plan.cluster.describe()}; "
                         f"{limit}")
     for i, col in enumerate(PLAN_COLUMNS):
@@ -110,3 +115,47 @@ def markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def dump_json(data: dict[str, Any], target: str) -> None:
+    """Write ``data`` as JSON to the file ``target`` (``"-"``: stdout); infinities and NaN become ``null``."""
+    text = json.dumps(_json_safe(data), indent=1)
+    if target == "-":
+        print(text)
+    else:
+        with open(target, "w") as f:
+            f.write(text + "\n")
+
+
+def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[str, Any]]) -> Path:
+    """``tune_<date>[_<tag>]``: JSON (report, command, every run), Markdown (command, tables), PNG."""
+    from hsdp.tools.planner.plot import plot_plan
+
+    out.mkdir(parents=True, exist_ok=True)
+    command = "hsdp tune " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["tune"] else sys.argv[1:])
+    run = results_run("tune", tag, command)
+    name, meta, stamp = run.name, run.meta, run.meta["date"]
+    dump_json({"meta": meta, "report": report.as_dict(), "runs": results}, str(out / f"{name}.json"))
+    plot_plan(report.plan, out / f"{name}.png", report)
+    vs = report.recommended_vs_fastest()
+    text = [f"# hsdp tune {stamp}{' (' + tag + ')' if tag else ''}", "", f"Command: `{command}` (git {meta['git']})",
+            "", f"{report.measured.model.name}, {report.measured.model.params:,} parameters, "
+            f"{report.measured.world_size} ranks ({report.measured.nproc_per_node} per node).", "",
+            markdown(TUNE_COLUMNS, tune_rows(report)), LEGEND, "", constants_line(report), "",
+            f"Recommended S={report.recommended_shard}; measured fastest S={report.measured_fastest.shard}"
+            + ("" if vs is None else f"; the recommendation measured {vs:+.1%} against the fastest") + ".", "",
+            *[f"- {line}" for line in report.plan.reasons], "",
+            *[f"Failed run: {x}" for x in report.measured.failures],
+            *[f"Warning: {x}" for x in report.measured.warnings], f"![plot]({name}.png)", ""]
+    (out / f"{name}.md").write_text("\n".join(text))
+    return out / f"{name}.md"

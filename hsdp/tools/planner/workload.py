@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hsdp
+from hsdp.engine.hops import HOP_NAMES, named_hop
 from hsdp.models import GPT, preset
 from hsdp.tools.planner.metrics import StepRecorder, profile_compute
 from hsdp.tools.planner.model import ComputeProfile
@@ -31,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (deferred sync)")
     p.add_argument("--steps", type=int, default=5, help="measured steps")
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
-    p.add_argument("--hop", choices=("fp32", "bf16", "int8"), default="fp32", help="inter-node hop")
+    p.add_argument("--hop", choices=HOP_NAMES, default="fp32", help="inter-node hop")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--out", default=None, help="metrics file (default: $HSDP_METRICS_FILE)")
     return p.parse_args(argv)
@@ -41,12 +42,6 @@ def _batches(cfg: object, args: argparse.Namespace, g: torch.Generator) -> list[
     tokens = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)  # type: ignore[attr-defined]
               for _ in range(args.micro_batches)]
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _hop(name: str) -> hsdp.engine.hops.ReplicaHop:
-    from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop
-
-    return {"fp32": AllReduceHop(), "bf16": AllReduceHop(torch.bfloat16), "int8": Int8ErrorFeedbackHop()}[name]
 
 
 def _train_step(model: hsdp.ShardedModel, optimizer: torch.optim.Optimizer,
@@ -61,11 +56,11 @@ def _train_step(model: hsdp.ShardedModel, optimizer: torch.optim.Optimizer,
     return float(loss.item())
 
 
-def _profile(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> ComputeProfile:
+def _profile(mesh: hsdp.HSDPMesh, model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> ComputeProfile:
     # On a copy: the probe's optimizer step must not touch the weights every layout starts from.
     probe = copy.deepcopy(model)
     x, y = batch
-    return profile_compute(lambda: probe(x, y)[1], list(probe.parameters()))
+    return profile_compute(mesh, lambda: probe(x, y)[1], list(probe.parameters()))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT(cfg)
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
-    profile = _profile(model, _batches(cfg, args, g)[0])
-    sharded = hsdp.ShardedModel(model, mesh=mesh, replica_hop=_hop(args.hop),
+    profile = _profile(mesh, model, _batches(cfg, args, g)[0])
+    sharded = hsdp.ShardedModel(model, mesh=mesh, replica_hop=named_hop(args.hop),
                                 reshard_after_forward=not args.no_reshard_after_forward)
     optimizer = hsdp.ShardedOptimizer(sharded, torch.optim.AdamW(sharded.parameters(), lr=3e-4, foreach=True))
     recorder = StepRecorder(sharded, optimizer, micro_batches=args.micro_batches, warmup=args.warmup,

@@ -1,19 +1,26 @@
-"""``hsdp plan``: the cost model from the command line (the arguments, the cluster they describe, output)."""
+"""``hsdp plan``: the cost model of :mod:`hsdp.tools.planner` from the command line (the arguments, the
+cluster and model they describe, the output). Imports neither torch nor torch.distributed."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-from typing import Any
 
 from hsdp.tools.planner.cluster import ClusterSpec
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, TransformerShape, transformer
 from hsdp.tools.planner.options import PRECISIONS, REPLICATE_DTYPES, SYNC_MODES, TrainOptions, precision
 from hsdp.tools.planner.plan import DEFAULT_HEADROOM, Plan, make_plan
-from hsdp.tools.planner.presets import GPUS, INTER_LINKS, INTRA_LINKS, gpu, inter_link, intra_link, model_preset
-from hsdp.tools.planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+from hsdp.tools.planner.presets import (
+    GPUS,
+    INTER_LINKS,
+    INTRA_LINKS,
+    gpu,
+    inter_link,
+    intra_link,
+    link_or_rate,
+    model_preset,
+)
+from hsdp.tools.quantities import parse_bytes, parse_duration, parse_flops
 
 DEFAULT_MFU = 0.45
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads param, grad, two moments and writes three: about 36 B/element
@@ -44,7 +51,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``plan`` on ``subparsers``."""
     p = subparsers.add_parser("plan", help="predict memory and step time of every shard degree; recommend one",
                               description="Estimate every (replicate, shard) layout of a cluster and recommend "
                                           "the fastest that fits, with reasons.",
@@ -75,25 +83,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--degrees", default=None, help="comma list of shard degrees (default: every divisor)")
     p.add_argument("--plot", metavar="FILE", help="write memory and step time against shard degree (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': stdout, no table)")
+    p.set_defaults(func=run_plan)
     return p
-
-
-def _link(text: str, presets: Any) -> tuple[float, float | None]:
-    """(bytes/s, preset latency or None) of a preset name or a rate."""
-    try:
-        link = presets(text)
-        return link.bandwidth, link.latency
-    except ValueError:
-        try:
-            return parse_bandwidth(text), None
-        except ValueError as e:
-            raise ValueError(f"{text!r} is neither a link preset nor a rate ({e})") from None
 
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     g = gpu(args.gpu)
-    intra_bw, intra_lat = _link(args.intra_node_bandwidth or g.intra_link, intra_link)
-    inter_bw, inter_lat = _link(args.inter_node_bandwidth, inter_link)
+    intra_bw, intra_lat = link_or_rate(args.intra_node_bandwidth or g.intra_link, intra_link)
+    inter_bw, inter_lat = link_or_rate(args.inter_node_bandwidth, inter_link)
     return ClusterSpec(
         args.nodes, args.gpus_per_node, parse_bytes(args.gpu_memory) if args.gpu_memory else g.memory,
         intra_bw, inter_bw, parse_flops(args.compute) if args.compute else g.peak_flops * args.mfu,
@@ -141,27 +138,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
                      degrees=parse_degrees(args.degrees), headroom=args.headroom)
 
 
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
-def dump_json(data: dict[str, Any], target: str) -> None:
-    text = json.dumps(_json_safe(data), indent=1)
-    if target == "-":
-        print(text)
-    else:
-        with open(target, "w") as f:
-            f.write(text + "\n")
-
-
-def run(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp plan``: 0, or 2 with the fix on bad arguments."""
+    from hsdp.tools.planner.render import dump_json, print_plan
+
     try:
         plan = build_plan(args)
     except ValueError as e:
@@ -170,8 +150,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         dump_json(plan.as_dict(), args.json)
     if args.json != "-":
-        from hsdp.tools.planner.render import print_plan
-
         print_plan(plan)
     if args.plot:
         from hsdp.tools.planner.plot import plot_plan

@@ -1,7 +1,7 @@
-"""The ``hsdp launch`` subcommand: its arguments and the call into :mod:`hsdp.tools.launch.emulated`.
+"""``hsdp launch`` and ``hsdp demo``: the commands that start a job on emulated nodes of this machine.
 
-Kept apart from ``hsdp/apps/cli.py`` so the command line only names the subcommand; everything about launching
-lives in this package.
+The launching itself is :mod:`hsdp.tools.launch`; this module holds the arguments and imports only argparse
+until a command runs.
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-USAGE_ERROR = 2  # as argparse exits on bad arguments
-
-EPILOG = """\
+LAUNCH_EPILOG = """\
 examples:
   hsdp launch --nodes 2 --nproc-per-node 2 -- train.py --epochs 1
   hsdp launch --inter-node-bandwidth 50mbit --stats-json traffic.json -- -m my.module
@@ -23,11 +21,11 @@ loopback (a one-line warning says why; --require-emulation makes that an error).
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``launch`` on ``subparsers`` (of the ``hsdp`` parser)."""
     p = subparsers.add_parser("launch", help="run a torchrun job on an emulated multi-node cluster",
                               description="Run SCRIPT under torchrun on N emulated nodes with shaped links.",
-                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes, one torchrun agent each (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
     p.add_argument("--inter-node-bandwidth", default="1gbit",
@@ -44,12 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="remove namespaces, links and processes left by runs whose launcher died, then exit")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
                    help="the training script (or -m module) and its arguments")
+    p.set_defaults(func=run_launch)
     return p
 
 
-def run(args: argparse.Namespace) -> int:
+def run_launch(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp launch``; the process exit status (2 for bad arguments)."""
-    from hsdp.tools.launch.emulated import LaunchOptions, cleanup, launch
+    from hsdp.tools.launch.emulated import USAGE_ERROR, LaunchOptions, cleanup, launch
 
     if args.cleanup:
         return cleanup()
@@ -65,3 +64,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"hsdp launch: error: {e}\nusage: hsdp launch [options] -- SCRIPT [ARGS...]", file=sys.stderr)
         return USAGE_ERROR
     return launch(options)
+
+
+def add_demo(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``demo`` on ``subparsers``."""
+    p = subparsers.add_parser("demo", help="train a tiny GPT with HSDP on emulated nodes of this machine",
+                              description="hsdp train with the demo's preset: one torchrun agent per emulated "
+                                          "node (loopback), a temporary run directory, a summary of what "
+                                          "sharding saves.")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default: 2)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node = shard degree (default: 2)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
+    p.set_defaults(func=run_demo)
+    return p
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Execute a parsed ``hsdp demo``: the demo's exit status."""
+    from hsdp.apps.demo import launch
+
+    return launch(args.nodes, args.nproc_per_node, args.steps)

@@ -1,20 +1,18 @@
-"""``hsdp tune``: arguments, the run (measure, calibrate, compare) and the results files."""
+"""``hsdp tune``: the arguments of :mod:`hsdp.tools.planner.tune`, the run (measure, calibrate, compare) and
+its output."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from hsdp.tools.planner.command import dump_json, parse_degrees
+from hsdp.apps.cli.plan import parse_degrees
 from hsdp.tools.planner.compare import TuneReport, analyse, emulated_cluster, options_from_metrics
 from hsdp.tools.planner.tune import DEFAULT_SCRIPT, TuneRun, collect, default_workdir, load_metrics, summarise
-from hsdp.tools.planner.units import parse_bandwidth, parse_bytes
+from hsdp.tools.quantities import parse_bandwidth, parse_bytes
 
 TUNE_EPILOG = f"""\
 examples:
@@ -28,7 +26,8 @@ Without a script: {" ".join(DEFAULT_SCRIPT)}.
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_tune(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``tune`` on ``subparsers``."""
     p = subparsers.add_parser("tune", help="measure each shard degree, calibrate the cost model, recommend",
                               description="Run a few steps of each candidate layout, fit the cost model's "
                                           "constants to the measurements and print predicted vs measured.",
@@ -52,6 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="FILE", help="write the calibrated plan with the measured points (PNG)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]")
+    p.set_defaults(func=run_tune)
     return p
 
 
@@ -78,9 +78,9 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> TuneRepo
     return analyse(measured, nominal, options_from_metrics(ok))
 
 
-def run(args: argparse.Namespace) -> int:
+def run_tune(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp tune``; 0 when every candidate ran, 1 when some failed, 2 on bad arguments."""
-    from hsdp.tools.planner.render import print_tune
+    from hsdp.tools.planner.render import dump_json, print_tune, write_results
 
     try:
         if args.from_metrics:
@@ -105,37 +105,3 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_results(report, Path(args.out), args.tag, results)
     return 1 if report.measured.failures else 0
-
-
-def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[str, Any]]) -> Path:
-    """``tune_<date>[_<tag>]``: JSON (report, command, every run), Markdown (command, tables), PNG."""
-    from hsdp.tools.planner.plot import plot_plan
-    from hsdp.tools.planner.render import LEGEND, TUNE_COLUMNS, constants_line, markdown, tune_rows
-
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
-    name = f"tune_{stamp}{'_' + tag if tag else ''}"
-    command = "hsdp tune " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["tune"] else sys.argv[1:])
-    meta = {"date": stamp, "command": command, "git": _git_commit()}
-    dump_json({"meta": meta, "report": report.as_dict(), "runs": results}, str(out / f"{name}.json"))
-    plot_plan(report.plan, out / f"{name}.png", report)
-    vs = report.recommended_vs_fastest()
-    text = [f"# hsdp tune {stamp}{' (' + tag + ')' if tag else ''}", "", f"Command: `{command}` (git {meta['git']})",
-            "", f"{report.measured.model.name}, {report.measured.model.params:,} parameters, "
-            f"{report.measured.world_size} ranks ({report.measured.nproc_per_node} per node).", "",
-            markdown(TUNE_COLUMNS, tune_rows(report)), LEGEND, "", constants_line(report), "",
-            f"Recommended S={report.recommended_shard}; measured fastest S={report.measured_fastest.shard}"
-            + ("" if vs is None else f"; the recommendation measured {vs:+.1%} against the fastest") + ".", "",
-            *[f"- {line}" for line in report.plan.reasons], "",
-            *[f"Failed run: {x}" for x in report.measured.failures],
-            *[f"Warning: {x}" for x in report.measured.warnings], f"![plot]({name}.png)", ""]
-    (out / f"{name}.md").write_text("\n".join(text))
-    return out / f"{name}.md"
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=False).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
