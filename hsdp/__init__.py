@@ -41,7 +41,7 @@ _EXPORTS = {
     "check_replicas": "hsdp.engine.model",
     "full_state_dict": "hsdp.engine.state_dict",
     "FaultPolicy": "hsdp.engine.faults.watchdog",
-    "PreemptionGuard": "hsdp.engine.faults.preemption",
+    "PreemptionGuard": "hsdp.engine.preemption",
     "load_pretrained": "hsdp.engine.init",
     "materialize": "hsdp.engine.init",
 }
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     )
     from hsdp.data.sampler import data_parallel_rank, data_parallel_size, distributed_sampler
     from hsdp.engine.clip import clip_grad_norm_
-    from hsdp.engine.faults.preemption import PreemptionGuard
+    from hsdp.engine.preemption import PreemptionGuard
     from hsdp.engine.faults.watchdog import FaultPolicy
     from hsdp.engine.init import load_pretrained, materialize
     from hsdp.engine.memory import StateBytes, state_bytes

@@ -15,7 +15,7 @@ from hsdp.apps.train.command import overrides_from, split_items
 from hsdp.apps.train.config import DataConfig, OptimConfig, RunConfig
 from hsdp.apps.train.config_io import apply_overrides, build_config, read_toml, resolve_config, to_toml
 from hsdp.apps.train.corpus import char_tokens, detect_format, load_corpus, read_corpus_bytes
-from hsdp.apps.train.lm import build_model, lm_loss, sample
+from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, sample
 from hsdp.apps.train.metrics import CSV_NAME, MetricsWriter, comm_totals, read_metrics
 from hsdp.apps.train.optimizer import lr_at
 from hsdp.apps.train.progress import format_eta
@@ -187,11 +187,13 @@ def test_char_tokens_and_stdlib_default() -> None:
 
 def test_gpt_builds_with_the_tokenizer_vocabulary_and_samples() -> None:
     torch.manual_seed(0)
-    built = build_model(resolve_config(None, ["model.block_size=16"]).model, vocab_size=40)
-    assert built.block_size == 16 and built.class_name == "GPT"
+    cfg = resolve_config(None, ["model.block_size=16"]).model
+    shape, lm = cfg.shape(vocab_size=40), LANGUAGE_MODELS[cfg.kind]
+    module = lm.build(shape)
+    assert shape.block_size == 16 and describe(module, shape.block_size).startswith("GPT, ")
     x, y = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
-    assert abs(lm_loss(built.module, "gpt", x, y).item() - math.log(40)) < 0.5  # small init: near uniform
-    ids = sample(lambda idx: built.module(idx)[0], [1, 2], 5, built.block_size)
+    assert abs(lm.loss(module, x, y).item() - math.log(40)) < 0.5  # small init: near uniform
+    ids = sample(lambda idx: module(idx)[0], [1, 2], 5, shape.block_size)
     assert len(ids) == 7 and ids[:2] == [1, 2] and all(0 <= i < 40 for i in ids)
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 from harness import run_distributed
@@ -113,20 +113,20 @@ def _job(out: Path, *extra: str) -> dict:
 
 def _preempted(out: Path, rank: int) -> JobOutcome:
     """A job in which rank 3 alone gets SIGTERM after step 3, as from a scheduler that signals one node."""
-    from hsdp.apps.train import loop
+    from hsdp.apps.train.trainer import Trainer
 
-    original = loop.after_step
+    original = Trainer.after_step
 
-    def after_step(t: Any, cfg: Any, svc: Any, record: dict, result: Any) -> None:
-        original(t, cfg, svc, record, result)
+    def after_step(self: Trainer, record: dict) -> None:
+        original(self, record)
         if rank == 3 and record["step"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    loop.after_step = after_step
+    Trainer.after_step = after_step  # type: ignore[method-assign]
     try:
         return _run(out)
     finally:
-        loop.after_step = original
+        Trainer.after_step = original  # type: ignore[method-assign]
 
 
 def _resume_worker(rank: int, world: int, tmp: str) -> dict:

@@ -1,75 +1,67 @@
-"""The ``hsdp demo`` job: train a tiny byte-level GPT with HSDP and show what sharding saves.
+"""``hsdp demo``: ``hsdp train`` with a preset configuration, ending with what sharding saves.
 
-Meant for torchrun, e.g. 2 nodes x 2 ranks (``hsdp demo`` emulates that on one machine)::
-
-    torchrun --nnodes 2 --nproc-per-node 2 ... -m hsdp.apps.demo --steps 100
-
-Parameters, gradients and AdamW state are sharded across the ranks of a node and replicated across
-nodes. Rank 0 shows the progress (a live bar on a terminal, a line every ``--log-every`` steps otherwise)
-and ends with a summary: the loss before and after, throughput, and every rank's bytes of model state
-against what one unsharded replica holds.
+The demo runs the same :class:`~hsdp.apps.train.trainer.Trainer` as ``hsdp train``, configured by
+:data:`DEMO`: a tiny byte-level GPT on the Python standard library's sources at a constant learning rate,
+no checkpoints, on 2 emulated nodes x 2 ranks of this machine (one torchrun agent per node, each rank
+running ``python -m hsdp.apps.demo``). Its run directory is temporary. Parameters, gradients and AdamW
+state are sharded across the ranks of a node and replicated across nodes; rank 0 shows the progress and
+ends with the demo's summary: the loss, throughput, and every rank's bytes of model state against what
+one unsharded replica holds.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import os
 import sys
-import time
-from dataclasses import dataclass
+import tempfile
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 from torch import nn
 
-import hsdp
-from hsdp.apps.train.progress import Reporter
-from hsdp.apps.train.ranks import RankChannel
-from hsdp.data.text import ByteTokenizer, TokenStream, as_tokens, default_corpus_bytes, split_tokens
+from hsdp.apps.train.config import RunConfig
+from hsdp.apps.train.config_io import apply_overrides, build_config
 from hsdp.engine.memory import StateBytes
-from hsdp.models import GPT, preset
+
+if TYPE_CHECKING:
+    from hsdp.apps.train.job import JobOutcome
+    from hsdp.apps.train.trainer import Trainer
+
+# What differs from `hsdp train`'s defaults (the rest, e.g. batch 8 per rank, AdamW at lr 2e-3, is shared).
+DEMO: dict[str, dict[str, Any]] = {
+    "data": {"max_bytes": 1_000_000},
+    "optim": {"min_lr": 2e-3, "warmup_steps": 0, "grad_clip": 0.0},  # a constant learning rate, no clipping
+    "train": {"steps": 100, "eval_every": 20, "checkpoint_every": 0, "sample_tokens": 60,
+              "save_on_signal": False},  # a demo keeps no checkpoint: SIGTERM just ends it
+}
 
 
-@dataclass(frozen=True)
-class DemoConfig:
-    """What the demo trains and for how long. ``batch_size`` is per rank."""
-
-    steps: int = 100
-    preset: str = "tiny"
-    batch_size: int = 8
-    lr: float = 2e-3
-    weight_decay: float = 0.1
-    seed: int = 0
-    log_every: int = 10
-    corpus_bytes: int = 1_000_000
-    eval_batches: int = 4
-    sample_tokens: int = 60
+def demo_config(overrides: list[str]) -> RunConfig:
+    """:data:`DEMO`, then ``section.field=value`` overrides; ``ValueError`` naming a bad one."""
+    return build_config(apply_overrides(DEMO, overrides), "the demo's configuration")
 
 
-def parse_args(argv: list[str] | None = None) -> DemoConfig:
-    d = DemoConfig()
-    p = argparse.ArgumentParser(prog="python -m hsdp.apps.demo", description="HSDP demo: train a tiny GPT")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--preset", default=d.preset, help="a byte-vocabulary shape from hsdp.models.PRESETS")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank and step")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="0 skips the text sample")
-    a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error("--steps must be at least 1")
-    return DemoConfig(steps=a.steps, preset=a.preset, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
-                      log_every=max(1, a.log_every), sample_tokens=max(0, a.sample_tokens))
+def launch(nodes: int, nproc_per_node: int, steps: int) -> int:
+    """``hsdp demo``: start ``nodes`` emulated nodes of ``nproc_per_node`` ranks, each running
+    :func:`main`, in a temporary run directory; the exit status."""
+    from hsdp.tools.launch import launch_local
+
+    with tempfile.TemporaryDirectory(prefix="hsdp-demo-") as out:
+        overrides = [f"train.steps={steps}", f"train.out_dir={out}", f"parallel.nodes={nodes}",
+                     f"parallel.nproc_per_node={nproc_per_node}"]
+        try:
+            cfg = demo_config(overrides)  # checked once here, before starting any rank
+        except ValueError as e:
+            print(f"hsdp demo: error: {e}", file=sys.stderr)
+            return 2
+        return launch_local(cfg.parallel.nodes, cfg.parallel.nproc_per_node, ["-m", "hsdp.apps.demo", *overrides])
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Measurements.
+# The summary (rank 0), from the Trainer's results.
 # ---------------------------------------------------------------------------------------------------------
 def unsharded_state_bytes(model: nn.Module) -> StateBytes:
     """What one plain (unwrapped) replica holds after an AdamW step: every parameter, a gradient per
@@ -84,98 +76,43 @@ def unsharded_state_bytes(model: nn.Module) -> StateBytes:
     return StateBytes(params=nbytes(params), grads=nbytes(trainable), optimizer=adamw)
 
 
-def mean_over_ranks(channel: RankChannel, value: torch.Tensor) -> float:
-    """The average of a scalar over every rank (a collective: all ranks must call it)."""
-    return channel.mean([value.detach().float().item()])[0]
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, stream: TokenStream, batches: int, channel: RankChannel) -> float:
-    """Held-out loss averaged over ``batches`` batches per rank and over the ranks."""
-    model.eval()
-    losses = [model(*stream.batch(i))[1] for i in range(batches)]
-    model.train()
-    return mean_over_ranks(channel, torch.stack(losses).mean())
-
-
-def rank_record(mesh: hsdp.HSDPMesh, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's place in the mesh and its model-state bytes, for the summary."""
-    node = int(os.environ.get("GROUP_RANK", mesh.replicate_rank))  # torchrun's node rank
-    place = {"rank": mesh.rank, "node": node, "shard": mesh.shard_rank}
-    return {**place, **hsdp.state_bytes(model, opt).as_dict()}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training.
-# ---------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TrainResult:
-    """Rank-averaged training loss per step, tokens processed by all ranks, and the training time."""
-
-    losses: list[float]
-    tokens: int
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, stream: TokenStream, cfg: DemoConfig,
-          reporter: Reporter, channel: RankChannel) -> TrainResult:
-    tokens_per_step = stream.batch_size * stream.block_size * dist.get_world_size()
-    losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(cfg.steps):
-        opt.zero_grad(set_to_none=True)
-        _, loss = model(*stream.batch(step))
-        loss.backward()
-        opt.step()
-        losses.append(mean_over_ranks(channel, loss))
-        elapsed = time.perf_counter() - start
-        reporter.update(step + 1, losses[-1], tokens_per_step * (step + 1) / elapsed)
-    return TrainResult(losses, tokens_per_step * cfg.steps, time.perf_counter() - start)
-
-
-def sample_text(model: GPT, prompt: str, tokens: int, seed: int) -> str:
-    """A continuation of ``prompt``. Every rank must call it: each new token is one sharded forward."""
-    tok = ByteTokenizer()
-    idx = torch.tensor([tok.encode(prompt)], dtype=torch.long)
-    g = torch.Generator().manual_seed(seed)
-    model.eval()
-    out = model.generate(idx, tokens, temperature=0.8, top_k=20, generator=g)
-    model.train()
-    return tok.decode(out[0])
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Summary tables (rank 0).
-# ---------------------------------------------------------------------------------------------------------
 def _kib(n: float) -> str:
     return f"{n / 1024:,.1f}"
 
 
-def run_table(cfg: DemoConfig, mesh: hsdp.HSDPMesh, result: TrainResult, evals: tuple[float, float],
-              n_params: int) -> Table:
+def held_out_row(records: list[dict[str, Any]]) -> str | None:
+    """The first and last held-out losses of the run with their steps (``None`` without evaluations)."""
+    evals = [(r["step"], r["eval_loss"]) for r in records if r["eval_loss"] is not None]
+    if not evals:
+        return None
+    (first_step, first), (last_step, last) = evals[0], evals[-1]
+    if first_step == last_step:
+        return f"{last:.3f} (step {last_step})"
+    return f"{first:.3f} -> {last:.3f} (step {first_step} -> {last_step})"
+
+
+def run_table(summary: dict[str, Any], records: list[dict[str, Any]]) -> Table:
     t = Table(title="HSDP demo", show_header=False)
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("mesh", f"{mesh.replicate_degree} replicas x {mesh.sharding_degree} shards "
-                      f"({mesh.world_size} ranks)")
-    t.add_row("model", f"GPT '{cfg.preset}', {n_params:,} parameters")
-    t.add_row("steps", f"{cfg.steps} x {result.tokens // cfg.steps:,} tokens")
-    t.add_row("train loss", f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f} (first -> last step)")
-    t.add_row("held-out loss", f"{evals[0]:.3f} -> {evals[1]:.3f} (before -> after)")
-    t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s over {result.seconds:.1f} s")
+    m, model = summary["mesh"], summary["model"]
+    t.add_row("mesh", f"{m['replicas']} replicas x {m['shards']} shards ({m['world']} ranks)")
+    t.add_row("model", f"{model['kind']} '{model['preset']}', {model['params']:,} parameters")
+    t.add_row("steps", f"{len(records)} x {summary['tokens'] // len(records):,} tokens")
+    t.add_row("train loss", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f} (first -> last step)")
+    held_out = held_out_row(records)
+    if held_out is not None:
+        t.add_row("held-out loss", held_out)
+    t.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['seconds']:.1f} s")
     return t
 
 
-def memory_table(records: list[dict[str, int]], unsharded: StateBytes) -> Table:
+def memory_table(ranks: list[dict[str, Any]], unsharded: StateBytes) -> Table:
     # KiB in the cells keeps the table within 80 columns behind the launcher's "[node i] " prefix.
     t = Table(title="Model state per rank (KiB)", caption="plain: the unwrapped model with plain AdamW")
     for name in ("rank", "node", "shard", "params", "grads", "AdamW", "total", "ratio"):
         t.add_column(name, justify="right", no_wrap=True)
-    for r in sorted(records, key=lambda r: r["rank"]):
+    for r in sorted(ranks, key=lambda r: r["rank"]):
         t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), _kib(r["params"]), _kib(r["grads"]),
                   _kib(r["optimizer"]), _kib(r["total"]), f"{r['total'] / unsharded.total:.2f}x")
     t.add_row("plain", "", "", _kib(unsharded.params), _kib(unsharded.grads), _kib(unsharded.optimizer),
@@ -183,64 +120,29 @@ def memory_table(records: list[dict[str, int]], unsharded: StateBytes) -> Table:
     return t
 
 
-def print_summary(console: Console, cfg: DemoConfig, mesh: hsdp.HSDPMesh, result: TrainResult,
-                  evals: tuple[float, float], records: list[dict[str, int]], unsharded: StateBytes,
-                  n_params: int, sample: str | None) -> None:
-    console.print(run_table(cfg, mesh, result, evals, n_params))
-    console.print(memory_table(records, unsharded))
-    mean_ratio = sum(r["total"] for r in records) / len(records) / unsharded.total
-    console.print(f"model state per rank: {mean_ratio:.2f}x of plain "
-                  f"(ideal with {mesh.sharding_degree} shards: {1 / mesh.sharding_degree:.2f}x)")
-    if sample is not None:
-        console.print(Panel(Text(sample), title="sample after training", expand=False))
-    first, last = result.losses[0], result.losses[-1]
+def print_demo_summary(console: Console, outcome: JobOutcome, trainer: Trainer) -> None:
+    """The demo's end of run (rank 0): loss and throughput, model state per rank against one plain replica,
+    the sample, and whether the loss fell."""
+    summary, ranks = outcome.summary, outcome.summary["ranks"]
+    with torch.device("meta"):  # the plain replica's shapes and dtypes, nothing allocated
+        unsharded = unsharded_state_bytes(trainer.lm.build(trainer.shape))
+    console.print(run_table(summary, trainer.result.records))
+    console.print(memory_table(ranks, unsharded))
+    shards = summary["mesh"]["shards"]
+    mean_ratio = sum(r["total"] for r in ranks) / len(ranks) / unsharded.total
+    console.print(f"model state per rank: {mean_ratio:.2f}x of plain (ideal with {shards} shards: {1 / shards:.2f}x)")
+    if outcome.sample is not None:
+        console.print(Panel(Text(outcome.sample), title="sample after training", expand=False))
+    first, last = summary["loss_first"], summary["loss_last"]
     verdict = "fell" if last < first else "did NOT fall"
     console.print(f"loss {verdict}: {first:.3f} -> {last:.3f}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The job.
-# ---------------------------------------------------------------------------------------------------------
-def run(cfg: DemoConfig, mesh: hsdp.HSDPMesh, console: Console) -> None:
-    is_root = mesh.rank == 0
-    channel = RankChannel(mesh)  # metric averages and records, outside the model's comm stats
-    torch.manual_seed(cfg.seed)  # rank 0's initial weights are broadcast: replicas start identical
-    gpt_cfg = preset(cfg.preset)
-    if gpt_cfg.vocab_size != ByteTokenizer.vocab_size:
-        raise ValueError(f"preset {cfg.preset!r} has vocab {gpt_cfg.vocab_size}: the demo needs a byte "
-                         f"vocabulary (256), e.g. 'tiny' or 'small'")
-    model = GPT(gpt_cfg)
-    n_params, unsharded = model.num_params(), unsharded_state_bytes(model)
-    model = hsdp.ShardedModel(model, mesh=mesh)
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                                         weight_decay=cfg.weight_decay))
-    train_tokens, eval_tokens = split_tokens(as_tokens(default_corpus_bytes(cfg.corpus_bytes)))
-    stream = TokenStream(train_tokens, gpt_cfg.block_size, cfg.batch_size, seed=cfg.seed, mesh=mesh)
-    held_out = TokenStream(eval_tokens, gpt_cfg.block_size, cfg.batch_size, seed=cfg.seed + 1, mesh=mesh)
-    eval_before = evaluate(model, held_out, cfg.eval_batches, channel)
-    with Reporter(console, cfg.steps, cfg.log_every, enabled=is_root) as reporter:
-        result = train(model, opt, stream, cfg, reporter, channel)
-    records = channel.gather(rank_record(mesh, model, opt))  # before zero_grad: grads count
-    eval_after = evaluate(model, held_out, cfg.eval_batches, channel)
-    sample = sample_text(model, "def ", cfg.sample_tokens, cfg.seed) if cfg.sample_tokens else None
-    if is_root:
-        print_summary(console, cfg, mesh, result, (eval_before, eval_after), records, unsharded, n_params,
-                      sample)
-    if not all(math.isfinite(x) for x in result.losses):
-        raise RuntimeError("training produced a non-finite loss")
-
-
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    # Several ranks share the CPUs: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(1)
-    mesh = hsdp.init_mesh()
-    try:
-        run(cfg, mesh, Console(highlight=False))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    """One rank of the demo (what :func:`launch` starts): ``python -m hsdp.apps.demo [section.field=value ...]``."""
+    from hsdp.apps.train.command import run_rank
+
+    return run_rank(demo_config(sys.argv[1:] if argv is None else argv), report=print_demo_summary)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@
 * ``export_safetensors`` / ``hsdp export``: consolidated weights for plain ``load_state_dict``.
 """
 
-from hsdp.checkpoint.agreement import CheckpointError
+from hsdp.checkpoint.errors import CheckpointError
 from hsdp.checkpoint.export import export_safetensors, load_safetensors
 from hsdp.checkpoint.load import LoadResult, load_checkpoint, restore
 from hsdp.checkpoint.options import CheckpointOptions

@@ -24,14 +24,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hsdp.checkpoint.agreement import CheckpointError, agree, on_rank0, run_agreed
 from hsdp.checkpoint.dcp_io import CheckpointReader, SafeLoadPlanner
+from hsdp.checkpoint.errors import CheckpointError
 from hsdp.checkpoint.manifest import InvalidCheckpoint, verify_checksums
 from hsdp.checkpoint.names import check_types
 from hsdp.checkpoint.options import CheckpointOptions
 from hsdp.checkpoint.resolve import Candidate, candidates, from_json, to_json
 from hsdp.checkpoint.spec import build_spec
 from hsdp.checkpoint.templates import Buffers, allocate, assemble
+from hsdp.engine.agreement import agree, on_rank0, run_agreed
 from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.model import ShardedModel
@@ -75,12 +76,12 @@ def restore(path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOpti
     comm = Comm(mesh)  # its own accounting: checkpoint traffic stays out of model.comm_stats()
     chosen, verify_bytes = _choose(comm, path, options)
     what = "load_checkpoint"
-    spec = on_rank0(comm, what, lambda: build_spec(chosen, model, optimizer))
-    buffers = run_agreed(comm, what, lambda: allocate(spec, model))
-    metadata_bytes, tensor_bytes = run_agreed(comm, what, lambda: _read(spec, buffers, mesh))
+    spec = on_rank0(comm, what, lambda: build_spec(chosen, model, optimizer), CheckpointError)
+    buffers = run_agreed(comm, what, lambda: allocate(spec, model), CheckpointError)
+    metadata_bytes, tensor_bytes = run_agreed(comm, what, lambda: _read(spec, buffers, mesh), CheckpointError)
     _fan_out(comm, buffers)
     model_sd, optim_sd = assemble(spec, buffers, model)
-    run_agreed(comm, what, lambda: _apply(model, optimizer, model_sd, optim_sd))
+    run_agreed(comm, what, lambda: _apply(model, optimizer, model_sd, optim_sd), CheckpointError)
     own = spec["bytes_read"] if mesh.rank == 0 else 0
     total = own + verify_bytes + metadata_bytes + tensor_bytes
     return LoadResult(_extra_for(spec, mesh), chosen.path, spec["step"], total, tensor_bytes,
@@ -90,7 +91,7 @@ def restore(path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOpti
 def _choose(comm: Comm, path: str | os.PathLike, options: CheckpointOptions) -> tuple[Candidate, int]:
     """The first candidate whose files match their checksums (verified by replica 0, each rank a share)."""
     mesh = comm.mesh
-    found = on_rank0(comm, "load_checkpoint", lambda: [to_json(c) for c in candidates(path)])
+    found = on_rank0(comm, "load_checkpoint", lambda: [to_json(c) for c in candidates(path)], CheckpointError)
     nbytes = 0
     for cand in map(from_json, found):
         if cand.manifest is None or options.verify != "checksum":
@@ -103,7 +104,7 @@ def _choose(comm: Comm, path: str | os.PathLike, options: CheckpointOptions) -> 
             except (InvalidCheckpoint, OSError) as e:
                 error = e
         try:
-            agree(comm, "load_checkpoint: verifying checksums", error)
+            agree(comm, "load_checkpoint: verifying checksums", error, CheckpointError)
         except CheckpointError as e:
             if cand.explicit:
                 raise

@@ -23,14 +23,15 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from hsdp.checkpoint.agreement import CheckpointError, on_rank0, run_agreed
 from hsdp.checkpoint.dcp_io import METADATA, check_storage, read_metadata_file
+from hsdp.checkpoint.errors import CheckpointError
 from hsdp.checkpoint.manifest import MANIFEST, FileEntry, Manifest, hash_file
 from hsdp.checkpoint.names import check_types, optimizer_kind, save_state, tied_aliases
 from hsdp.checkpoint.options import CheckpointOptions
 from hsdp.checkpoint.resolve import is_checkpoint_dir
 from hsdp.checkpoint.rundir import atomic_write, commit_dir, next_step, prune, step_dir_name, write_latest
 from hsdp.checkpoint.spec import EXTRA
+from hsdp.engine.agreement import on_rank0, run_agreed
 from hsdp.engine.collectives import Comm
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
@@ -51,27 +52,28 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: Sha
     options = options or CheckpointOptions()
     check_types(model, optimizer)
     comm = Comm(model.mesh)
-    mine = run_agreed(comm, "save_checkpoint", lambda: _encode_args(path, extra, step))
+    mine = run_agreed(comm, "save_checkpoint", lambda: _encode_args(path, extra, step), CheckpointError)
     gathered = [json.loads(b) for b in comm.all_gather_bytes(mine)]
     if len({json.dumps(g["step"]) for g in gathered}) > 1:
         raise CheckpointError(f"save_checkpoint: ranks passed different steps {[g['step'] for g in gathered]}: "
                               f"pass the same step on every rank")
-    target = on_rank0(comm, "save_checkpoint: preparing the run directory", lambda: _prepare(path, step))
+    target = on_rank0(comm, "save_checkpoint: preparing the run directory", lambda: _prepare(path, step),
+                      CheckpointError)
     tmp = target["tmp"]
     model.reshard()  # the module must hold the sharded parameters
     state = save_state(model, optimizer)
     run_agreed(comm, f"save_checkpoint: writing {tmp}",
-               lambda: dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True)))
+               lambda: dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True)), CheckpointError)
     extras = {"world_size": comm.size("world"), "ranks": [g["extra"] for g in gathered]}
     names = on_rank0(comm, "save_checkpoint: writing extra",
-                     lambda: _write_extra(tmp, extras, target["nonce"]))
+                     lambda: _write_extra(tmp, extras, target["nonce"]), CheckpointError)
     share = names[comm.mesh.rank:: comm.size("world")]
-    hashes = run_agreed(comm, "save_checkpoint: hashing", lambda: _hash(tmp, share))
+    hashes = run_agreed(comm, "save_checkpoint: hashing", lambda: _hash(tmp, share), CheckpointError)
     files = {k: v for b in comm.all_gather_bytes(json.dumps(hashes).encode()) for k, v in json.loads(b).items()}
     manifest = Manifest(target["step"], comm.size("world"), (model.mesh.replicate_degree, model.mesh.sharding_degree),
                         {k: FileEntry(*v) for k, v in files.items()},
                         None if optimizer is None else optimizer_kind(optimizer), tied_aliases(model))
-    return on_rank0(comm, "save_checkpoint: committing", lambda: _commit(target, manifest, options))
+    return on_rank0(comm, "save_checkpoint: committing", lambda: _commit(target, manifest, options), CheckpointError)
 
 
 def _encode_args(path: Any, extra: Any, step: Any) -> bytes:

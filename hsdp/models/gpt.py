@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hsdp.models import sampling
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -155,25 +157,14 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) and return it.
 
         Exactly one forward per new token, so under a ShardedModel every rank must call ``generate`` with
         the same ``max_new_tokens`` (each forward runs collectives). ``temperature`` divides the logits;
-        ``top_k`` keeps only the k most likely tokens; ``generator`` makes sampling reproducible.
+        ``top_k`` keeps only the k most likely tokens; ``generator`` makes sampling reproducible. See
+        :func:`hsdp.models.sampling.generate`.
         """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.cfg.block_size:]
-            logits, _ = self(context)
-            logits = logits[:, -1, :] / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+        return sampling.generate(lambda context: self(context)[0], idx, max_new_tokens, self.cfg.block_size,
+                                 temperature=temperature, top_k=top_k, generator=generator)

@@ -12,7 +12,8 @@ From Python (on every rank of a launched job)::
     run_job(resolve_config("run.toml", ["train.steps=100"]))
 
 Modules: ``config`` (the typed sections), ``config_io`` (TOML and overrides), ``corpus`` (text sources and
-tokenizers), ``lm`` (models and loss), ``optimizer`` (AdamW and schedule), ``loop`` (the steps),
+tokenizers), ``lm`` (one adapter per model kind: build, logits, loss), ``optimizer`` (AdamW and schedule),
+``trainer`` (the ``Trainer``: steps, evaluation, checkpoints), ``result`` (a session's records),
 ``metrics``, ``progress``, ``rank_warnings``, ``resume``, ``profiling``, ``summary``, ``job`` (one rank's
 run), ``command`` (the command line), ``report`` (``hsdp report``'s plots).
 """

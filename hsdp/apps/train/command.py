@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hsdp.apps.train.config import RunConfig
+    from hsdp.apps.train.job import Report
 
 USAGE_ERROR = 2
 
@@ -108,16 +109,16 @@ def _error(message: str) -> int:
     return USAGE_ERROR
 
 
-def run_rank(config: RunConfig) -> int:
-    """Run the job as this rank; 2 (after one message from rank 0) when the run may not start, 143 when a
-    SIGTERM stopped it after a checkpoint."""
+def run_rank(config: RunConfig, report: Report | None = None) -> int:
+    """Run the job as this rank, ending with ``report`` (default: ``hsdp train``'s); 2 (after one message
+    from rank 0) when the run may not start, 143 when a SIGTERM stopped it after a checkpoint."""
     import torch.distributed as dist
 
-    from hsdp.apps.train.job import run_job
-    from hsdp.engine.faults.preemption import STOP_EXIT_STATUS
+    from hsdp.apps.train.job import print_report, run_job
+    from hsdp.engine.preemption import STOP_EXIT_STATUS
 
     try:
-        outcome = run_job(config)
+        outcome = run_job(config, report=report or print_report)
     except ValueError as e:  # every rank raises the same agreed error: print it once
         return _error(str(e)) if os.environ.get("RANK", "0") == "0" else USAGE_ERROR
     finally:

@@ -8,14 +8,16 @@ command line (``train.steps = 0: must be at least 1``) and how to fix it. Readin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-MODEL_KINDS = ("gpt", "hf-gpt2")
+if TYPE_CHECKING:
+    from hsdp.models import GPTConfig
+
 TOKENIZERS = ("byte", "char")
 DATA_FORMATS = ("auto", "text", "jsonl", "dataset")
 PRECISIONS = ("fp32", "bf16")
-REPLICA_HOPS = ("fp32", "bf16", "int8")
 DEFAULT_OUT_DIR = "runs/train"
 STDLIB = "stdlib"
 
@@ -50,13 +52,23 @@ class ModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        from hsdp.models import PRESETS  # torch import deferred: configs load without it
+        # Deferred: both import torch, and configs load without it (`hsdp train --help` stays fast).
+        from hsdp.apps.train.lm import LANGUAGE_MODELS
+        from hsdp.models import PRESETS
 
         _one_of(self.SECTION, "preset", self.preset, tuple(sorted(PRESETS)))
-        _one_of(self.SECTION, "kind", self.kind, MODEL_KINDS)
+        _one_of(self.SECTION, "kind", self.kind, tuple(LANGUAGE_MODELS))
         _at_least(self.SECTION, self, ("block_size",), 0)
         if not 0.0 <= self.dropout < 1.0:
             _fail(self.SECTION, "dropout", self.dropout, "must lie in [0, 1)")
+
+    def shape(self, vocab_size: int) -> GPTConfig:
+        """The preset's shape with the tokenizer's vocabulary and the configured context and dropout."""
+        from hsdp.models import preset  # torch import deferred, as above
+
+        base = preset(self.preset)
+        return dataclasses.replace(base, vocab_size=vocab_size, block_size=self.block_size or base.block_size,
+                                   dropout=self.dropout)
 
 
 @dataclass(frozen=True)
@@ -172,10 +184,12 @@ class ParallelConfig:
     reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
+        from hsdp.engine.hops import HOP_NAMES  # torch import deferred: configs load without it
+
         _at_least(self.SECTION, self, ("nodes", "nproc_per_node"), 1)
         _at_least(self.SECTION, self, ("sharding_degree",), 0)
         _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
-        _one_of(self.SECTION, "replica_hop", self.replica_hop, REPLICA_HOPS)
+        _one_of(self.SECTION, "replica_hop", self.replica_hop, HOP_NAMES)
 
 
 @dataclass(frozen=True)

@@ -1,96 +1,107 @@
-"""The language models ``hsdp train`` builds, behind one interface: logits and next-token loss.
+"""The language models ``hsdp train`` builds, one adapter per ``model.kind``: build, wrap, logits, loss.
 
 ``gpt``: :class:`hsdp.models.GPT` (``forward(idx, targets) -> (logits, loss)``). ``hf-gpt2``: a Hugging
 Face ``GPT2LMHeadModel`` of the same shape with random weights (built from a config, nothing is
 downloaded; its tied ``wte``/``lm_head`` matrix stays one parameter under hsdp). Both see the same
 ``(x, y)`` batches, ``y`` being ``x`` shifted by one token, and the same loss: mean cross entropy.
+The kind is looked up once in :data:`LANGUAGE_MODELS`; nothing else in the job dispatches on it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hsdp.apps.train.config import ModelConfig
-from hsdp.models import GPT, GPTConfig, preset
+from hsdp.engine.wrap import WrapPolicy
+from hsdp.models import GPT, GPTConfig, generate
 
 
-@dataclass(frozen=True)
-class BuiltModel:
-    """An unwrapped model, its kind, class name (before wrapping renames it), context length and distinct
-    parameter count (a tied matrix counts once)."""
+class LanguageModel(Protocol):
+    """How the job builds, wraps and runs one kind of model. Every kind takes a GPT shape (the preset's,
+    with the tokenizer's vocabulary) and maps token ids to logits and a next-token loss."""
 
-    module: nn.Module
-    kind: str
-    class_name: str
-    block_size: int
-    n_params: int
+    # ShardedModel's units; None: the engine's default, one unit per block of the repeated stack.
+    wrap: WrapPolicy
 
-    @property
-    def description(self) -> str:
-        return f"{self.class_name}, {self.n_params:,} parameters, context {self.block_size}"
+    def build(self, shape: GPTConfig) -> nn.Module:
+        """A freshly initialised model of ``shape`` (from torch's global generator)."""
+        ...
 
+    def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        """``(B, T, vocab)`` logits of token ids ``idx`` ``(B, T)``."""
+        ...
 
-def gpt_shape(cfg: ModelConfig, vocab_size: int) -> GPTConfig:
-    """The preset's shape with the tokenizer's vocabulary and the configured context and dropout."""
-    shape = preset(cfg.preset)
-    return dataclasses.replace(shape, vocab_size=vocab_size, block_size=cfg.block_size or shape.block_size,
-                               dropout=cfg.dropout)
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy of predicting ``y`` from ``x``."""
+        ...
 
 
-def hf_gpt2(shape: GPTConfig) -> nn.Module:
-    """A randomly initialised ``GPT2LMHeadModel`` of ``shape`` (needs the ``hf`` extra)."""
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        raise ValueError("model.kind = 'hf-gpt2' needs Hugging Face transformers: pip install 'hsdp[hf]'") from None
-    # bos/eos default to GPT-2's 50256, outside a byte or character vocabulary: transformers warns.
-    config = GPT2Config(vocab_size=shape.vocab_size, n_positions=shape.block_size, n_embd=shape.n_embd,
-                        n_layer=shape.n_layer, n_head=shape.n_head, resid_pdrop=shape.dropout,
-                        embd_pdrop=shape.dropout, attn_pdrop=shape.dropout, bos_token_id=0, eos_token_id=0,
-                        tie_word_embeddings=shape.tie_embeddings)
-    return GPT2LMHeadModel(config)
+class HsdpGPT:
+    """``model.kind = "gpt"``: hsdp's own GPT, whose forward computes the loss itself."""
+
+    wrap: WrapPolicy = None
+
+    def build(self, shape: GPTConfig) -> nn.Module:
+        return GPT(shape)
+
+    def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return model(idx)[0]
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model(x, y)[1]
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> BuiltModel:
-    """The configured model with freshly initialised weights (from torch's global generator)."""
-    shape = gpt_shape(cfg, vocab_size)
-    module = GPT(shape) if cfg.kind == "gpt" else hf_gpt2(shape)
-    n_params = sum(p.numel() for p in module.parameters())  # parameters() yields a tied matrix once
-    return BuiltModel(module, cfg.kind, type(module).__name__, shape.block_size, n_params)
+class HuggingFaceGPT2:
+    """``model.kind = "hf-gpt2"``: ``GPT2LMHeadModel`` (needs the ``hf`` extra)."""
+
+    wrap: WrapPolicy = None
+
+    def build(self, shape: GPTConfig) -> nn.Module:
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError:
+            raise ValueError("model.kind = 'hf-gpt2' needs Hugging Face transformers: pip install 'hsdp[hf]'"
+                             ) from None
+        # bos/eos default to GPT-2's 50256, outside a byte or character vocabulary: transformers warns.
+        config = GPT2Config(vocab_size=shape.vocab_size, n_positions=shape.block_size, n_embd=shape.n_embd,
+                            n_layer=shape.n_layer, n_head=shape.n_head, resid_pdrop=shape.dropout,
+                            embd_pdrop=shape.dropout, attn_pdrop=shape.dropout, bos_token_id=0, eos_token_id=0,
+                            tie_word_embeddings=shape.tie_embeddings)
+        return GPT2LMHeadModel(config)
+
+    def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=idx).logits
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Its own loss (labels=) would shift by one token again: ours are shifted already.
+        logits = self.logits(model, x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
 
-def logits_of(module: nn.Module, kind: str, idx: torch.Tensor) -> torch.Tensor:
-    """``(B, T, vocab)`` logits of token ids ``idx`` (B, T)."""
-    if kind == "gpt":
-        return module(idx)[0]
-    return module(input_ids=idx).logits
+LANGUAGE_MODELS: dict[str, LanguageModel] = {"gpt": HsdpGPT(), "hf-gpt2": HuggingFaceGPT2()}
 
 
-def lm_loss(module: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of predicting ``y`` from ``x``."""
-    if kind == "gpt":
-        return module(x, y)[1]
-    logits = logits_of(module, kind, x)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+def parameter_count(model: nn.Module) -> int:
+    """Distinct parameters: ``parameters()`` yields a tied matrix once."""
+    return sum(p.numel() for p in model.parameters())
 
 
-@torch.no_grad()
+def describe(model: nn.Module, block_size: int) -> str:
+    """``"GPT, 215,232 parameters, context 64"``: the class (call it before wrapping renames the class),
+    the distinct parameters and the context length."""
+    return f"{type(model).__name__}, {parameter_count(model):,} parameters, context {block_size}"
+
+
 def sample(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], tokens: int, block_size: int,
            *, seed: int = 0, temperature: float = 0.8, top_k: int = 20) -> list[int]:
-    """``prompt`` followed by ``tokens`` sampled ids. Exactly one forward per new token: under a
-    ShardedModel every rank must call it with the same ``tokens`` (each forward runs collectives)."""
+    """``prompt`` followed by ``tokens`` sampled ids (:func:`hsdp.models.generate`). Exactly one forward
+    per new token: under a ShardedModel every rank must call it with the same ``tokens``."""
     g = torch.Generator().manual_seed(seed)
-    idx = torch.tensor([prompt], dtype=torch.long)
-    for _ in range(tokens):
-        # On the CPU: the generator is a CPU one, whatever device the model runs on.
-        logits = logits_fn(idx[:, -block_size:])[:, -1, :].float().cpu() / temperature
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
-        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=g)], dim=1)
+    # On the CPU: the generator is a CPU one, whatever device the model runs on.
+    idx = generate(lambda ids: logits_fn(ids).float().cpu(), torch.tensor([prompt], dtype=torch.long), tokens,
+                   block_size, temperature=temperature, top_k=top_k, generator=g)
     return idx[0].tolist()

@@ -1,4 +1,5 @@
-"""Small messages between the ranks of a training job: metric averages, JSON records, rank 0's decisions.
+"""Small messages between the ranks of a training job: metric averages, JSON records, rank 0's decisions
+(agreeing on errors is :mod:`hsdp.engine.agreement`, over the same ``comm``).
 
 They go through their own :class:`hsdp.engine.collectives.Comm`, so the job's bookkeeping never shows up in
 ``model.comm_stats()`` (the per-step intra- and inter-node bytes are the model's alone). Every method is a
@@ -43,9 +44,3 @@ class RankChannel:
         """Rank 0's JSON-serialisable ``record`` on every rank (the others pass anything, e.g. ``None``)."""
         data = json.dumps(record).encode() if self.is_root else None
         return json.loads(self.comm.broadcast_bytes(data))
-
-    def agree(self, error: str | None) -> None:
-        """Raise ``ValueError`` on every rank when any rank passes an error message (rank order wins)."""
-        errors = [e for e in self.gather(error) if e]
-        if errors:
-            raise ValueError(errors[0])

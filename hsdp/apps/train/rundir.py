@@ -24,6 +24,7 @@ from hsdp.apps.train.config_io import CONFIG_NAME, to_toml
 from hsdp.apps.train.metrics import JSONL_NAME
 from hsdp.apps.train.ranks import RankChannel
 from hsdp.checkpoint.rundir import list_steps
+from hsdp.engine.agreement import on_rank0
 
 
 @dataclass(frozen=True)
@@ -72,18 +73,21 @@ def start_problem(cfg: RunConfig) -> str | None:
             f"it, --out NEW_DIR to start another, or delete the directory")
 
 
+def _create(cfg: RunConfig) -> None:
+    """Rank 0: refuse a directory holding another run, else create it and save the configuration."""
+    problem = start_problem(cfg)
+    if problem is not None:
+        raise ValueError(problem)
+    try:
+        os.makedirs(cfg.train.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.train.out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
+            f.write(to_toml(cfg))
+    except OSError as e:
+        raise ValueError(f"train.out_dir = {cfg.train.out_dir!r} cannot be written: {e}") from e
+
+
 def prepare_run_dir(cfg: RunConfig, channel: RankChannel) -> RunDir:
     """Check and create the run directory and save the configuration (rank 0); a collective. Every rank
-    raises the same ``ValueError`` when the run may not start."""
-    error = None
-    if channel.is_root:
-        try:
-            error = start_problem(cfg)
-            if error is None:
-                os.makedirs(cfg.train.out_dir, exist_ok=True)
-                with open(os.path.join(cfg.train.out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
-                    f.write(to_toml(cfg))
-        except OSError as e:
-            error = f"train.out_dir = {cfg.train.out_dir!r} cannot be written: {e}"
-    channel.agree(error)
+    raises the same ``ValueError`` (rank 0's message, unprefixed) when the run may not start."""
+    on_rank0(channel.comm, "", lambda: _create(cfg))
     return RunDir(cfg.train.out_dir)

@@ -20,8 +20,8 @@ from rich.text import Text
 
 import hsdp
 from hsdp.apps.train.config import RunConfig
-from hsdp.apps.train.loop import LoopResult
 from hsdp.apps.train.metrics import peak_memory_bytes
+from hsdp.apps.train.result import LoopResult
 
 _WIRE_BYTES = {"fp32": 4, "bf16": 2}  # per element on the inter-node hop; int8 has no closed form here
 

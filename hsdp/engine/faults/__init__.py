@@ -1,1 +1,1 @@
-"""Faults the engine must survive: dead or stuck ranks (watchdog) and preemption signals."""
+"""Faults the engine must survive: dead or stuck ranks (watchdog) and the signals that stop a job."""

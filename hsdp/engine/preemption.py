@@ -61,7 +61,7 @@ class PreemptionGuard:
                     hsdp.save_checkpoint(run_dir, model, opt, extra={"step": step})
                     break
         if guard.stopped:
-            sys.exit(hsdp.engine.faults.preemption.STOP_EXIT_STATUS)
+            sys.exit(hsdp.engine.preemption.STOP_EXIT_STATUS)
 
     ``should_stop`` costs one all-reduce of one element over the world (and, on a GPU, a host sync): call it
     every step, or every N steps when steps are very short; the grace period has to cover the steps in

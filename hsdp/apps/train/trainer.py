@@ -1,0 +1,255 @@
+"""The :class:`Trainer`: one rank's training run of ``hsdp train`` (and ``hsdp demo``) as one object.
+
+It owns the wrapped model, its optimizer, the two token streams, the run directory, the rank channel,
+rank 0's metrics writer and progress reporter, the profiler and the session's :class:`LoopResult`.
+Construction builds them in a fixed order: mesh -> run directory -> corpus -> model (rank 0's initial
+weights are broadcast) -> ShardedModel -> sharded AdamW -> token streams -> resume.
+
+One step = ``grad_accum`` micro-batches (all but the last inside ``model.no_sync()``, so the inter-node
+hop runs once per step), gradient clipping over the whole sharded gradient, an AdamW step at the
+scheduled learning rate. Each step's communication is read from ``model.comm_stats()`` (reset at the
+step's start, so evaluation and sampling traffic are not counted) and published as one metrics record.
+Every public method is called on every rank in the same order: evaluation, metric averages, warnings and
+checkpoints are collectives. A SIGTERM on any rank (``train.save_on_signal``) ends the loop on every rank
+after the same step, with a checkpoint there (see ``hsdp.engine.preemption``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import torch
+from rich.console import Console
+
+import hsdp
+from hsdp.apps.train import resume, summary
+from hsdp.apps.train.config import RunConfig
+from hsdp.apps.train.corpus import load_corpus
+from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, parameter_count, sample
+from hsdp.apps.train.metrics import MetricsWriter, comm_totals, peak_memory_bytes
+from hsdp.apps.train.optimizer import build_optimizer, lr_at, set_lr
+from hsdp.apps.train.profiling import StepProfiler, profile_window
+from hsdp.apps.train.progress import Reporter
+from hsdp.apps.train.rank_warnings import RankWarnings
+from hsdp.apps.train.ranks import RankChannel
+from hsdp.apps.train.result import LoopResult
+from hsdp.apps.train.rundir import prepare_run_dir
+from hsdp.data.text import TokenStream
+from hsdp.engine.preemption import StopSignals
+from hsdp.engine.hops import named_hop
+
+_PRECISION = {"fp32": None, "bf16": hsdp.MixedPrecision(param_dtype=torch.bfloat16)}
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return every > 0 and (step % every == 0 or step == last)
+
+
+class Trainer:
+    """Train as ``cfg`` says on this rank; every rank of the job builds one (construction is a collective:
+    it creates the mesh, agrees on the run directory, broadcasts the initial weights and resumes).
+    Rank 0 alone prints (through ``console``) and writes the run directory's files."""
+
+    def __init__(self, cfg: RunConfig, console: Console, warnings: RankWarnings) -> None:
+        self.cfg = cfg
+        self.console = console
+        self.warnings = warnings  # flushed at logged steps: every rank's warnings, shown once by rank 0
+        self.mesh = hsdp.init_mesh(cfg.parallel.sharding_degree or None)
+        self.channel = RankChannel(self.mesh)  # metric averages and records, outside the model's comm stats
+        self.run = prepare_run_dir(cfg, self.channel)
+        self.corpus = load_corpus(cfg.data)
+        self.lm = LANGUAGE_MODELS[cfg.model.kind]  # the one place the model kind is looked at
+        self.shape = cfg.model.shape(self.corpus.tokenizer.vocab_size)
+        torch.manual_seed(cfg.train.seed)  # rank 0's weights are broadcast; the seed makes them reproducible
+        module = self.lm.build(self.shape).to(self.mesh.device)  # this rank's GPU under NCCL, else the CPU
+        self.description = describe(module, self.shape.block_size)  # before wrapping renames the class
+        self.n_params = parameter_count(module)
+        self.model = self._wrap(module)
+        # Per-rank generator state from here on: dropout masks differ across ranks, as their data does.
+        torch.manual_seed(cfg.train.seed + 1 + self.mesh.rank)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.train_stream, self.held_out = self._streams()
+        self.start_step, self.resumed_from = self._resume()
+        self.reporter = Reporter(console, cfg.train.steps, cfg.train.log_every, self.channel.is_root,
+                                 self.start_step)
+        self.profiler = self._profiler()
+        self.writer: MetricsWriter | None = None  # rank 0's metric files, opened by train()
+        self.result = LoopResult()
+
+    # -- construction ---------------------------------------------------------------------------------------
+    def _wrap(self, module: torch.nn.Module) -> hsdp.ShardedModel:
+        par = self.cfg.parallel
+        return hsdp.ShardedModel(module, mesh=self.mesh, wrap=self.lm.wrap,
+                                 reshard_after_forward=par.reshard_after_forward,
+                                 mixed_precision=_PRECISION[par.mixed_precision],
+                                 replica_hop=named_hop(par.replica_hop))
+
+    def _streams(self) -> tuple[TokenStream, TokenStream]:
+        """This rank's training and held-out batches (different seeds: different positions)."""
+        seed, batch, block = self.cfg.train.seed, self.cfg.train.batch_size, self.shape.block_size
+        return (TokenStream(self.corpus.train, block, batch, seed=seed, mesh=self.mesh),
+                TokenStream(self.corpus.held_out, block, batch, seed=seed + 1, mesh=self.mesh))
+
+    def _resume(self) -> tuple[int, str]:
+        """``(step, checkpoint directory)`` to continue from; ``(0, "")`` for a fresh start."""
+        if not self.cfg.train.resume:
+            return 0, ""
+        return resume.resume(self.run, self.model, self.optimizer, self.channel)
+
+    def _profiler(self) -> StepProfiler:
+        end = self.cfg.train.stop_after or self.cfg.train.steps
+        window = profile_window(self.start_step, end, self.cfg.train.profile_steps)
+        return StepProfiler(self.cfg.train.profile, window, self.run.profile, self.mesh.rank)
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the run already reached ``train.steps`` (a resumed run that had finished)."""
+        return self.start_step >= self.cfg.train.steps
+
+    def announce(self) -> None:
+        """Rank 0: the mesh, the model, the data and where the run starts."""
+        if not self.channel.is_root:
+            return
+        mesh = self.mesh
+        self.console.print(f"hsdp train: {mesh.replicate_degree} x {mesh.sharding_degree} mesh, "
+                           f"{self.description}", markup=False)
+        self.console.print(f"data: {self.corpus.description}", markup=False)
+        self.console.print(f"resumed from {self.resumed_from} (step {self.start_step})" if self.resumed_from
+                           else f"run directory: {self.run.path}", markup=False)
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """Run the step's micro-batches; returns this rank's mean loss (detached)."""
+        accum = self.cfg.train.grad_accum
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in range(accum):
+            x, y = self.train_stream.batch((step - 1) * accum + micro)  # the data position is a function of the step
+            x, y = x.to(self.mesh.device), y.to(self.mesh.device)
+            last = micro == accum - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                loss = self.lm.loss(self.model, x, y)
+                (loss / accum).backward()
+            total += loss.detach().double().cpu()
+        return total / accum
+
+    def _optimizer_step(self, step: int) -> tuple[torch.Tensor, float, float]:
+        """One optimizer step; ``(this rank's loss, grad norm before clipping, seconds)``."""
+        start = time.perf_counter()
+        set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.train.steps))
+        # Cleared here rather than after the step: the last step's gradients then count in the summary's
+        # model-state bytes, as they occupy memory during every step.
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._forward_backward(step)
+        max_norm = self.cfg.optim.grad_clip or math.inf  # inf: measure the norm, scale nothing
+        grad_norm = float(hsdp.clip_grad_norm_(self.model, max_norm))
+        self.optimizer.step()
+        return loss, grad_norm, time.perf_counter() - start
+
+    def step(self, step: int, stop_requested: bool) -> tuple[dict[str, Any], bool]:
+        """Run step ``step`` and measure it: its metrics record, and ``True`` when some rank asked to stop
+        (the same on every rank: the request travels in the loss average)."""
+        cfg = self.cfg
+        self.model.reset_comm_stats()
+        loss, grad_norm, seconds = self._optimizer_step(step)
+        comm = comm_totals(self.model.comm_stats())
+        mean_loss, stop_votes = self.channel.mean([loss.item(), float(stop_requested)])
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optim.lr or set optim.grad_clip")
+        stream = self.train_stream
+        n_tokens = cfg.train.batch_size * stream.block_size * cfg.train.grad_accum * stream.world_size
+        record = {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
+                  "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
+                  "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
+                  "mem_bytes": peak_memory_bytes(self.mesh.device)}
+        return record, stop_votes > 0
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out loss: the same ``train.eval_batches`` batches per rank every time, averaged over them
+        and the ranks."""
+        self.model.eval()
+        device = self.mesh.device
+        losses = [self.lm.loss(self.model, *(b.to(device) for b in self.held_out.batch(i))).double().cpu()
+                  for i in range(self.cfg.train.eval_batches)]
+        self.model.train()
+        return self.channel.mean([torch.stack(losses).mean().item()])[0]
+
+    def after_step(self, record: dict[str, Any]) -> None:
+        """Publish the step, flush warnings, checkpoint when due."""
+        step, cfg = record["step"], self.cfg
+        if self.writer is not None:
+            self.writer.write({k: v for k, v in record.items() if k != "step_tokens"})
+        self.reporter.update(step, record["loss"], record["tokens_per_s"])
+        if record["eval_loss"] is not None:
+            self.reporter.note(f"step {step}: held-out loss {record['eval_loss']:.4f}")
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            self.warnings.flush(self.channel)
+        if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
+            self.checkpoint(step)
+            self.reporter.note(f"step {step}: checkpoint {self.result.checkpoints[-1]}")
+
+    def checkpoint(self, step: int) -> None:
+        """Save the state after ``step`` (a collective)."""
+        path = resume.save(self.run, self.model, self.optimizer, step, self.cfg.train.keep_checkpoints)
+        self.result.checkpoints.append(path)
+        self.result.checkpoint_step = step
+
+    def stop(self) -> None:
+        """After a SIGTERM on any rank: checkpoint the last step (unless it just was) so that ``--resume``
+        continues there."""
+        step = self.result.records[-1]["step"]
+        if self.result.checkpoint_step != step:
+            self.checkpoint(step)
+        self.result.stopped_by_signal = True
+        self.reporter.note(f"step {step}: stopping on SIGTERM; checkpoint {self.result.checkpoints[-1]}")
+
+    # -- the session ----------------------------------------------------------------------------------------
+    def _run_step(self, step: int, stop_requested: bool) -> bool:
+        """Step, evaluate when due, publish; ``True`` when every rank stops here."""
+        self.profiler.before(step)
+        record, stopping = self.step(step, stop_requested)
+        self.result.trace = self.profiler.after(step) or self.result.trace
+        if _due(step, self.cfg.train.eval_every, self.cfg.train.steps):
+            record["eval_loss"] = self.evaluate()
+        self.result.add(record)
+        self.after_step(record)
+        if stopping:
+            self.stop()
+        return stopping
+
+    def train(self) -> LoopResult:
+        """Steps ``start_step + 1`` to ``train.steps`` (or ``train.stop_after``), or until a SIGTERM."""
+        end = self.cfg.train.stop_after or self.cfg.train.steps
+        if self.channel.is_root:  # a resumed run keeps the records up to its checkpoint
+            self.writer = MetricsWriter(self.run.path, self.start_step if self.cfg.train.resume else None)
+        with self.reporter, self.writer or contextlib.nullcontext():
+            with StopSignals(self.cfg.train.save_on_signal) as signals:
+                for step in range(self.start_step + 1, end + 1):
+                    if self._run_step(step, signals.requested):
+                        break
+            self.result.trace = self.profiler.close() or self.result.trace
+        return self.result
+
+    def sample_text(self) -> str | None:
+        """A continuation of ``train.sample_prompt`` (every rank takes part: each token is one forward)."""
+        cfg = self.cfg.train
+        if not cfg.sample_tokens:
+            return None
+        prompt = self.corpus.tokenizer.encode(cfg.sample_prompt) or [0]
+        self.model.eval()
+        device = self.mesh.device
+        ids = sample(lambda idx: self.lm.logits(self.model, idx.to(device)), prompt, cfg.sample_tokens,
+                     self.shape.block_size, seed=cfg.seed)
+        self.model.train()
+        return self.corpus.tokenizer.decode(ids)
+
+    def summarize(self) -> dict[str, Any]:
+        """The session's summary on every rank (rank 0 also writes ``summary.json``); a collective."""
+        ranks = self.channel.gather(summary.rank_record(self.model, self.optimizer, self.result))
+        out = summary.build_summary(self.cfg, self.mesh, self.n_params, self.result, ranks, self.start_step)
+        if self.channel.is_root:
+            summary.write_summary(self.run.summary, out)
+        return out
