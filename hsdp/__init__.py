@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     )
     from hsdp.data.sampler import data_parallel_rank, data_parallel_size, distributed_sampler
     from hsdp.engine.clip import clip_grad_norm_
-    from hsdp.engine.preemption import PreemptionGuard
     from hsdp.engine.faults.watchdog import FaultPolicy
     from hsdp.engine.init import load_pretrained, materialize
     from hsdp.engine.memory import StateBytes, state_bytes
@@ -66,6 +65,7 @@ if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel, check_replicas
     from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
     from hsdp.engine.policy import MixedPrecision
+    from hsdp.engine.preemption import PreemptionGuard
     from hsdp.engine.replicas import ReplicaDivergence
     from hsdp.engine.state_dict import full_state_dict
 

@@ -38,8 +38,8 @@ from hsdp.apps.train.ranks import RankChannel
 from hsdp.apps.train.result import LoopResult
 from hsdp.apps.train.rundir import prepare_run_dir
 from hsdp.data.text import TokenStream
-from hsdp.engine.preemption import StopSignals
 from hsdp.engine.hops import named_hop
+from hsdp.engine.preemption import StopSignals
 
 _PRECISION = {"fp32": None, "bf16": hsdp.MixedPrecision(param_dtype=torch.bfloat16)}
 
