@@ -24,7 +24,9 @@ from torch import nn
 
 from hsdp.apps.train.config import RunConfig
 from hsdp.apps.train.config_io import apply_overrides, build_config
+from hsdp.apps.train.summary import kib
 from hsdp.engine.memory import StateBytes
+from hsdp.tools.launch.emulated import USAGE_ERROR
 
 if TYPE_CHECKING:
     from hsdp.apps.train.job import JobOutcome
@@ -44,19 +46,19 @@ def demo_config(overrides: list[str]) -> RunConfig:
     return build_config(apply_overrides(DEMO, overrides), "the demo's configuration")
 
 
-def launch(nodes: int, nproc_per_node: int, steps: int) -> int:
+def launch(nodes: int, nproc_per_node: int, steps: int | None = None) -> int:
     """``hsdp demo``: start ``nodes`` emulated nodes of ``nproc_per_node`` ranks, each running
-    :func:`main`, in a temporary run directory; the exit status."""
+    :func:`main`, in a temporary run directory; the exit status. ``steps``: ``None`` keeps the preset's."""
     from hsdp.tools.launch import launch_local
 
     with tempfile.TemporaryDirectory(prefix="hsdp-demo-") as out:
-        overrides = [f"train.steps={steps}", f"train.out_dir={out}", f"parallel.nodes={nodes}",
-                     f"parallel.nproc_per_node={nproc_per_node}"]
+        overrides = [f"train.out_dir={out}", f"parallel.nodes={nodes}", f"parallel.nproc_per_node={nproc_per_node}",
+                     *([] if steps is None else [f"train.steps={steps}"])]
         try:
             cfg = demo_config(overrides)  # checked once here, before starting any rank
         except ValueError as e:
             print(f"hsdp demo: error: {e}", file=sys.stderr)
-            return 2
+            return USAGE_ERROR
         return launch_local(cfg.parallel.nodes, cfg.parallel.nproc_per_node, ["-m", "hsdp.apps.demo", *overrides])
 
 
@@ -74,10 +76,6 @@ def unsharded_state_bytes(model: nn.Module) -> StateBytes:
 
     adamw = 2 * nbytes(trainable) + 4 * len(trainable)
     return StateBytes(params=nbytes(params), grads=nbytes(trainable), optimizer=adamw)
-
-
-def _kib(n: float) -> str:
-    return f"{n / 1024:,.1f}"
 
 
 def held_out_row(records: list[dict[str, Any]]) -> str | None:
@@ -113,10 +111,10 @@ def memory_table(ranks: list[dict[str, Any]], unsharded: StateBytes) -> Table:
     for name in ("rank", "node", "shard", "params", "grads", "AdamW", "total", "ratio"):
         t.add_column(name, justify="right", no_wrap=True)
     for r in sorted(ranks, key=lambda r: r["rank"]):
-        t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), _kib(r["params"]), _kib(r["grads"]),
-                  _kib(r["optimizer"]), _kib(r["total"]), f"{r['total'] / unsharded.total:.2f}x")
-    t.add_row("plain", "", "", _kib(unsharded.params), _kib(unsharded.grads), _kib(unsharded.optimizer),
-              _kib(unsharded.total), "1.00x", style="dim")
+        t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), kib(r["params"]), kib(r["grads"]),
+                  kib(r["optimizer"]), kib(r["total"]), f"{r['total'] / unsharded.total:.2f}x")
+    t.add_row("plain", "", "", kib(unsharded.params), kib(unsharded.grads), kib(unsharded.optimizer),
+              kib(unsharded.total), "1.00x", style="dim")
     return t
 
 

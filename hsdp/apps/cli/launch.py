@@ -74,7 +74,7 @@ def add_demo(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                           "sharding saves.")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default: 2)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node = shard degree (default: 2)")
-    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo preset's, 100)")
     p.set_defaults(func=run_demo)
     return p
 

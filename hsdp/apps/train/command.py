@@ -13,11 +13,12 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from hsdp.tools.launch.emulated import USAGE_ERROR
+
 if TYPE_CHECKING:
     from hsdp.apps.train.config import RunConfig
     from hsdp.apps.train.job import Report
 
-USAGE_ERROR = 2
 
 EPILOG = """\
 examples:

@@ -78,11 +78,13 @@ def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: Lo
     }
 
 
-def _mib(n: float) -> str:
+def mib(n: float) -> str:
+    """A summary table's MiB column: bytes as ``1,234.56``."""
     return f"{n / 2**20:,.2f}"
 
 
-def _kib(n: float) -> str:
+def kib(n: float) -> str:
+    """A summary table's KiB column: bytes as ``1,234.5``."""
     return f"{n / 2**10:,.1f}"
 
 
@@ -110,21 +112,21 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
     for name in ("rank", "node", "shard", "params", "grads", "optim", "peak mem", "intra", "inter"):
         t.add_column(name, justify="right", no_wrap=True)
     for r in sorted(ranks, key=lambda r: r["rank"]):
-        t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), _mib(r["params"]), _mib(r["grads"]),
-                  _mib(r["optimizer"]), _mib(r["peak_bytes"]), _kib(r["shard_bytes_per_step"]),
-                  _kib(r["replicate_bytes_per_step"]))
+        t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), mib(r["params"]), mib(r["grads"]),
+                  mib(r["optimizer"]), mib(r["peak_bytes"]), kib(r["shard_bytes_per_step"]),
+                  kib(r["replicate_bytes_per_step"]))
     return t
 
 
 def node_table(summary: dict[str, Any]) -> Table:
     floor = summary["inter_node_floor_bytes_per_step"]
-    caption = "" if floor is None else f"inter-node floor 2(R-1)/R x P x b = {_kib(floor)} KiB per node"
+    caption = "" if floor is None else f"inter-node floor 2(R-1)/R x P x b = {kib(floor)} KiB per node"
     t = Table(title="Per node and step (KiB)", caption=caption)
     for name in ("node", "ranks", "intra-node (shard)", "inter-node (replicate)"):
         t.add_column(name, justify="right", no_wrap=True)
     for n in summary["nodes"]:
-        t.add_row(str(n["node"]), str(n["ranks"]), _kib(n["shard_bytes_per_step"]),
-                  _kib(n["replicate_bytes_per_step"]))
+        t.add_row(str(n["node"]), str(n["ranks"]), kib(n["shard_bytes_per_step"]),
+                  kib(n["replicate_bytes_per_step"]))
     return t
 
 
