@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hsdp.engine.faults.watchdog import FaultPolicy, start_watchdog
+from hsdp.engine.faults.watchdog import FaultPolicy, Watchdog, start_watchdog
 
 MESH_DIM_NAMES = ("replicate", "shard")
 # Read when sharding_degree is None; set per candidate layout by `hsdp tune`.
@@ -109,6 +109,9 @@ class HSDPMesh:
     """
 
     device_mesh: DeviceMesh
+    # This process's fault watchdog (started by init_mesh unless fault_policy=None); engine parts that
+    # need it (collective bookkeeping, periodic checks) reach it through the mesh, never a global.
+    watchdog: Watchdog | None = field(default=None, compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -206,10 +209,8 @@ def init_mesh(
     """
     if device_mesh is not None:
         mesh = mesh_from_device_mesh(device_mesh)
-        if fault_policy is not None:
-            start_watchdog(fault_policy)
         check_degree_agrees(sharding_degree, mesh)
-        return mesh
+        return mesh if fault_policy is None else HSDPMesh(mesh.device_mesh, start_watchdog(fault_policy))
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
         if sharding_degree is not None and world_size is not None:
@@ -219,10 +220,9 @@ def init_mesh(
     degree = default_sharding_degree(world_size) if sharding_degree is None else sharding_degree
     validate_degree(world_size, degree)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if fault_policy is not None:
-        start_watchdog(fault_policy)
+    watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     dm = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=MESH_DIM_NAMES)
-    return HSDPMesh(dm)
+    return HSDPMesh(dm, watchdog)
 
 
 def check_degree_agrees(sharding_degree: int | None, mesh: HSDPMesh) -> None:

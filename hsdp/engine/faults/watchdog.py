@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -57,6 +58,14 @@ class Watchdog:
         self.policy = policy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hsdp-watchdog", daemon=True)
+        self._checks: list[Callable[[], str | None]] = []
+
+    def add_check(self, check: Callable[[], str | None]) -> None:
+        """Run ``check`` on the watchdog thread every ``interval`` (after the heartbeat): a returned message is
+        a fatal failure of this rank, published to every rank, which all exit with :data:`EXIT_CODE`. For
+        conditions the main thread cannot see while blocked (its launcher died, its run-directory lease was
+        taken over). Must be quick and must not issue collectives."""
+        self._checks.append(check)
 
     def start(self) -> None:
         self.store.add(f"hsdp/hb/{self.rank}", 1)
@@ -109,6 +118,7 @@ class Watchdog:
                 self.store.add(f"hsdp/hb/{self.rank}", 1)
                 if self.store.check([FAILED_KEY]):
                     self._exit(self.store.get(FAILED_KEY).decode())
+                self._run_checks()
                 if peer == self.rank or self.store.add(f"hsdp/done/{peer}", 0):
                     continue
                 value = self.store.add(f"hsdp/hb/{peer}", 0)
@@ -119,6 +129,14 @@ class Watchdog:
                 last_value, last_change = value, now
             elif now - last_change > self.policy.timeout:
                 message = f"rank {peer} stopped responding (no heartbeat for {now - last_change:.0f} s)"
+                self.publish_failure(message)
+                self._exit(message)
+
+    def _run_checks(self) -> None:
+        for check in self._checks:
+            message = check()
+            if message:
+                message = f"rank {self.rank}: {message}"
                 self.publish_failure(message)
                 self._exit(message)
 
