@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from harness import run_distributed
 from models import ParityNet, batch, global_batch, loss_fn
 
@@ -74,35 +74,70 @@ def test_clip_grad_norm_matches_unsharded_and_replica_check_names_the_parameter(
             assert r["divergence"] is None, r
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.parametrize("point", ["forward", "backward", "step", "gather", "hang"])
-def test_a_dead_rank_ends_every_other_rank_within_the_bound(point: str) -> None:
-    port, victim, timeout = _free_port(), 3, 5.0
+def _run_victim(point: str, victim: int, timeout: float = 5.0) -> tuple[list[subprocess.Popen], list[str], float]:
+    """Four ranks of fault_worker.py; the store lives in this process (as torchrun's agent hosts it), so it
+    outlives any rank, rank 0 included. Returns the processes, their outputs and the seconds until every
+    rank but the victim had exited."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = []
     for rank in range(4):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(PROGRAM), point, str(victim), str(timeout)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         start = time.monotonic()
-        for p in procs[:victim]:
-            p.wait(timeout=90)
+        for rank, p in enumerate(procs):
+            if rank != victim:
+                p.wait(timeout=90)
         elapsed = time.monotonic() - start
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    outputs = [p.stdout.read() for p in procs]
+    return procs, [p.stdout.read() for p in procs], elapsed
+
+
+@pytest.mark.parametrize("point", ["forward", "backward", "step", "gather", "hang"])
+def test_a_dead_rank_ends_every_other_rank_within_the_bound(point: str) -> None:
+    victim = 3
+    procs, outputs, elapsed = _run_victim(point, victim)
     assert "dying in" in outputs[victim], outputs[victim][-2000:]
     for rank, p in enumerate(procs[:victim]):
         assert p.returncode != 0, (rank, outputs[rank][-2000:])
         assert "rank 3" in outputs[rank] or "[3]" in outputs[rank], (rank, outputs[rank][-2000:])
     # Start-up takes ~10 s on 2 cores; the failure itself must be noticed within timeout + a few beats.
+    assert elapsed < 60, elapsed
+
+
+# (point, victim, what the report must say): the hangs where no rank dies.
+HANGS = [
+    ("sleep", 3, ["late: rank(s) 3", "never entered it", "time.sleep(3600)", "likely cause"]),
+    ("exit", 3, ["rank(s) [3] exited normally", "every rank must run the same steps"]),
+    ("mismatch", 3, ["in a different collective: rank(s) 3", "all_gather[replicate]",
+                     "ShardedModel.check_replicas", "hsdp.clip_grad_norm_"]),
+    ("full_state_dict", 0, ["hsdp.full_state_dict is a collective and must be called on every rank",
+                            "rank(s) 0 called it, rank(s) 1, 2, 3 did not"]),
+    ("save_checkpoint", 0, ["hsdp.save_checkpoint is a collective and must be called on every rank",
+                            "rank(s) 0 called it, rank(s) 1, 2, 3 did not"]),
+]
+
+
+@pytest.mark.parametrize(("point", "victim", "expected"), HANGS, ids=[h[0] for h in HANGS])
+def test_a_hang_ends_every_rank_within_the_bound_naming_rank_and_collective(point: str, victim: int,
+                                                                            expected: list[str]) -> None:
+    procs, outputs, elapsed = _run_victim(point, victim)
+    assert "misbehaving" in outputs[victim], outputs[victim][-2000:]
+    everything = "\n".join(outputs)
+    for text in expected:
+        assert text in everything, (text, everything[-4000:])
+    for rank, p in enumerate(procs):
+        if point == "exit" and rank == victim:
+            assert p.returncode == 0  # it left normally: the others must not wait for it forever
+            continue
+        assert p.returncode != 0, (rank, outputs[rank][-2000:])
+        assert "finished without noticing" not in outputs[rank]
+        # Every rank's own output names the culprit (the first line of the report, or the raised error).
+        assert f"rank(s) {victim}" in outputs[rank] or f"[{victim}]" in outputs[rank], (rank, outputs[rank][-2000:])
     assert elapsed < 60, elapsed

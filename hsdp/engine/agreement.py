@@ -77,7 +77,8 @@ def on_rank0(comm: Comm, what: str, fn: Callable[[], Any], error_type: type[Exce
     payload: bytes | None = None
     if comm.mesh.rank == 0:
         try:
-            payload = json.dumps({"ok": fn()}).encode()
+            with comm.busy(what or "rank 0's part of a collective step"):  # the others wait: not a hang
+                payload = json.dumps({"ok": fn()}).encode()
         except Exception as e:  # sent to every rank, re-raised below
             payload = json.dumps({"error": describe(e)}).encode()
     reply = json.loads(comm.broadcast_bytes(payload, 0, "world"))

@@ -32,7 +32,8 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     # A replicated (0-d) parameter's gradient is whole on every shard rank: count it on shard rank 0 only.
     counted = [p for p in model.sharded_params() if not p.layout.replicated or model.mesh.shard_rank == 0]
     grads = [g for g in (p.grad_local for p in counted) if g is not None]
-    total = _total_norm(model, grads, float(norm_type))
+    with model.comm.phase("hsdp.clip_grad_norm_"):
+        total = _total_norm(model, grads, float(norm_type))
     if not torch.isfinite(total):
         _handle_nonfinite(model, total, on_nonfinite)
         return total

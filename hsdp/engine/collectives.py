@@ -9,9 +9,11 @@ A group of one rank costs nothing: the collective degenerates to a local copy or
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,8 +73,9 @@ class Handle:
 
     def __init__(self, work: dist.Work | None = None, stats: OpStats | None = None,
                  on_done: Callable[[], None] | None = None, after: list[Handle] | None = None,
-                 region: str = "") -> None:
+                 region: str = "", retire: Callable[[], None] | None = None) -> None:
         self._work = work
+        self._retire = retire  # takes the collective out of the ledger's pending set once waited
         self._region = region  # the collective's profiler region; waiting shows as "<region> wait"
         self._stats = stats
         self._after = after or []
@@ -102,6 +105,8 @@ class Handle:
                 self._work.wait()
         if self._stats is not None and self._start is not None:
             self._stats.seconds += time.perf_counter() - self._start
+        if self._retire is not None:
+            self._retire()
         self.done = True
         # A finished work still references its input and output buffers: drop it so they can be freed.
         self._work, self._after = None, []
@@ -124,6 +129,29 @@ class Comm:
         self._groups = {"shard": mesh.shard_group, "replicate": mesh.replicate_group, "world": None}
         self._sizes = {"shard": mesh.sharding_degree, "replicate": mesh.replicate_degree,
                        "world": mesh.world_size}
+        # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
+        self._watchdog = mesh.watchdog
+        self._ledger = None if mesh.watchdog is None else mesh.watchdog.ledger
+
+    @contextlib.contextmanager
+    def helper(self, name: str) -> Iterator[None]:
+        """A public collective helper (``hsdp.full_state_dict``): first every rank must arrive (a store
+        counter, bounded by the fault policy; a rank-0-only call raises ``ValueError`` naming the ranks that
+        did not call it), then its collectives are entered under ``name`` (see :meth:`phase`)."""
+        if self._watchdog is not None and self.mesh.world_size > 1 and self._watchdog.policy.detect_hangs:
+            self._watchdog.arrive(name)
+        with self.phase(name):
+            yield
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Collectives issued inside belong to the public helper ``name`` (``"hsdp.full_state_dict"``): a hang
+        report then says which helper some ranks did not call."""
+        return contextlib.nullcontext() if self._ledger is None else self._ledger.phase(name)
+
+    def busy(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Work on this rank alone that the others wait for in a collective (rank 0 writing a manifest):
+        not reported as a hang however long it takes (see faults/ledger.py, [Note: busy regions])."""
+        return contextlib.nullcontext() if self._ledger is None else self._ledger.busy(what)
 
     def size(self, group: str) -> int:
         return self._sizes[group]
@@ -206,7 +234,10 @@ class Comm:
         stats = self._record(group, "broadcast", tensor.numel() * tensor.element_size(), 1.0)
         pg = self._groups[group]
         src = src_group_rank if pg is None else dist.get_global_rank(pg, src_group_rank)
-        self._finish(dist.broadcast(tensor, src=src, group=pg, async_op=True), stats, async_op=False)
+        region = profiler_region("broadcast", group)
+        with record_function(region):
+            work = dist.broadcast(tensor, src=src, group=pg, async_op=True)
+        self._finish(work, stats, async_op=False, region=region)
 
     def barrier(self, group: str = "world") -> None:
         """Return once every rank of the group has called it: e.g. so that a timed region starts together
@@ -220,7 +251,10 @@ class Comm:
         self._finish(work, stats, async_op=False, region=region)
 
     def _finish(self, work: dist.Work, stats: OpStats, async_op: bool, region: str = "") -> Handle:
-        handle = Handle(work, stats, region=region)
+        retire = None
+        if self._ledger is not None:
+            retire = functools.partial(self._ledger.done, self._ledger.enter(region, work))
+        handle = Handle(work, stats, region=region, retire=retire)
         if not async_op:
             handle.wait()
         return handle

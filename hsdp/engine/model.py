@@ -139,7 +139,8 @@ class ShardedModel(nn.Module):
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across
         replicas (a collective in the replicate group; call it on every rank)."""
-        check_replica_shards(self.sharded_params(), self.comm)
+        with self.comm.phase("ShardedModel.check_replicas"):
+            check_replica_shards(self.sharded_params(), self.comm)
 
     def reshard(self) -> None:
         """Free every unsharded parameter (e.g. after a forward whose backward never ran)."""

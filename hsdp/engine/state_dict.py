@@ -16,6 +16,11 @@ def full_state_dict(model: ShardedModel, *, cpu: bool = True) -> dict[str, torch
     """
     if not isinstance(model, ShardedModel):
         raise ValueError("full_state_dict expects a ShardedModel; a plain module's state_dict() is already full")
+    with model.comm.helper("hsdp.full_state_dict"):
+        return _gather_on_rank0(model, cpu)
+
+
+def _gather_on_rank0(model: ShardedModel, cpu: bool) -> dict[str, torch.Tensor]:
     mesh = model.mesh
     model.reshard()  # module slots must hold the sharded parameters
     if mesh.replicate_rank != 0:

@@ -1,7 +1,11 @@
 """A rank of a 2x2 hsdp job that kills one rank at a chosen point of a training step.
 
 Usage (one process per rank, env:// rendezvous): RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set;
-``python fault_worker.py POINT VICTIM TIMEOUT`` with POINT in forward, backward, step, gather, hang.
+``python fault_worker.py POINT VICTIM TIMEOUT`` with POINT one of
+- forward, backward, step, gather: the victim is killed (SIGKILL) there; hang: it is stopped (SIGSTOP);
+- sleep: the victim sleeps in Python; exit: the victim returns early, without error;
+- mismatch: the victim checks replicas while the others clip gradients (different collectives);
+- full_state_dict, save_checkpoint: the victim alone calls that collective helper, the others train on.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -41,12 +47,34 @@ def main() -> None:
         if step == 1:
             die("step")
             die("hang")
+            misbehave(point, rank == victim, model, opt)
         opt.step()
         opt.zero_grad()
-        if step == 1:
+        if step == 1 and point == "gather":
             die("gather")
             hsdp.full_state_dict(model)
     print("finished without noticing the failure", flush=True)
+
+
+def misbehave(point: str, victim: bool, model: hsdp.ShardedModel, opt: torch.optim.Optimizer) -> None:
+    """The hangs that are not deaths: a rank busy elsewhere, gone, or in a different collective."""
+    if victim:
+        print(f"rank {dist.get_rank()}: misbehaving ({point})", flush=True)
+    if point == "mismatch":
+        if victim:
+            model.check_replicas()
+        else:
+            hsdp.clip_grad_norm_(model, 1.0)
+    if not victim:
+        return
+    if point == "sleep":
+        time.sleep(3600)
+    elif point == "exit":
+        sys.exit(0)
+    elif point == "full_state_dict":
+        hsdp.full_state_dict(model)
+    elif point == "save_checkpoint":
+        hsdp.save_checkpoint(model, opt, tempfile.mkdtemp(prefix="hsdp-hang-"))
 
 
 if __name__ == "__main__":

@@ -12,12 +12,20 @@ and the errors name addresses, never ranks. The watchdog closes both gaps with t
 
 So a failure anywhere ends every rank within about ``timeout + interval`` seconds, with O(1) store traffic
 per rank. A rank that finishes normally marks ``hsdp/done/<rank>`` and is no longer watched.
+
+Hangs without a death (``detect_hangs``): every rank also publishes its collective ledger once per beat
+(``hsdp/prog/<rank>``, see ``ledger.py``). A rank whose oldest unfinished collective has waited longer than
+``timeout`` reads every rank's ledger, asks the late ranks for their Python stack (``hsdp/stackreq/<rank>``,
+answered by their watchdog thread, so a rank stuck in Python, I/O or another library's collective still
+answers), and publishes a report naming the late, mismatched or exited ranks, the collective, and the likely
+cause (``hang.py``); every rank then exits as above.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -29,6 +37,9 @@ from types import TracebackType
 
 import torch.distributed as dist
 
+from hsdp.engine.faults.hang import judge, report, stuck_transport
+from hsdp.engine.faults.ledger import CollectiveLedger
+
 EXIT_CODE = 75
 FAILED_KEY = "hsdp/failed"
 # One watchdog per rendezvous store and process: a heartbeat thread is process-wide by nature, so this
@@ -38,10 +49,13 @@ _BY_STORE: dict[int, Watchdog] = {}
 
 @dataclass(frozen=True)
 class FaultPolicy:
-    """``timeout``: seconds without a heartbeat before a rank is declared dead; ``interval``: beat period."""
+    """``timeout``: seconds without a heartbeat before a rank is declared dead, and seconds a collective may
+    wait for a late or mismatched rank before the job is ended as hung; ``interval``: beat period;
+    ``detect_hangs``: whether to watch collectives at all (off: only dead ranks are caught)."""
 
     timeout: float = 45.0
     interval: float = 1.0
+    detect_hangs: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.interval < self.timeout:
@@ -59,6 +73,12 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hsdp-watchdog", daemon=True)
         self._checks: list[Callable[[], str | None]] = []
+        self.ledger = CollectiveLedger()  # filled by every Comm on a mesh carrying this watchdog
+        self._published: tuple | None = None
+        self._stack_requests = 0  # requests for this rank's stack answered so far
+        self._next_hang_check = 0.0
+        self._reporter = False  # this rank diagnosed the hang and prints the full report
+        self._arrivals: dict[str, int] = {}  # calls of each collective helper so far (see arrive)
 
     def add_check(self, check: Callable[[], str | None]) -> None:
         """Run ``check`` on the watchdog thread every ``interval`` (after the heartbeat): a returned message is
@@ -69,6 +89,7 @@ class Watchdog:
 
     def start(self) -> None:
         self.store.add(f"hsdp/hb/{self.rank}", 1)
+        self._publish()
         self._thread.start()
         _chain_excepthook(self)
         atexit.register(self.mark_done)
@@ -99,15 +120,35 @@ class Watchdog:
         except Exception:
             return []
 
+    def peer_cause(self) -> str:
+        """Why a collective of this rank failed, when a peer is to blame: dead ranks (silent heartbeat) or
+        ranks that already exited normally, and the collective this rank was in; ``""`` otherwise."""
+        dead, gone = self.silent_ranks(), []
+        with contextlib.suppress(Exception):
+            gone = [r for r in range(self.world_size) if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)]
+        entry = self.ledger.oldest_pending() or (self.ledger.recent[-1] if self.ledger.recent else None)
+        where = f" while rank {self.rank} was in {entry.describe()}" if entry else ""
+        parts = []
+        if dead:
+            parts.append(f"rank(s) {dead} died (no heartbeat)")
+        if gone:
+            parts.append(f"rank(s) {gone} exited normally{where}: every rank must run the same steps and "
+                         f"collectives")
+        elif dead and where:
+            parts[-1] += where
+        return "; ".join(parts)
+
     def linger(self) -> None:
         """Stay two beats after a failure: this process may host the store (rank 0 without torchrun),
         and the other ranks must still read ``hsdp/failed`` from it."""
         time.sleep(2 * self.policy.interval)
 
-    def publish_failure(self, message: str) -> None:
+    def publish_failure(self, message: str) -> bool:
+        """Publish the job's failure unless one is published already; whether this rank's was."""
         with contextlib.suppress(Exception):
-            if not self.store.check([FAILED_KEY]):
-                self.store.set(FAILED_KEY, message)
+            # compare_set: only the first failure is kept, even when several ranks publish at once.
+            return self.store.compare_set(FAILED_KEY, "", message).decode() == message
+        return False
 
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -119,6 +160,10 @@ class Watchdog:
                 if self.store.check([FAILED_KEY]):
                     self._exit(self.store.get(FAILED_KEY).decode())
                 self._run_checks()
+                if self.policy.detect_hangs:
+                    self._publish()
+                    self._answer_stack_request()
+                    self._check_hang()
                 if peer == self.rank or self.store.add(f"hsdp/done/{peer}", 0):
                     continue
                 value = self.store.add(f"hsdp/hb/{peer}", 0)
@@ -132,6 +177,93 @@ class Watchdog:
                 self.publish_failure(message)
                 self._exit(message)
 
+    # -- hang detection --------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        """This rank's ledger snapshot to the store: one set per beat, and only when it changed."""
+        snap = self.ledger.snapshot()
+        key = (snap["seq"], snap["waiting"] and snap["waiting"][0], snap["busy"] and snap["busy"][0])
+        if key != self._published:
+            self.store.set(f"hsdp/prog/{self.rank}", json.dumps({**snap, "t": time.time()}))
+            self._published = key
+
+    def _answer_stack_request(self) -> None:
+        asked = self.store.add(f"hsdp/stackreq/{self.rank}", 0)
+        if asked > self._stack_requests:
+            self._stack_requests = asked
+            self.store.set(f"hsdp/stack/{self.rank}/{asked}", main_thread_stack())
+
+    def _check_hang(self) -> None:
+        oldest = self.ledger.oldest_pending()
+        now = time.monotonic()
+        if oldest is None or now < self._next_hang_check or now - oldest.entered < self.policy.timeout:
+            return
+        self._next_hang_check = now + self.policy.timeout / 2  # not again every beat while it lasts
+        message = self.diagnose(oldest.as_record(now))
+        if message:
+            self._reporter = self.publish_failure(message)
+            self._exit(message if self._reporter else self.store.get(FAILED_KEY).decode())
+
+    def diagnose(self, waited: list) -> str | None:
+        """Read every rank's ledger and name the hang (``None``: nobody is late; keep waiting).
+
+        Judged against the earliest collective any rank waits in, not this rank's: ranks that ran ahead
+        (other shard groups, until the inter-node hop) wait downstream of the real culprit."""
+        now = time.time()
+        snapshots = {r: self._snapshot_of(r) for r in range(self.world_size) if r != self.rank}
+        snapshots[self.rank] = {**self.ledger.snapshot(), "t": now}
+        gone = {r for r in snapshots if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)}
+        waits = {r: s["waiting"] for r, s in snapshots.items() if s and s.get("waiting") and r not in gone}
+        anchor = min(waits, key=lambda r: (waits[r][0], r), default=self.rank)
+        if anchor != self.rank:
+            seq, region, phase, age = waits[anchor]
+            waited = [seq, region, phase, age + max(0.0, now - snapshots[anchor]["t"])]
+        verdict = judge(anchor, waited, snapshots, gone)
+        if not verdict.offenders:
+            if waited[3] >= 2 * self.policy.timeout and not verdict.busy:
+                return stuck_transport(anchor, waited, verdict)
+            return None
+        stacks = self._stacks_of(verdict.late[:4])
+        return report(anchor, waited, verdict, snapshots, stacks, now)
+
+    def _snapshot_of(self, rank: int) -> dict | None:
+        key = f"hsdp/prog/{rank}"
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
+        """Ask ``ranks``' watchdog threads for their main thread's stack; wait up to three beats."""
+        asked = {r: self.store.add(f"hsdp/stackreq/{r}", 1) for r in ranks}
+        stacks: dict[int, str] = {}
+        deadline = time.monotonic() + 3 * self.policy.interval
+        while len(stacks) < len(asked) and time.monotonic() < deadline:
+            for r, n in asked.items():
+                key = f"hsdp/stack/{r}/{n}"
+                if r not in stacks and self.store.check([key]):
+                    stacks[r] = self.store.get(key).decode()
+            time.sleep(self.policy.interval / 4)
+        return stacks
+
+    def arrive(self, helper: str) -> None:
+        """Wait (at most ``timeout``) until every rank has called collective helper ``helper`` as often as
+        this one; raise ``ValueError`` naming the ranks that did not. Called before the helper's first
+        collective, so a helper called on some ranks only (``if rank == 0: hsdp.full_state_dict(model)``)
+        fails with its name instead of pairing with another collective or hanging. A store counter per
+        call: meant for rare helpers (state dicts, checkpoints, init), not for every step."""
+        n = self._arrivals[helper] = self._arrivals.get(helper, 0) + 1
+        base = f"hsdp/arrive/{helper}/{n}"
+        self.store.set(f"{base}/{self.rank}", "1")
+        count, pause = self.store.add(base, 1), 0.002
+        deadline = time.monotonic() + self.policy.timeout
+        while count < self.world_size and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, self.policy.interval / 4)
+            count = self.store.add(base, 0)
+        if count < self.world_size:
+            missing = [r for r in range(self.world_size) if not self.store.check([f"{base}/{r}"])]
+            called = sorted(set(range(self.world_size)) - set(missing))
+            raise ValueError(f"{helper} is a collective and must be called on every rank: rank(s) "
+                             f"{', '.join(map(str, called))} called it, rank(s) {', '.join(map(str, missing))} "
+                             f"did not within {self.policy.timeout:.0f} s (call #{n} on this rank)")
+
     def _run_checks(self) -> None:
         for check in self._checks:
             message = check()
@@ -143,9 +275,19 @@ class Watchdog:
     def _exit(self, message: str) -> None:
         if self._stop.is_set():
             return
+        if "\n" in message and not self._reporter:  # one full report per job, from the rank that made it
+            message = message.splitlines()[0] + " (full report in the output of the rank that detected it)"
         print(f"[hsdp rank {self.rank}] aborting: {message}", file=sys.stderr, flush=True)
         self.linger()
         os._exit(EXIT_CODE)  # the main thread may be blocked inside a collective: no clean unwinding
+
+
+def main_thread_stack(limit: int = 12) -> str:
+    """The main thread's Python stack, innermost last (what a stuck rank is doing)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "(no main thread)"
+    return "".join(traceback.format_stack(frame, limit=limit)).rstrip()
 
 
 def _chain_excepthook(watchdog: Watchdog) -> None:
@@ -155,12 +297,13 @@ def _chain_excepthook(watchdog: Watchdog) -> None:
         last = traceback.extract_tb(tb)[-1] if tb else None
         where = f" at {last.filename}:{last.lineno}" if last else ""
         raised = f"rank {watchdog.rank} raised {kind.__name__}: {str(value)[:300]}{where}"
-        # A collective that fails because a peer died names an address, not the peer: name the rank.
-        dead = watchdog.silent_ranks() if isinstance(value, RuntimeError) else []
-        if dead:
-            raised = f"rank(s) {dead} died (no heartbeat); {raised}"
+        # A collective that fails because a peer died or left names an address, not the peer: name the rank,
+        # and the collective this rank was in.
+        cause = watchdog.peer_cause() if isinstance(value, RuntimeError) else ""
+        if cause:
+            raised = f"{cause}; {raised}"
         watchdog.publish_failure(raised)
-        if dead:
+        if cause:
             print(f"[hsdp rank {watchdog.rank}] aborting: {raised}", file=sys.stderr, flush=True)
         watchdog._stop.set()
         watchdog.linger()
