@@ -140,7 +140,7 @@ def test_token_stream_rejects_too_few_tokens_and_split_holds_out_the_tail() -> N
 # ---------------------------------------------------------------------------------------------------------
 def test_torchrun_command_and_threads() -> None:
     cmd = torchrun_command(2, 1, 2, "127.0.0.1", 29500, ["-m", "hsdp.apps.demo", "--steps", "3"])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "hsdp.tools.launch.agent"]  # torchrun's agent, with an orderly exit
     assert cmd[cmd.index("--node-rank") + 1] == "1" and cmd[-4:] == ["-m", "hsdp.apps.demo", "--steps", "3"]
     assert threads_per_rank(4, cpus=2) == 1 and threads_per_rank(4, cpus=16) == 4
 

@@ -74,10 +74,12 @@ def test_clip_grad_norm_matches_unsharded_and_replica_check_names_the_parameter(
             assert r["divergence"] is None, r
 
 
-def _run_victim(point: str, victim: int, timeout: float = 5.0) -> tuple[list[subprocess.Popen], list[str], float]:
+def _run_victim(point: str, victim: int, timeout: float = 3.0,
+                wait_for_victim: bool = False) -> tuple[list[subprocess.Popen], list[str], float]:
     """Four ranks of fault_worker.py; the store lives in this process (as torchrun's agent hosts it), so it
     outlives any rank, rank 0 included. Returns the processes, their outputs and the seconds until every
-    rank but the victim had exited."""
+    rank (the victim too with ``wait_for_victim``; a stopped or killed one never exits by itself) had
+    exited."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = []
     for rank in range(4):
@@ -88,7 +90,7 @@ def _run_victim(point: str, victim: int, timeout: float = 5.0) -> tuple[list[sub
     try:
         start = time.monotonic()
         for rank, p in enumerate(procs):
-            if rank != victim:
+            if rank != victim or wait_for_victim:
                 p.wait(timeout=90)
         elapsed = time.monotonic() - start
     finally:
@@ -127,7 +129,7 @@ HANGS = [
 @pytest.mark.parametrize(("point", "victim", "expected"), HANGS, ids=[h[0] for h in HANGS])
 def test_a_hang_ends_every_rank_within_the_bound_naming_rank_and_collective(point: str, victim: int,
                                                                             expected: list[str]) -> None:
-    procs, outputs, elapsed = _run_victim(point, victim)
+    procs, outputs, elapsed = _run_victim(point, victim, wait_for_victim=True)
     assert "misbehaving" in outputs[victim], outputs[victim][-2000:]
     everything = "\n".join(outputs)
     for text in expected:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from hsdp.engine.mesh import default_sharding_degree, grid_position, rank_grid, validate_degree
+from hsdp.engine import mesh as mesh_module
+from hsdp.engine.mesh import (
+    default_sharding_degree,
+    grid_position,
+    node_crossing_warning,
+    rank_grid,
+    validate_degree,
+)
 from hsdp.engine.runtime.layout import ShardLayout
 
 
@@ -53,3 +62,28 @@ def test_degree_from_environment_wins_over_ranks_per_node() -> None:
 def test_bad_degree_in_environment_names_the_fix(value: str, fix: str) -> None:
     with pytest.raises(ValueError, match=fix):
         default_sharding_degree(8, {"HSDP_SHARDING_DEGREE": value})
+
+
+def test_shard_groups_straddling_nodes_warn_with_the_override() -> None:
+    # hsdp launch --nodes 2 --nproc-per-node 3 with init_mesh(2): ranks 2 and 3 share a group across nodes.
+    text = node_crossing_warning(6, 2, 3)
+    assert text is not None and "ranks 2..3 span nodes 0 and 1" in text
+    assert "sharding_degree=3" in text and "HSDP_SHARDING_DEGREE=3" in text and "[1, 3, 6]" in text
+    assert node_crossing_warning(12, 6, 4) is not None  # a group of 1.5 nodes
+    # Within a node, whole nodes (full sharding, S a multiple of the node) or one node: no warning.
+    for world, degree, local in [(6, 3, 3), (8, 2, 4), (8, 8, 4), (16, 8, 4), (6, 2, 6), (4, 2, 1)]:
+        assert node_crossing_warning(world, degree, local) is None, (world, degree, local)
+
+
+def test_init_mesh_warns_when_torchruns_nodes_split_a_shard_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process group of 2 nodes x 3 ranks, faked: only the checks before the first collective run.
+    monkeypatch.setattr(mesh_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(mesh_module.dist, "get_world_size", lambda: 6)
+    monkeypatch.setattr(mesh_module.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(mesh_module, "init_device_mesh", lambda *args, **kwargs: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.warns(UserWarning, match="Pass sharding_degree=3"):
+        mesh_module.init_mesh(2, fault_policy=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mesh_module.init_mesh(3, fault_policy=None)  # aligned with the nodes: silent

@@ -195,3 +195,56 @@ def test_a_run_that_aborted_after_writing_its_metrics_is_kept_with_a_warning(tmp
     failed = {"sharding_degree": 4, "error": "exit 1; no metrics"}
     measured = summarise([*runs, failed])
     assert len(measured.measurements) == 3 and measured.warnings and measured.failures
+
+
+H100_70B = ["plan", "--model", "70b", "--nodes", "64", "--gpus-per-node", "8", "--gpu", "h100",
+            "--inter-node-bandwidth", "8xib400", "--micro-batches", "8"]
+
+
+def test_hsdp_plan_breaks_ties_toward_the_smallest_shard_degree(capsys: pytest.CaptureFixture) -> None:
+    # 70B on 64 x 8 H100: S=32..512 fit and all step within 1% of each other; S=64 is 0.02% faster.
+    assert main([*H100_70B, "--activation-checkpointing", "--json", "-"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    fitting = [e for e in plan["layouts"] if e["fits"]]
+    fastest = min(fitting, key=lambda e: e["step"]["step_s"])
+    assert [e["shard"] for e in fitting] == [32, 64, 128, 256, 512] and fastest["shard"] == 64
+    assert plan["recommended"] == {"replicate": 16, "shard": 32}  # not 1x512, the slowest that fits
+    assert main([*H100_70B, "--activation-checkpointing"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo the terminal's line wrapping
+    assert "Recommended: 16x32 (S=32" in text and "8x64 (S=64, HSDP, shard > node) is 0.02% faster" in text
+    assert "ties go to the least inter-node traffic (here the smallest shard degree that fits)" in text
+    assert "Runner-up: 8x64 (S=64, HSDP, shard > node), tied at -0.02% step time" in text
+
+
+def test_ties_below_a_node_go_to_the_node_and_on_one_node_to_less_memory() -> None:
+    # 7B on 16 x 8 H100 with 8 NICs: S=4..128 all within 1%. S=4 would send more (the hop over 32 replicas)
+    # and hold more; S=32 is fastest by 0.3% but sends 6x the bytes: S=8, the node, is the least traffic.
+    fast = replace(_h100(), inter_bandwidth=inter_link("8xib400").bandwidth)
+    plan = make_plan(model_preset("7b"), fast, TrainOptions(micro_batches=4))
+    ties = [e for e in plan.layouts if e.fits and e.step.step_s <= min(
+        x.step.step_s for x in plan.layouts if x.fits) * 1.01]
+    assert {e.layout.shard for e in ties} >= {4, 8, 32, 128} and plan.best is not None
+    assert plan.best.layout.shard == 8 and "ties go to the least inter-node traffic: " in plan.reasons[0]
+    one_node = make_plan(model_preset("7b"), _h100(1), TrainOptions(micro_batches=4))
+    assert one_node.best is not None and one_node.best.layout.shard == 8  # nothing crosses: least memory
+
+
+def test_no_fit_advice_names_only_settings_that_can_still_shrink(capsys: pytest.CaptureFixture) -> None:
+    assert main(H100_70B) == 0  # a plan, even though nothing fits without activation checkpointing
+    text = " ".join(capsys.readouterr().out.split())
+    assert "No layout fits" in text and "--activation-checkpointing" in text
+    assert "smaller --micro-batch" not in text and "micro-batch is already 1" in text and "--seq-len" in text
+    plan = make_plan(model_preset("70b", micro_batch=2), _h100(1), TrainOptions(activation_checkpointing=True))
+    assert plan.best is None and "a smaller --micro-batch (now 2)" in plan.reasons[0]
+    assert "--activation-checkpointing" not in plan.reasons[0]  # already on
+
+
+def test_sizes_without_a_unit_are_refused_with_the_spelling(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ValueError, match=r"'80GiB'.*'80GB'"):
+        parse_bytes("80")
+    assert main(["plan", "--model", "7b", "--nodes", "2", "--gpu-memory", "80"]) == 2
+    assert "size '80' has no unit: write '80GiB'" in capsys.readouterr().err  # not 80 bytes: every layout NO
+    assert main(["tune", "--from-metrics", str(_synthetic_runs(tmp_path)), "--gpu-memory", "24"]) == 2
+    assert "write '24GiB'" in capsys.readouterr().err
+    assert main(["plan", "--model", "7b", "--nodes", "2", "--inter-node-bandwidth", "1gbit", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["inter_bandwidth"] == 125e6  # launch's spelling

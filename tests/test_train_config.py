@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.apps.train.command import overrides_from, split_items
+from hsdp.apps.train.command import layout_problem, main, overrides_from, split_items
 from hsdp.apps.train.config import DataConfig, OptimConfig, RunConfig
 from hsdp.apps.train.config_io import apply_overrides, build_config, read_toml, resolve_config, to_toml
 from hsdp.apps.train.corpus import char_tokens, detect_format, load_corpus, read_corpus_bytes
@@ -277,3 +277,22 @@ def test_report_writes_pngs_with_the_plotted_series(tmp_path: Path) -> None:
             assert _colour_pixels(img, colour) > 100, (path, colour)
     with pytest.raises(ValueError, match="missing or empty"):
         write_report(str(tmp_path / "nothing"))
+
+
+def test_a_mesh_the_started_ranks_cannot_form_is_one_error_before_spawning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    assert layout_problem(resolve_config(None, [])) is None  # 0: the ranks per node
+    assert layout_problem(resolve_config(None, ["parallel.sharding_degree=4"])) is None
+    problem = layout_problem(resolve_config(None, ["parallel.sharding_degree=4", "parallel.nodes=3"]))
+    assert "not divisible" in problem and "3 x 2" in problem, problem
+
+    def spawn(*args: object) -> int:
+        raise AssertionError("ranks were started")
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # hsdp train starts the ranks itself
+    monkeypatch.setattr("hsdp.tools.launch.launch_local", spawn)
+    assert main(["parallel.sharding_degree=3", f"train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hsdp train: error: world size 4 is not divisible by sharding_degree=3" in err
+    assert not (tmp_path / "run").exists()

@@ -74,6 +74,13 @@ def restore(path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOpti
     check_types(model, optimizer)
     mesh = model.mesh
     comm = Comm(mesh)  # its own accounting: checkpoint traffic stays out of model.comm_stats()
+    with comm.helper("hsdp.load_checkpoint"):  # every rank must call it: checked before any collective
+        return _restore(comm, path, model, optimizer, options, start)
+
+
+def _restore(comm: Comm, path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOptimizer | None,
+             options: CheckpointOptions, start: float) -> LoadResult:
+    mesh = comm.mesh
     chosen, verify_bytes = _choose(comm, path, options)
     what = "load_checkpoint"
     spec = on_rank0(comm, what, lambda: build_spec(chosen, model, optimizer), CheckpointError)

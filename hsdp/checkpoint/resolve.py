@@ -3,6 +3,9 @@
 ``path`` may be
   * a run directory (what ``save_checkpoint`` was given): ``latest`` first, then every ``step_*`` by step,
     newest first; directories that fail the manifest checks are skipped with a warning;
+  * an ``hsdp train`` run directory (``runs/train``), which keeps that run directory in ``checkpoints/``:
+    the same as passing ``runs/train/checkpoints``, so every command takes the directory ``--resume`` and
+    ``hsdp report`` take;
   * one checkpoint directory (``run/step_000010``): it must be valid, there is no fallback;
   * a DCP directory written by another tool (``.metadata`` but no hsdp manifest, e.g. FSDP2's
     ``dcp.save``): loaded with a warning, since nothing vouches that it is complete.
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from hsdp.checkpoint.dcp_io import METADATA
 from hsdp.checkpoint.manifest import MANIFEST, InvalidCheckpoint, Manifest, check_sizes, read_manifest
 from hsdp.checkpoint.rundir import OLD_MARK, is_temporary, list_steps, read_latest, set_aside_step
+
+TRAIN_CHECKPOINTS = "checkpoints"  # the subdirectory of an `hsdp train` run that save_checkpoint writes into
 
 
 @dataclass(frozen=True)
@@ -46,11 +51,20 @@ def candidates(path: str | os.PathLike) -> list[Candidate]:
                          f"loads with safetensors.torch.load_model)")
     if is_checkpoint_dir(path):
         return [_explicit(path)]
-    return _from_run_dir(path)
+    return _from_run_dir(_checkpoint_root(path))
 
 
 def is_checkpoint_dir(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, n)) for n in (MANIFEST, METADATA))
+
+
+def _checkpoint_root(path: str) -> str:
+    """``path``, or its ``checkpoints`` subdirectory when ``path`` is an ``hsdp train`` run directory: one
+    that holds no checkpoint (nor ``latest``) of its own."""
+    inner = os.path.join(path, TRAIN_CHECKPOINTS)
+    if os.path.isdir(inner) and read_latest(path) is None and not list_steps(path):
+        return inner
+    return path
 
 
 def _explicit(path: str) -> Candidate:
@@ -95,7 +109,7 @@ def _from_run_dir(run_dir: str) -> list[Candidate]:
     if problems:
         raise ValueError(f"{run_dir} holds no valid checkpoint: " + "; ".join(problems))
     raise ValueError(f"{run_dir} holds no checkpoint (no step_* directory and no DCP .metadata): pass the "
-                     f"directory given to save_checkpoint")
+                     f"directory given to save_checkpoint, or an hsdp train run directory")
 
 
 def to_json(c: Candidate) -> dict:

@@ -1,13 +1,15 @@
 """``save_checkpoint``: a sharded DCP save committed atomically into a run directory.
 
 Protocol (each step ends in an agreement, so an error on one rank raises on all):
-  1. rank 0 picks the step and a temporary directory ``step_000010.tmp-<nonce>``;
+  1. rank 0 takes (or renews) the run directory's lease, refusing while another job holds it (see
+     :mod:`hsdp.checkpoint.lease`), then picks the step and a temporary directory ``step_000010.tmp-<nonce>``;
   2. every rank writes with DCP: each shard once (replicas hold identical shards; DCP's planner keeps one
      copy of each and spreads them over the writers), files fsynced;
   3. rank 0 writes ``extra.json`` (every rank's ``extra``); the files are hashed, each rank a share;
   4. rank 0 checks that DCP's metadata references only listed files within their sizes, writes
-     ``manifest.json`` (sizes, SHA-256), renames the directory to ``step_000010`` and only then moves
-     ``latest`` to it, each step fsynced; finally older checkpoints beyond ``keep_last`` are deleted.
+     ``manifest.json`` (sizes, SHA-256), confirms the lease is still this job's, renames the directory to
+     ``step_000010`` and only then moves ``latest`` to it, each step fsynced; finally older checkpoints
+     beyond ``keep_last`` are deleted.
 
 A crash (a rank SIGKILLed while writing, a node lost) at any point leaves a ``*.tmp-*`` directory that
 loading ignores and the next successful save deletes; ``latest`` still names the previous checkpoint.
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from hsdp.checkpoint.dcp_io import METADATA, check_storage, read_metadata_file
 from hsdp.checkpoint.errors import CheckpointError
+from hsdp.checkpoint.lease import confirm_lease, hold_lease
 from hsdp.checkpoint.manifest import MANIFEST, FileEntry, Manifest, hash_file
 from hsdp.checkpoint.names import check_types, optimizer_kind, save_state, tied_aliases
 from hsdp.checkpoint.options import CheckpointOptions
@@ -33,6 +36,7 @@ from hsdp.checkpoint.rundir import atomic_write, commit_dir, next_step, prune, s
 from hsdp.checkpoint.spec import EXTRA
 from hsdp.engine.agreement import on_rank0, run_agreed
 from hsdp.engine.collectives import Comm
+from hsdp.engine.faults.watchdog import Watchdog
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 
@@ -48,16 +52,26 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: Sha
     scheduler's ``state_dict()`` is plain data and fits there too.
     Parameters and optimizer state keep their original names and shapes (FSDP2's layout, see
     ``hsdp.checkpoint.names``). Saving the same step again replaces that checkpoint.
+    The first save takes the run directory's lease (``<path>.lease``, see ``hsdp.checkpoint.lease``), held
+    until the process exits: another job saving there meanwhile gets a ``CheckpointError`` naming this one.
+    Loading never needs the lease.
     """
     options = options or CheckpointOptions()
     check_types(model, optimizer)
     comm = Comm(model.mesh)
+    with comm.helper("hsdp.save_checkpoint"):  # every rank must call it: checked before any collective
+        return _save(comm, path, model, optimizer, extra, step, options)
+
+
+def _save(comm: Comm, path: str | os.PathLike, model: ShardedModel, optimizer: ShardedOptimizer | None,
+          extra: Any, step: int | None, options: CheckpointOptions) -> str:
     mine = run_agreed(comm, "save_checkpoint", lambda: _encode_args(path, extra, step), CheckpointError)
     gathered = [json.loads(b) for b in comm.all_gather_bytes(mine)]
     if len({json.dumps(g["step"]) for g in gathered}) > 1:
         raise CheckpointError(f"save_checkpoint: ranks passed different steps {[g['step'] for g in gathered]}: "
                               f"pass the same step on every rank")
-    target = on_rank0(comm, "save_checkpoint: preparing the run directory", lambda: _prepare(path, step),
+    watchdog = model.mesh.watchdog
+    target = on_rank0(comm, "save_checkpoint: preparing the run directory", lambda: _prepare(path, step, watchdog),
                       CheckpointError)
     tmp = target["tmp"]
     model.reshard()  # the module must hold the sharded parameters
@@ -88,12 +102,13 @@ def _encode_args(path: Any, extra: Any, step: Any) -> bytes:
                          f"tensors via .tolist(), RNG states via hsdp.capture_rng_state()") from e
 
 
-def _prepare(path: str | os.PathLike, step: int | None) -> dict[str, Any]:
+def _prepare(path: str | os.PathLike, step: int | None, watchdog: Watchdog | None) -> dict[str, Any]:
     run_dir = os.path.abspath(os.fspath(path))
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir} is a file: pass a directory to keep checkpoints in")
     if os.path.isdir(run_dir) and is_checkpoint_dir(run_dir):
         raise ValueError(f"{run_dir} is a checkpoint directory: pass its parent, the run directory")
+    hold_lease(run_dir, watchdog=watchdog)  # before anything is written: a refused job leaves no trace
     os.makedirs(run_dir, exist_ok=True)
     step = next_step(run_dir) if step is None else step
     # A random nonce: two attempts at one step never share a directory. uuid4 reads os.urandom, so saving
@@ -125,6 +140,7 @@ def _commit(target: dict[str, Any], manifest: Manifest, options: CheckpointOptio
     metadata, _ = read_metadata_file(os.path.join(tmp, METADATA))
     check_storage(metadata, {n: e.size for n, e in manifest.files.items()}, tmp)
     atomic_write(os.path.join(tmp, MANIFEST), manifest.to_json(), target["nonce"])
+    confirm_lease(target["run_dir"])  # taken over while writing: the other job's directory now, commit nothing
     commit_dir(tmp, final, target["nonce"])
     write_latest(target["run_dir"], os.path.basename(final), target["nonce"])
     prune(target["run_dir"], options.keep_last, keep=os.path.basename(final))

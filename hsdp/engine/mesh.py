@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hsdp.engine.faults.launcher import watch_launcher
 from hsdp.engine.faults.watchdog import FaultPolicy, Watchdog, start_watchdog
 
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -83,6 +84,27 @@ def default_sharding_degree(world_size: int, env: Mapping[str, str] | None = Non
                       f"sharding_degree=1 (plain replication); pass sharding_degree= to choose", stacklevel=3)
         return 1
     return local
+
+
+def node_crossing_warning(world_size: int, sharding_degree: int, ranks_per_node: int) -> str | None:
+    """Why shard groups of ``sharding_degree`` straddle nodes of ``ranks_per_node`` consecutive ranks, naming
+    the degrees that do not; ``None`` when every group lies within one node or spans whole nodes.
+
+    A group spanning whole nodes (``S`` a multiple of the ranks per node) is a deliberate choice that ``hsdp
+    plan`` may recommend; a group holding part of a node and part of the next (2 nodes x 3 ranks, ``S=2``:
+    ranks 2 and 3) sends every all-gather and reduce-scatter over the slow link, unlike its neighbours.
+    """
+    s, local = sharding_degree, ranks_per_node
+    if world_size <= local or local % s == 0 or s % local == 0:
+        return None
+    start = next(r * s for r in range(world_size // s) if (r * s) // local != ((r + 1) * s - 1) // local)
+    aligned = [d for d in range(1, world_size + 1) if world_size % d == 0 and (local % d == 0 or d % local == 0)]
+    fix = local if local in aligned else 1  # ranks per node, unless uneven nodes make it invalid
+    return (f"sharding_degree={s} puts ranks of different nodes in one shard group (ranks {start}..{start + s - 1} "
+            f"span nodes {start // local} and {(start + s - 1) // local} with {local} ranks per node, from "
+            f"LOCAL_WORLD_SIZE): their all-gathers and reduce-scatters cross the slow link. Pass "
+            f"sharding_degree={fix} to init_mesh or set {SHARDING_DEGREE_ENV}={fix}; any of {aligned} keeps "
+            f"groups within a node or spanning whole nodes")
 
 
 def _degree_from_env(text: str, world_size: int) -> int:
@@ -204,13 +226,19 @@ def init_mesh(
     layout), else to the ranks per node, which keeps all-gather and reduce-scatter on the fast intra-node
     links. An explicit argument always wins over the variable. ``1`` is plain replication (DDP semantics);
     the world size is full sharding.
-    Every check runs before any collective, so a bad value fails on every rank instead of hanging.
+    Every check runs before any collective, so a bad value fails on every rank instead of hanging. A degree
+    whose shard groups straddle nodes (torchrun's ``LOCAL_WORLD_SIZE`` ranks per node) warns, naming the
+    override (:func:`node_crossing_warning`).
     ``fault_policy`` starts the dead-rank watchdog (see ``hsdp.engine.faults.watchdog``); ``None`` disables it.
     """
     if device_mesh is not None:
         mesh = mesh_from_device_mesh(device_mesh)
         check_degree_agrees(sharding_degree, mesh)
-        return mesh if fault_policy is None else HSDPMesh(mesh.device_mesh, start_watchdog(fault_policy))
+        if fault_policy is None:
+            return mesh
+        watchdog = start_watchdog(fault_policy)
+        watch_launcher(watchdog)
+        return HSDPMesh(mesh.device_mesh, watchdog)
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
         if sharding_degree is not None and world_size is not None:
@@ -219,8 +247,12 @@ def init_mesh(
     world_size = dist.get_world_size()
     degree = default_sharding_degree(world_size) if sharding_degree is None else sharding_degree
     validate_degree(world_size, degree)
+    crossing = node_crossing_warning(world_size, degree, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if crossing:  # a warning, not an error: it runs, only slower than the same degree aligned to nodes
+        warnings.warn(crossing, stacklevel=2)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
+    watch_launcher(watchdog)  # a rank whose launcher dies ends too (hsdp.engine.faults.launcher)
     dm = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=MESH_DIM_NAMES)
     return HSDPMesh(dm, watchdog)
 

@@ -1,16 +1,17 @@
 """Quantities of measure as people type them and as the tools print them: sizes, rates, durations, FLOP/s.
 
 Every parser returns SI base units (bytes, bytes or bits per second, seconds, FLOP/s), so formulas never see
-a unit suffix, and refuses what it cannot read without guessing, naming the spelling it wants. Rates are read
-two ways, because the two tools that read them speak to different audiences:
+a unit suffix, and refuses what it cannot read without guessing, naming the spelling it wants. One
+vocabulary everywhere: a size (``--gpu-memory``) needs its unit (``80GiB``, ``40GB``): a bare ``80`` is
+refused, as 80 bytes is never meant and GiB versus GB differ by 7%. A rate (``hsdp plan``'s bandwidths,
+``hsdp launch``'s link, ``hsdp tune``, ``hsdp bench``) is read by :func:`parse_bandwidth` in either spelling:
 
-* :func:`parse_tc_rate` (``hsdp launch``) reads tc's own spellings (``bit``, ``kbit``, ``mbit``, ``gbit``,
-  ``tbit``: decimal multiples of bits per second) into bits per second, so what the user types is what ``tc``
-  would understand. tc's ``bps`` means *bytes* per second, a classic source of 8x mistakes, so it is refused
-  with a message naming the ``bit`` spelling instead;
-* :func:`parse_bandwidth` (the planner) reads both the network spelling (bits: ``1gbit``, ``100mbit``,
-  ``400Gb/s``) and the accelerator spelling (bytes: ``450GB/s``, ``25GiB/s``) into bytes per second: link
-  rates are quoted in bits, NVLink in bytes, and a bare number is refused because the readings differ by 8x.
+* bits, as network links are quoted and as tc spells them: ``1gbit``, ``100mbit``, ``400Gb/s``;
+* bytes, as accelerator links are quoted: ``450GB/s``, ``25GiB/s``.
+
+A bare number is refused because the two readings differ by 8x, and so is ``mbps``-style spelling: tc reads
+``bps`` as *bytes* per second where most people mean bits. :func:`parse_tc_rate` is the same reading in the
+integer bits per second that ``tc`` is given.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import re
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z/]*)\s*$")
 _DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 _BINARY = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
-_TC_PREFIXES = ("", "k", "m", "g", "t")  # tc's decimal bit rates: bit, kbit, mbit, gbit, tbit
 # tc's spellings (sec, msec, usec) and the short ones; the message names only the short ones.
 _SECONDS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6, "ns": 1e-9}
 _BINARY_SIZES = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -50,48 +50,46 @@ def _scale(prefix: str, text: str, what: str) -> float:
     raise ValueError(f"{what} {text!r}: unknown prefix {prefix!r}; use k, M, G, T (decimal) or Ki, Mi, Gi, Ti")
 
 
-def parse_tc_rate(text: str) -> int:
-    """Bits per second of a tc-style rate (``"50mbit"`` -> 50_000_000); must be positive.
+def parse_bandwidth(text: str | float | int) -> float:
+    """Bytes per second of ``"450GB/s"``, ``"25GiB/s"``, ``"1gbit"``, ``"400Gb/s"`` or ``"100mbit/s"``;
+    must be positive.
 
-    ``ValueError`` names the accepted units. ``bps``-style units are refused because tc reads them as bytes.
+    ``B`` means bytes and ``b``/``bit`` bits (``400Gb/s`` is 50 GB/s); a bare number and tc's ``bps``
+    (bytes to tc, bits to most readers) are refused, naming the spellings that work.
     """
     value, unit = _split(text, "rate", "1gbit")
-    unit = unit.lower()
-    if unit.endswith("bps"):
-        raise ValueError(f"rate {text!r}: tc reads 'bps' as bytes per second; write bits, e.g. "
-                         f"'{value:g}{unit[:-3]}bit' (or multiply by 8)")
-    prefix = unit.removesuffix("bit")
-    if not unit.endswith("bit") or prefix not in _TC_PREFIXES:
-        units = ", ".join(f"{p}bit" for p in _TC_PREFIXES)
-        raise ValueError(f"rate {text!r}: unknown unit {unit!r}; use one of {units}")
-    bits = round(value * _DECIMAL[prefix])
-    if bits <= 0:
-        raise ValueError(f"rate {text!r} must be positive")
-    return bits
-
-
-def parse_bandwidth(text: str | float | int) -> float:
-    """Bytes per second of ``"450GB/s"``, ``"25GiB/s"``, ``"1gbit"``, ``"400Gb/s"`` or ``"100mbit/s"``.
-
-    ``B`` means bytes and ``b``/``bit`` bits (``400Gb/s`` is 50 GB/s); a bare number is refused because
-    the two readings differ by 8x.
-    """
-    value, unit = _split(text, "bandwidth", "450GB/s")
     body = unit[:-2] if unit.endswith("/s") else unit
+    if body.lower().endswith("bps"):
+        raise ValueError(f"rate {text!r}: 'bps' is bytes per second to tc and bits to most readers; write "
+                         f"'{value:g}{body[:-3]}bit' for bits or '{value:g}{body[:-3].upper()}B/s' for bytes "
+                         f"per second")
     if body.lower().endswith("bit"):
-        return value * _scale(body[:-3], str(text), "bandwidth") / 8
-    if body.endswith("b"):
-        return value * _scale(body[:-1], str(text), "bandwidth") / 8
-    if body.endswith("B") and unit.endswith("/s"):
-        return value * _scale(body[:-1], str(text), "bandwidth")
-    raise ValueError(f"bandwidth {text!r}: give bytes per second ('450GB/s') or bits ('1gbit', '400Gb/s')")
+        rate = value * _scale(body[:-3], str(text), "rate") / 8
+    elif body.endswith("b"):
+        rate = value * _scale(body[:-1], str(text), "rate") / 8
+    elif body.endswith("B") and unit.endswith("/s"):
+        rate = value * _scale(body[:-1], str(text), "rate")
+    else:
+        raise ValueError(f"rate {text!r}: give bits per second ('1gbit', '400Gb/s') or bytes per second "
+                         f"('1GB/s', '450GB/s')")
+    if rate <= 0:
+        raise ValueError(f"rate {text!r} must be positive")
+    return rate
 
 
-def parse_bytes(text: str | float | int) -> float:
-    """``"80GiB"`` -> 85899345920.0, ``"40GB"`` -> 4e10; a bare number is bytes."""
+def parse_tc_rate(text: str) -> int:
+    """Bits per second, as ``tc`` takes them, of any rate :func:`parse_bandwidth` reads (``"50mbit"`` ->
+    50_000_000, ``"1GB/s"`` -> 8_000_000_000)."""
+    return round(parse_bandwidth(text) * 8)
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GiB"`` -> 85899345920.0, ``"40GB"`` -> 4e10. A bare number is refused, naming ``GiB`` and
+    ``GB``: ``80`` is never meant as bytes, and the two readings differ by 7%."""
     value, unit = _split(text, "size", "80GiB")
     if unit == "":
-        return value
+        raise ValueError(f"size {text!r} has no unit: write '{value:g}GiB' (binary, as GPU memory is quoted) or "
+                         f"'{value:g}GB' (decimal)")
     if not unit.endswith("B") or unit.endswith("/s"):
         raise ValueError(f"size {text!r}: end the unit with 'B' (bytes), e.g. '80GiB' or '40GB'")
     return value * _scale(unit[:-1], str(text), "size")

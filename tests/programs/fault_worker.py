@@ -35,7 +35,7 @@ def main() -> None:
 
     def die(where: str) -> None:
         if rank == victim and point == where:
-            print(f"rank {rank}: dying in {where}", flush=True)
+            print(f"rank {rank}: dying in {where} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if point == "hang" else signal.SIGKILL)
 
     model.blocks[1].register_forward_pre_hook(lambda *_: die("forward"))
@@ -59,7 +59,7 @@ def main() -> None:
 def misbehave(point: str, victim: bool, model: hsdp.ShardedModel, opt: torch.optim.Optimizer) -> None:
     """The hangs that are not deaths: a rank busy elsewhere, gone, or in a different collective."""
     if victim:
-        print(f"rank {dist.get_rank()}: misbehaving ({point})", flush=True)
+        print(f"rank {dist.get_rank()}: misbehaving ({point}) at {time.time():.3f}", flush=True)
     if point == "mismatch":
         if victim:
             model.check_replicas()
@@ -74,7 +74,7 @@ def misbehave(point: str, victim: bool, model: hsdp.ShardedModel, opt: torch.opt
     elif point == "full_state_dict":
         hsdp.full_state_dict(model)
     elif point == "save_checkpoint":
-        hsdp.save_checkpoint(model, opt, tempfile.mkdtemp(prefix="hsdp-hang-"))
+        hsdp.save_checkpoint(tempfile.mkdtemp(prefix="hsdp-hang-"), model, opt)
 
 
 if __name__ == "__main__":

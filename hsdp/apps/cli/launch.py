@@ -29,7 +29,8 @@ def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes, one torchrun agent each (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
     p.add_argument("--inter-node-bandwidth", default="1gbit",
-                   help="rate of each node's link, each direction, tc units: bit/kbit/mbit/gbit (default 1gbit)")
+                   help="rate of each node's link, each direction, as hsdp plan reads it: bits (1gbit, 400Gb/s) "
+                        "or bytes per second (1GB/s) (default 1gbit)")
     p.add_argument("--inter-node-latency", default="0",
                    help="one-way node-to-node delay, e.g. 1ms or 500us; needs the kernel's netem (default 0)")
     mode = p.add_mutually_exclusive_group()

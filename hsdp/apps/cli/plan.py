@@ -55,7 +55,8 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``plan`` on ``subparsers``."""
     p = subparsers.add_parser("plan", help="predict memory and step time of every shard degree; recommend one",
                               description="Estimate every (replicate, shard) layout of a cluster and recommend "
-                                          "the fastest that fits, with reasons.",
+                                          "the fastest that fits, with reasons (layouts within 1% are tied; "
+                                          "ties go to the least inter-node traffic).",
                               epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model size or preset, e.g. 7b, 70b, gpt2-124m")
     p.add_argument("--layers", type=int, default=None, help="a custom decoder instead: blocks (with --hidden)")
@@ -71,7 +72,7 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100", help="GPU preset for memory, compute and NVLink (default h100)")
-    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB (default: the GPU's)")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU with its unit, e.g. 80GiB (default: the GPU's)")
     p.add_argument("--compute", default=None, help="achieved FLOP/s per GPU, e.g. 400TFLOPS (default: peak x mfu)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"achieved fraction of peak (default {DEFAULT_MFU})")
     p.add_argument("--intra-node-bandwidth", default=None, help="per GPU, e.g. 450GB/s or nvlink4 (default: GPU's)")

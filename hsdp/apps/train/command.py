@@ -110,6 +110,21 @@ def _error(message: str) -> int:
     return USAGE_ERROR
 
 
+def layout_problem(config: RunConfig) -> str | None:
+    """Why the ranks ``hsdp train`` would start itself (``parallel.nodes`` x ``parallel.nproc_per_node``)
+    cannot form the configured mesh; checked before spawning them, which would each fail alike."""
+    from hsdp.engine.mesh import validate_degree
+
+    nodes, per_node, degree = config.parallel.nodes, config.parallel.nproc_per_node, config.parallel.sharding_degree
+    if not degree:  # 0: the ranks per node, which always tiles the world
+        return None
+    try:
+        validate_degree(nodes * per_node, degree)
+    except ValueError as e:
+        return f"{e} (the world is parallel.nodes x parallel.nproc_per_node = {nodes} x {per_node})"
+    return None
+
+
 def run_rank(config: RunConfig, report: Report | None = None) -> int:
     """Run the job as this rank, ending with ``report`` (default: ``hsdp train``'s); 2 (after one message
     from rank 0) when the run may not start, 143 when a SIGTERM stopped it after a checkpoint."""
@@ -137,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         path, items = split_items(args.items)
         overrides = overrides_from(args) + items
         config = resolve_config(path, overrides)
-        problem = None if under_torchrun() else start_problem(config)
+        problem = None if under_torchrun() else start_problem(config) or layout_problem(config)
     except ValueError as e:
         return _error(str(e))
     if args.print_config:

@@ -18,6 +18,7 @@ from rich.text import Text
 from hsdp.apps.train import summary
 from hsdp.apps.train.config import RunConfig
 from hsdp.apps.train.rank_warnings import RankWarnings
+from hsdp.apps.train.rundir import release_run_dir
 from hsdp.apps.train.trainer import Trainer
 
 
@@ -71,6 +72,7 @@ def run_job(cfg: RunConfig, console: Console | None = None, report: Report = pri
         trainer.announce()
         warns.flush(trainer.channel)
         if trainer.is_complete:
+            release_run_dir(trainer.run)
             return _complete(trainer)
         result = trainer.train()
         final = trainer.summarize()
@@ -80,4 +82,7 @@ def run_job(cfg: RunConfig, console: Console | None = None, report: Report = pri
         warns.flush(trainer.channel)
     if trainer.channel.is_root:
         report(console, outcome, trainer)
+    # Only now: the report writes into the run directory too. After an error the lease stays with this
+    # process until it exits.
+    release_run_dir(trainer.run)
     return outcome

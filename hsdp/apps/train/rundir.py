@@ -7,6 +7,8 @@ Layout::
       metrics.jsonl      one record per step (see hsdp.apps.train.metrics); metrics.csv the same as a table
       tb/                TensorBoard events (when tensorboard is installed)
       checkpoints/       hsdp.save_checkpoint's run directory: step_000100/, ..., latest
+      checkpoints.lease  the job holding the directory (see hsdp.checkpoint.lease): taken before anything
+                         is written, given back at the end; a second job is refused while it is live
       profile/           rank<r>.json chrome traces (--profile)
       summary.json       the final summary; sample.txt the text sampled at the end
       report/            PNG plots written by `hsdp report`
@@ -23,8 +25,11 @@ from hsdp.apps.train.config import RunConfig
 from hsdp.apps.train.config_io import CONFIG_NAME, to_toml
 from hsdp.apps.train.metrics import JSONL_NAME
 from hsdp.apps.train.ranks import RankChannel
+from hsdp.checkpoint.lease import hold_lease, lease_problem, release_lease
+from hsdp.checkpoint.resolve import TRAIN_CHECKPOINTS
 from hsdp.checkpoint.rundir import list_steps
 from hsdp.engine.agreement import on_rank0
+from hsdp.engine.faults.watchdog import Watchdog
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class RunDir:
 
     @property
     def checkpoints(self) -> str:
-        return os.path.join(self.path, "checkpoints")
+        return os.path.join(self.path, TRAIN_CHECKPOINTS)
 
     @property
     def profile(self) -> str:
@@ -61,23 +66,29 @@ class RunDir:
 
 
 def start_problem(cfg: RunConfig) -> str | None:
-    """Why a run with ``cfg`` may not start in its directory (``None``: it may). A fresh run refuses a
-    directory that already holds a run, so nothing is overwritten by accident."""
+    """Why a run with ``cfg`` may not start in its directory (``None``: it may). Any run refuses a directory
+    another live job holds; a fresh run also refuses one that already holds a run, so nothing is
+    overwritten by accident."""
     run = RunDir(cfg.train.out_dir)
+    busy = lease_problem(run.checkpoints)
+    if busy is not None:
+        return busy
     if cfg.train.resume or not os.path.isdir(run.path):
         return None
-    held = [name for name in (JSONL_NAME, "checkpoints") if os.path.exists(os.path.join(run.path, name))]
+    held = [name for name in (JSONL_NAME, TRAIN_CHECKPOINTS) if os.path.exists(os.path.join(run.path, name))]
     if not held:
         return None
     return (f"train.out_dir = {run.path!r} already holds a run ({', '.join(held)}): pass --resume to continue "
             f"it, --out NEW_DIR to start another, or delete the directory")
 
 
-def _create(cfg: RunConfig) -> None:
-    """Rank 0: refuse a directory holding another run, else create it and save the configuration."""
+def _create(cfg: RunConfig, watchdog: Watchdog | None) -> None:
+    """Rank 0: refuse a directory holding another run, else take its lease (renewed by ``watchdog``), create
+    it and save the configuration."""
     problem = start_problem(cfg)
     if problem is not None:
         raise ValueError(problem)
+    hold_lease(RunDir(cfg.train.out_dir).checkpoints, watchdog=watchdog)
     try:
         os.makedirs(cfg.train.out_dir, exist_ok=True)
         with open(os.path.join(cfg.train.out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
@@ -87,7 +98,13 @@ def _create(cfg: RunConfig) -> None:
 
 
 def prepare_run_dir(cfg: RunConfig, channel: RankChannel) -> RunDir:
-    """Check and create the run directory and save the configuration (rank 0); a collective. Every rank
-    raises the same ``ValueError`` (rank 0's message, unprefixed) when the run may not start."""
-    on_rank0(channel.comm, "", lambda: _create(cfg))
+    """Check the run directory, take its lease (held until :func:`release_run_dir`), create it and save the
+    configuration (rank 0); a collective. Every rank raises the same ``ValueError`` (rank 0's message,
+    unprefixed) when the run may not start, before anything is written."""
+    on_rank0(channel.comm, "", lambda: _create(cfg, channel.mesh.watchdog))
     return RunDir(cfg.train.out_dir)
+
+
+def release_run_dir(run: RunDir) -> None:
+    """Give the run directory's lease back (on rank 0, which holds it): the job is done writing there."""
+    release_lease(run.checkpoints)

@@ -41,8 +41,14 @@ class Entry:
     work: Any = None  # the torch.distributed Work, while pending (dropped when done: it holds buffers)
 
     def describe(self) -> str:
-        where = f" in {self.phase}" if self.phase else ""
-        return f"collective #{self.seq} {self.region.removeprefix('hsdp::')}{where}"
+        return Entry.describe_record([self.seq, self.region, self.phase])
+
+    @staticmethod
+    def describe_record(record: list[Any]) -> str:
+        """:meth:`describe` of a published record ``[seq, region, phase, age]``."""
+        seq, region, phase = record[:3]
+        where = f" in {phase}" if phase else ""
+        return f"collective #{seq} {region.removeprefix('hsdp::')}{where}"
 
     def as_record(self, now: float) -> list[Any]:
         return [self.seq, self.region, self.phase, round(now - self.entered, 1)]

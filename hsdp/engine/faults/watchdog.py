@@ -38,9 +38,9 @@ from types import TracebackType
 import torch.distributed as dist
 
 from hsdp.engine.faults.hang import judge, report, stuck_transport
-from hsdp.engine.faults.ledger import CollectiveLedger
+from hsdp.engine.faults.ledger import CollectiveLedger, Entry
+from hsdp.engine.faults.status import EXIT_CODE
 
-EXIT_CODE = 75
 FAILED_KEY = "hsdp/failed"
 # One watchdog per rendezvous store and process: a heartbeat thread is process-wide by nature, so this
 # registry is the one module-level state in hsdp (keyed by the store, never read for ranks or groups).
@@ -51,11 +51,16 @@ _BY_STORE: dict[int, Watchdog] = {}
 class FaultPolicy:
     """``timeout``: seconds without a heartbeat before a rank is declared dead, and seconds a collective may
     wait for a late or mismatched rank before the job is ended as hung; ``interval``: beat period;
-    ``detect_hangs``: whether to watch collectives at all (off: only dead ranks are caught)."""
+    ``detect_hangs``: whether to watch collectives at all (off: only dead ranks are caught);
+    ``watch_launcher``: end the rank when its launcher dies (``hsdp.engine.faults.launcher``);
+    ``lease_stale_after``: how old a run directory's lease may get before another job takes it over
+    (``hsdp.checkpoint.lease``)."""
 
     timeout: float = 45.0
     interval: float = 1.0
     detect_hangs: bool = True
+    watch_launcher: bool = True  # a rank whose launcher (torchrun agent, hsdp launch) died exits too
+    lease_stale_after: float = 60.0  # a run-directory lease not renewed for this long may be taken over
 
     def __post_init__(self) -> None:
         if not 0 < self.interval < self.timeout:
@@ -154,12 +159,15 @@ class Watchdog:
     def _run(self) -> None:
         peer = (self.rank + 1) % self.world_size
         last_value, last_change = -1, time.monotonic()
+        store_alive = True
         while not self._stop.wait(self.policy.interval):
+            self._run_checks()  # first, and without the store: they matter most when its host is gone
+            if not store_alive:
+                continue
             try:
                 self.store.add(f"hsdp/hb/{self.rank}", 1)
                 if self.store.check([FAILED_KEY]):
                     self._exit(self.store.get(FAILED_KEY).decode())
-                self._run_checks()
                 if self.policy.detect_hangs:
                     self._publish()
                     self._answer_stack_request()
@@ -168,7 +176,8 @@ class Watchdog:
                     continue
                 value = self.store.add(f"hsdp/hb/{peer}", 0)
             except Exception:
-                return  # the store is gone (its host exited): collectives will report the failure
+                store_alive = False  # its host exited: collectives report the failure; checks go on
+                continue
             now = time.monotonic()
             if value != last_value:
                 last_value, last_change = value, now
@@ -222,6 +231,11 @@ class Watchdog:
             if waited[3] >= 2 * self.policy.timeout and not verdict.busy:
                 return stuck_transport(anchor, waited, verdict)
             return None
+        dead = [r for r in self.silent_ranks() if r in verdict.late] if verdict.late else []
+        if dead:  # a stopped or dead process is not "busy elsewhere": say what the heartbeat says
+            return (f"rank(s) {dead} stopped responding (no heartbeat) while rank(s) "
+                    f"{', '.join(map(str, sorted(verdict.waiting)))} waited {waited[3]:.0f} s in "
+                    f"{Entry.describe_record(waited)}: the process died or was stopped")
         stacks = self._stacks_of(verdict.late[:4])
         return report(anchor, waited, verdict, snapshots, stacks, now)
 
@@ -243,7 +257,7 @@ class Watchdog:
         return stacks
 
     def arrive(self, helper: str) -> None:
-        """Wait (at most ``timeout``) until every rank has called collective helper ``helper`` as often as
+        """Wait (at most half the ``timeout``) until every rank has called collective helper ``helper`` as often as
         this one; raise ``ValueError`` naming the ranks that did not. Called before the helper's first
         collective, so a helper called on some ranks only (``if rank == 0: hsdp.full_state_dict(model)``)
         fails with its name instead of pairing with another collective or hanging. A store counter per
@@ -252,7 +266,9 @@ class Watchdog:
         base = f"hsdp/arrive/{helper}/{n}"
         self.store.set(f"{base}/{self.rank}", "1")
         count, pause = self.store.add(base, 1), 0.002
-        deadline = time.monotonic() + self.policy.timeout
+        # Half the hang bound: the ranks that did not arrive are waiting in another collective, and this
+        # rank's precise message must come before the generic hang report about it.
+        deadline = time.monotonic() + self.policy.timeout / 2
         while count < self.world_size and time.monotonic() < deadline:
             time.sleep(pause)
             pause = min(2 * pause, self.policy.interval / 4)
@@ -260,13 +276,22 @@ class Watchdog:
         if count < self.world_size:
             missing = [r for r in range(self.world_size) if not self.store.check([f"{base}/{r}"])]
             called = sorted(set(range(self.world_size)) - set(missing))
+            dead = [r for r in self.silent_ranks() if r in missing]
+            if dead:  # not a misuse: a peer died on its way here
+                raise RuntimeError(f"rank(s) {dead} died (no heartbeat) before calling {helper}")
             raise ValueError(f"{helper} is a collective and must be called on every rank: rank(s) "
                              f"{', '.join(map(str, called))} called it, rank(s) {', '.join(map(str, missing))} "
-                             f"did not within {self.policy.timeout:.0f} s (call #{n} on this rank)")
+                             f"did not within {self.policy.timeout / 2:.0f} s (call #{n} on this rank)")
 
     def _run_checks(self) -> None:
         for check in self._checks:
-            message = check()
+            try:
+                message = check()
+            except Exception as e:  # a broken check must not end the watchdog: say so once, drop it
+                print(f"[hsdp rank {self.rank}] watchdog check {check!r} failed and is disabled: {e!r}",
+                      file=sys.stderr, flush=True)
+                self._checks.remove(check)
+                return
             if message:
                 message = f"rank {self.rank}: {message}"
                 self.publish_failure(message)

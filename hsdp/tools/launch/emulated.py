@@ -1,9 +1,10 @@
 """``hsdp launch``: run a torchrun job on an emulated cluster of network namespaces, or on loopback.
 
 With root and iproute2 (``ip``, ``tc``), every node is a network namespace behind a rate-limited link
-(:mod:`hsdp.tools.launch.netns`) and runs one torchrun agent (``ip netns exec <ns> python -m torch.distributed.run
-...``) with node 0's address as the rendezvous. Without them the nodes fall back to plain local processes on
-loopback (:func:`hsdp.tools.launch.local.local_agents`) after a one-line warning, unless emulation is required.
+(:mod:`hsdp.tools.launch.netns`) and runs one torchrun agent (``ip netns exec <ns> python -m
+hsdp.tools.launch.agent ...``, see :func:`hsdp.tools.launch.local.torchrun_command`) with node 0's address as
+the rendezvous. Without them the nodes fall back to plain local processes on loopback
+(:func:`hsdp.tools.launch.local.local_agents`) after a one-line warning, unless emulation is required.
 
 Cleanup is layered so that no namespace, link or process outlives the run:
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsdp.engine.faults.signals import handle_signals
+from hsdp.tools.launch.entry import missing_entry_point
 from hsdp.tools.launch.local import (
     AgentSpec,
     Interrupted,
@@ -62,12 +64,13 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 @dataclass(frozen=True)
 class LaunchOptions:
     """One ``hsdp launch``: ``nodes`` x ``nproc_per_node`` ranks running ``script_args`` (``script.py ...``
-    or ``-m module ...``) behind links of ``bandwidth`` (tc rate, e.g. ``"1gbit"``) and ``latency`` (one-way
-    node-to-node delay, e.g. ``"1ms"``; ``"0"`` for none). ``env`` adds variables for every rank.
+    or ``-m module ...``) behind links of ``bandwidth`` (bits or bytes per second, e.g. ``"1gbit"``,
+    ``"1GB/s"``) and ``latency`` (one-way node-to-node delay, e.g. ``"1ms"``; ``"0"`` for none). ``env`` adds
+    variables for every rank.
 
     ``no_emulation`` runs on loopback on purpose (a baseline; no warning), ``require_emulation`` makes the
-    loopback fallback an error. ``ValueError`` on construction for an empty script, bad counts, rates or
-    durations, or both of those flags."""
+    loopback fallback an error. ``ValueError`` on construction for an empty or missing script or module,
+    bad counts, rates or durations, or both of those flags."""
 
     script_args: tuple[str, ...]
     nodes: int = 2
@@ -90,6 +93,9 @@ class LaunchOptions:
             raise ValueError("require_emulation and no_emulation contradict each other")
         parse_tc_rate(self.bandwidth)
         parse_duration(self.latency)
+        missing = missing_entry_point(self.script_args, self.env)
+        if missing:
+            raise ValueError(missing)
 
 
 def _warn(message: str) -> None:

@@ -1,8 +1,9 @@
 """Emulate a multi-node job on one machine: one torchrun agent per "node", all on the loopback interface.
 
-torchrun stays the launcher: each agent is ``python -m torch.distributed.run --nnodes N --node-rank i``
-with a static rendezvous at ``127.0.0.1:<free port>``, exactly as on N real machines. This module only
-starts the agents and supervises them:
+torchrun stays the launcher: each agent is torchrun's (``python -m hsdp.tools.launch.agent --nnodes N --node-rank
+i ...``, torchrun with an orderly exit, see :mod:`hsdp.tools.launch.agent`) with a static rendezvous at
+``127.0.0.1:<free port>``, exactly as on N real machines. This module only starts the agents and supervises
+them:
 
   * every output line is prefixed with ``[node i]`` (pipes read by one thread each);
   * when an agent exits non-zero the others are stopped (SIGTERM to its process group, SIGKILL after a
@@ -28,9 +29,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from hsdp.engine.faults.launcher import set_parent_death_signal
 from hsdp.engine.faults.signals import handle_signals
 
 LOOPBACK = "127.0.0.1"
+AGENT_MODULE = "hsdp.tools.launch.agent"  # torchrun with an orderly exit; a name only, so torch is not imported
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.1
 
@@ -69,9 +72,12 @@ def threads_per_rank(total_ranks: int, cpus: int | None = None) -> int:
 
 def torchrun_command(nodes: int, node_rank: int, nproc_per_node: int, master_addr: str, master_port: int,
                      script_args: Sequence[str]) -> list[str]:
-    """The torchrun agent command of one node; ``script_args`` is ``script.py ...`` or ``-m module ...``."""
+    """The torchrun agent command of one node; ``script_args`` is ``script.py ...`` or ``-m module ...``.
+
+    torchrun's own agent behind :mod:`hsdp.tools.launch.agent`, which makes node 0's agent (the store's host)
+    exit last, so a successful job does not end with torchrun's exit-barrier traceback."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", AGENT_MODULE,
         "--nnodes", str(nodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc_per_node),
         "--master-addr", master_addr, "--master-port", str(master_port),
         *script_args,
@@ -104,13 +110,7 @@ def _validate(nodes: int, nproc_per_node: int, script_args: Sequence[str]) -> No
 def _die_with_parent() -> None:
     # Linux: the agent gets SIGTERM if the launcher dies, even by SIGKILL, so no orphaned job keeps
     # running; torchrun forwards the SIGTERM to its workers.
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def _exit_code(returncode: int) -> int:

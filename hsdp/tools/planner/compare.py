@@ -33,7 +33,8 @@ CPU_STEP_LATENCY = 50e-6  # one ring step of gloo over TCP: a send and a receive
 
 def emulated_cluster(nodes: int, nproc_per_node: int, bandwidth: str, gpu_memory: float = math.inf,
                      backend: str = "gloo") -> ClusterSpec:
-    """Nominal constants of ``hsdp launch``'s emulated cluster (``bandwidth`` in tc units, e.g. ``1gbit``)."""
+    """Nominal constants of ``hsdp launch``'s emulated cluster (``bandwidth`` as ``hsdp launch`` reads it,
+    e.g. ``1gbit`` or ``1GB/s``)."""
     return ClusterSpec(nodes, nproc_per_node, gpu_memory, CPU_INTRA_BANDWIDTH,
                        parse_bandwidth(bandwidth) * LINK_EFFICIENCY, 1e12, intra_latency=CPU_STEP_LATENCY,
                        inter_latency=CPU_STEP_LATENCY,

@@ -3,8 +3,12 @@
 A layout is valid when its shard degree divides the world size (the engine's rule). It *fits* when its
 peak memory per rank stays under ``gpu_memory x (1 - headroom)``; the headroom (10% by default) covers
 what no formula sees: allocator fragmentation, the CUDA context, communication buffers. The recommendation
-is the fitting layout with the shortest step; layouts within 1% of it count as a tie, broken by less
-memory (the cheaper insurance).
+is the fitting layout with the shortest step. Layouts within 1% of it count as a tie (the model cannot
+resolve less), broken toward the least inter-node traffic, the layout least hurt by a link slower or busier
+than modelled, then toward less memory (on one node, where nothing crosses). Once shard groups span nodes
+the least traffic is the smallest shard degree that fits; below a node it is ``S`` = ranks per node, as
+smaller degrees send a little more (DDP's ring crosses nodes over all ranks) and hold more memory.
+Breaking ties by memory alone would pick full sharding: the most traffic of all.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def _choose(estimates: Sequence[LayoutEstimate]) -> LayoutEstimate | None:
         return None
     fastest = min(e.step.step_s for e in fitting)
     ties = [e for e in fitting if e.step.step_s <= fastest * (1 + TIE)]
-    return min(ties, key=lambda e: (e.memory.total, e.step.step_s))
+    # Least traffic first (robust to a slow link; on one node all are 0), then least memory.
+    return min(ties, key=lambda e: (e.step.inter_node_bytes, e.memory.total, e.step.step_s))
 
 
 def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, profile: ComputeProfile | None = None,
@@ -120,6 +125,30 @@ def _name(e: LayoutEstimate) -> str:
     return f"{e.layout.label} (S={e.layout.shard}, {e.kind})"
 
 
+def _gb(n: float) -> str:
+    """Bytes that cross a link, in GB (``3.26e12`` -> ``"3,262 GB"``, ``2.53e10`` -> ``"25.3 GB"``)."""
+    gb = n / 1e9
+    return f"{gb:,.0f} GB" if gb >= 1000 else f"{gb:.3g} GB"
+
+
+def _recommended_reason(estimates: Sequence[LayoutEstimate], best: LayoutEstimate, cluster: ClusterSpec) -> str:
+    fitting = [e for e in estimates if e.fits]
+    fastest = min(fitting, key=lambda e: e.step.step_s)
+    head = (f"Recommended: {_name(best)}: {format_seconds(best.step.step_s)} per step, "
+            f"{best.tokens_per_s:,.0f} tokens/s on {cluster.world_size} GPUs")
+    if fastest is best:
+        return f"{head}, the fastest of the {len(fitting)} layouts that fit."
+    tie = (f"{head}. {_name(fastest)} is {1 - fastest.step.step_s / best.step.step_s:.2%} faster, within the "
+           f"{TIE:.0%} the model cannot resolve")
+    if best.step.inter_node_bytes == fastest.step.inter_node_bytes:
+        return f"{tie}; with equal inter-node traffic the tie goes to less memory."
+    smallest = best.layout.shard == min(e.layout.shard for e in fitting)
+    which = " (here the smallest shard degree that fits)" if smallest else ""
+    return (f"{tie}; ties go to the least inter-node traffic{which}: {_gb(best.step.inter_node_bytes)} against "
+            f"{_gb(fastest.step.inter_node_bytes)} per node per step, the layout least hurt by a link slower "
+            f"than modelled.")
+
+
 def _memory_reason(best: LayoutEstimate, limit: float, model: ModelSpec, options: TrainOptions) -> str:
     m = best.memory
     per = options.precision.state_bytes_per_param
@@ -137,7 +166,7 @@ def _traffic_reason(best: LayoutEstimate, cluster: ClusterSpec) -> str:
     crossing = ("only the gradient all-reduce crosses nodes" if best.layout.shard <= cluster.gpus_per_node
                 else "its shard groups span nodes, so all-gathers and reduce-scatters cross nodes too")
     link_s = s.inter_node_bytes / cluster.inter_bandwidth
-    return (f"Traffic: {crossing}: {s.inter_node_bytes / 1e9:.3g} GB per node per step, "
+    return (f"Traffic: {crossing}: {_gb(s.inter_node_bytes)} per node per step, "
             f"{format_seconds(link_s)} at {format_rate(cluster.inter_bandwidth)}; "
             f"{format_seconds(s.exposed_comm_s)} of communication is left exposed after overlap "
             f"(step {format_seconds(s.step_s)}, compute {format_seconds(s.compute_s)}).")
@@ -156,13 +185,19 @@ def _runner_up_reason(estimates: Sequence[LayoutEstimate], best: LayoutEstimate)
     if not others:
         return None
     r = others[0]
-    slower = r.step.step_s / best.step.step_s - 1
+    delta = r.step.step_s / best.step.step_s - 1
+    traffic = f"{_gb(r.step.inter_node_bytes)} per node per step, {format_seconds(r.step.exposed_comm_s)} exposed"
+    if delta <= TIE:  # a tie the recommendation won on traffic or memory: say what the runner-up offers
+        saves = best.memory.total - r.memory.total
+        memory = (f"saves {format_bytes(saves)} per GPU" if saves > 0
+                  else f"needs {format_bytes(-saves)} more per GPU")
+        more = r.step.inter_node_bytes > best.step.inter_node_bytes
+        return (f"Runner-up: {_name(r)}, tied at {delta:+.2%} step time; it {memory}"
+                f"{' but sends more across nodes' if more else ''} ({traffic}).")
     why = ("more inter-node traffic" if r.step.inter_node_bytes > best.step.inter_node_bytes * 1.05
            else "more exposed communication" if r.step.exposed_comm_s > best.step.exposed_comm_s
            else "a longer optimizer step" if r.step.optimizer_s > best.step.optimizer_s else "the same traffic")
-    extra = "" if slower > TIE else f" but needs {format_bytes(r.memory.total - best.memory.total)} more memory"
-    return (f"Runner-up: {_name(r)}, {slower:+.0%} step time ({why}: {r.step.inter_node_bytes / 1e9:.3g} GB per "
-            f"node per step, {format_seconds(r.step.exposed_comm_s)} exposed){extra}.")
+    return f"Runner-up: {_name(r)}, {delta:+.0%} step time ({why}: {traffic})."
 
 
 def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, options: TrainOptions) -> str | None:
@@ -184,19 +219,29 @@ def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, option
     return f"Communication is {s.exposed_comm_s / s.step_s:.0%} of the step; consider {' or '.join(gains)}."
 
 
+def _memory_fixes(model: ModelSpec, options: TrainOptions) -> str:
+    """What shrinks memory per GPU, naming only the flags that are not already at their smallest setting."""
+    fixes = ["add nodes (a larger shard degree splits the model state further)"]
+    if not options.activation_checkpointing:
+        fixes.append("use --activation-checkpointing")
+    if model.micro_batch > 1:
+        fixes.append(f"a smaller --micro-batch (now {model.micro_batch})")
+    else:  # already one sequence: only shorter sequences shrink the activations further
+        fixes.append(f"shorter sequences (--seq-len, now {model.seq_len}; the micro-batch is already 1)")
+    if not options.reshard_after_forward:
+        fixes.append("drop --no-reshard-after-forward")
+    return ", ".join(fixes[:-1]) + " or " + fixes[-1]
+
+
 def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cluster: ClusterSpec,
             model: ModelSpec, options: TrainOptions, limit: float) -> list[str]:
     """The recommendation's reasons, one sentence each."""
     if best is None:
         smallest = min(estimates, key=lambda e: e.memory.total)
         return [f"No layout fits: the smallest, {_name(smallest)}, needs {format_bytes(smallest.memory.total)} per "
-                f"GPU against {format_bytes(limit)} usable; add nodes, use activation checkpointing or a smaller "
-                f"micro-batch."]
-    fitting = sum(e.fits for e in estimates)
-    lines = [f"Recommended: {_name(best)}, the fastest of the {fitting} layouts that fit: "
-             f"{format_seconds(best.step.step_s)} per step, {best.tokens_per_s:,.0f} tokens/s on "
-             f"{cluster.world_size} GPUs.",
-             _memory_reason(best, limit, model, options), _traffic_reason(best, cluster)]
+                f"GPU against {format_bytes(limit)} usable; {_memory_fixes(model, options)}."]
+    lines = [_recommended_reason(estimates, best, cluster), _memory_reason(best, limit, model, options),
+             _traffic_reason(best, cluster)]
     lines += [x for x in (_runner_up_reason(estimates, best), _rejected_reason(estimates, limit),
                           _advice(best, model, cluster, options)) if x]
     return lines
