@@ -1,5 +1,6 @@
 """``hsdp train``'s single-process pieces: typed config and overrides, corpus sources and tokenizers, the
-LR schedule, metric files, the run-directory guard, progress helpers and ``hsdp report``'s plots."""
+LR schedule, metric files, the run-directory guard and progress helpers (``hsdp report``'s plots are in
+test_report_plots.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from hsdp.apps.train.metrics import CSV_NAME, MetricsWriter, comm_totals, read_m
 from hsdp.apps.train.optimizer import lr_at
 from hsdp.apps.train.progress import format_eta
 from hsdp.apps.train.rank_warnings import rank_ranges
-from hsdp.apps.train.report import write_report
 from hsdp.apps.train.rundir import start_problem
 from hsdp.engine.collectives import profiler_region
 
@@ -250,33 +250,6 @@ def test_comm_totals_rank_ranges_eta_and_region_names() -> None:
     assert format_eta(7.4) == "0:07" and format_eta(3723) == "1:02:03" and format_eta(float("nan")) == "?"
     assert profiler_region("all_gather", "shard", "Block(blocks.0)") == "hsdp::all_gather[shard] Block(blocks.0)"
     assert profiler_region("all_reduce", "world") == "hsdp::all_reduce[world]"
-
-
-def _colour_pixels(img: object, rgb: tuple[int, int, int], tol: int = 30) -> int:
-    import numpy as np
-
-    a = np.asarray(img.convert("RGB")).astype(int)  # type: ignore[attr-defined]
-    return int((np.abs(a - np.array(rgb)).max(axis=2) <= tol).sum())
-
-
-def test_report_writes_pngs_with_the_plotted_series(tmp_path: Path) -> None:
-    from PIL import Image
-
-    with MetricsWriter(str(tmp_path)) as w:
-        for r in _records(40):
-            w.write(r)
-    paths = write_report(str(tmp_path))
-    assert [Path(p).name for p in paths] == ["loss.png", "throughput.png", "communication.png"]
-    blue, orange, green, red = (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)
-    expected = {"loss.png": [blue, orange], "throughput.png": [green], "communication.png": [blue, red]}
-    for path in paths:
-        img = Image.open(path)
-        assert img.size == (800, 450)
-        assert len(img.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 20  # not blank: lines, text
-        for colour in expected[Path(path).name]:
-            assert _colour_pixels(img, colour) > 100, (path, colour)
-    with pytest.raises(ValueError, match="missing or empty"):
-        write_report(str(tmp_path / "nothing"))
 
 
 def test_a_mesh_the_started_ranks_cannot_form_is_one_error_before_spawning(

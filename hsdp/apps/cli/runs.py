@@ -61,8 +61,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def add_report(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``report`` on ``subparsers``."""
-    p = subparsers.add_parser("report", help="PNG plots of an hsdp train run (loss, throughput, communication)",
-                              description="Write loss.png, throughput.png and communication.png into "
+    p = subparsers.add_parser("report",
+                              help="PNG plots of a train run (loss, throughput, communication, lr, grad norm, memory)",
+                              description="Write loss.png, throughput.png, communication.png and training.png into "
                                           "RUN_DIR/report.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="an hsdp train run directory (e.g. runs/train)")
     p.set_defaults(func=run_report)
