@@ -1,7 +1,7 @@
 """The ``hsdp`` command line: one parser whose subcommands dispatch to the tools and applications.
 
 Each subcommand's arguments live in a module of this package (``launch``, ``plan``, ``tune``, ``bench``,
-``runs``) or, for ``hsdp train``, with the job (:mod:`hsdp.apps.train.command`). Building the parser imports
+``runs``, ``env``) or, for ``hsdp train``, with the job (:mod:`hsdp.apps.train.command`). Building the parser imports
 no torch, so ``hsdp --help``, ``hsdp version`` and ``hsdp plan`` answer at once; a subcommand that needs
 torch imports it when it runs.
 """
@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from hsdp.apps.cli import bench, launch, plan, runs, tune
+from hsdp.apps.cli import bench, env, launch, plan, runs, tune
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_plan(sub)
     tune.add_tune(sub)
     bench.add_bench(sub)
+    env.add_env(sub)
     return parser
 
 

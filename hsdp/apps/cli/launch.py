@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
+
 LAUNCH_EPILOG = """\
 examples:
   hsdp launch --nodes 2 --nproc-per-node 2 -- train.py --epochs 1
@@ -25,14 +27,13 @@ def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``launch`` on ``subparsers`` (of the ``hsdp`` parser)."""
     p = subparsers.add_parser("launch", help="run a torchrun job on an emulated multi-node cluster",
                               description="Run SCRIPT under torchrun on N emulated nodes with shaped links.",
-                              epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes, one torchrun agent each (default 2)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
+                              epilog=LAUNCH_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes, one torchrun agent each")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
     p.add_argument("--inter-node-bandwidth", default="1gbit",
-                   help="rate of each node's link, each direction, as hsdp plan reads it: bits (1gbit, 400Gb/s) "
-                        "or bytes per second (1GB/s) (default 1gbit)")
+                   help=f"rate of each node's link, each direction: {RATE_UNITS}")
     p.add_argument("--inter-node-latency", default="0",
-                   help="one-way node-to-node delay, e.g. 1ms or 500us; needs the kernel's netem (default 0)")
+                   help="one-way node-to-node delay, e.g. 1ms or 500us; needs the kernel's netem")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--require-emulation", action="store_true",
                       help="fail instead of falling back to loopback when the network cannot be emulated")
@@ -70,6 +71,7 @@ def run_launch(args: argparse.Namespace) -> int:
 def add_demo(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``demo`` on ``subparsers``."""
     p = subparsers.add_parser("demo", help="train a tiny GPT with HSDP on emulated nodes of this machine",
+                              formatter_class=HelpFormatter,
                               description="hsdp train with the demo's preset: one torchrun agent per emulated "
                                           "node (loopback), a temporary run directory, a summary of what "
                                           "sharding saves.")

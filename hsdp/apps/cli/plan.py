@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.tools.planner.cluster import ClusterSpec
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, TransformerShape, transformer
 from hsdp.tools.planner.options import PRECISIONS, REPLICATE_DTYPES, SYNC_MODES, TrainOptions, precision
@@ -40,8 +41,8 @@ models: 125m 350m 1.3b 7b 13b 70b and the hsdp.models GPT presets (gpt2-124m, sm
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS), help="bytes per copy (default bf16)")
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS), help="bytes per copy")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="keep units gathered from forward to backward (one all-gather less, more memory)")
     p.add_argument("--inter-node-dtype", default="same", choices=REPLICATE_DTYPES,
@@ -57,30 +58,32 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                               description="Estimate every (replicate, shard) layout of a cluster and recommend "
                                           "the fastest that fits, with reasons (layouts within 1% are tied; "
                                           "ties go to the least inter-node traffic).",
-                              epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              epilog=PLAN_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="a model size or preset, e.g. 7b, 70b, gpt2-124m")
     p.add_argument("--layers", type=int, default=None, help="a custom decoder instead: blocks (with --hidden)")
     p.add_argument("--hidden", type=int, default=None, help="custom decoder: hidden size")
     p.add_argument("--heads", type=int, default=None, help="custom decoder: attention heads (default hidden/128)")
-    p.add_argument("--vocab", type=int, default=32000, help="custom decoder: vocabulary (default 32000)")
+    p.add_argument("--vocab", type=int, default=32000, help="custom decoder: vocabulary")
     p.add_argument("--ffn", type=int, default=None, help="custom decoder: gated (SwiGLU) MLP width (default: "
                                                           "a 4x GELU MLP)")
     p.add_argument("--metrics", default=None, help="take the model's units and a measured compute profile from "
                                                     "a metrics file (hsdp.tools.planner.metrics)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch (default 1)")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu", default="h100", help="GPU preset for memory, compute and NVLink (default h100)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
+    p.add_argument("--gpu", default="h100", help="GPU preset for memory, compute and NVLink")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU with its unit, e.g. 80GiB (default: the GPU's)")
     p.add_argument("--compute", default=None, help="achieved FLOP/s per GPU, e.g. 400TFLOPS (default: peak x mfu)")
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"achieved fraction of peak (default {DEFAULT_MFU})")
-    p.add_argument("--intra-node-bandwidth", default=None, help="per GPU, e.g. 450GB/s or nvlink4 (default: GPU's)")
-    p.add_argument("--inter-node-bandwidth", default="ib400", help="per node, e.g. 50GB/s, ib400, 8xib400")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="achieved fraction of peak")
+    p.add_argument("--intra-node-bandwidth", default=None,
+                   help=f"per GPU: a link preset (nvlink4) or a rate, {RATE_UNITS} (default: the GPU's link)")
+    p.add_argument("--inter-node-bandwidth", default="ib400",
+                   help=f"per node: a link preset (ib400, 8xib400 = eight NICs) or a rate, {RATE_UNITS}")
     p.add_argument("--intra-node-latency", default=None, help="per ring step, e.g. 3us (default: the link's)")
     p.add_argument("--inter-node-latency", default=None, help="per ring step, e.g. 5us (default: the link's)")
     add_model_arguments(p)
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="memory kept free (default 0.1)")
+    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="memory kept free")
     p.add_argument("--degrees", default=None, help="comma list of shard degrees (default: every divisor)")
     p.add_argument("--plot", metavar="FILE", help="write memory and step time against shard degree (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': stdout, no table)")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.apps.cli.plan import parse_degrees
 from hsdp.tools.planner.compare import TuneReport, analyse, emulated_cluster, options_from_metrics
 from hsdp.tools.planner.tune import DEFAULT_SCRIPT, TuneRun, collect, default_workdir, load_metrics, summarise
@@ -31,15 +32,17 @@ def add_tune(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("tune", help="measure each shard degree, calibrate the cost model, recommend",
                               description="Run a few steps of each candidate layout, fit the cost model's "
                                           "constants to the measurements and print predicted vs measured.",
-                              epilog=TUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2, help="nodes (emulated: one namespace each; default 2)")
-    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
-    p.add_argument("--inter-node-bandwidth", default="1gbit", help="emulated link rate, tc units (default 1gbit)")
-    p.add_argument("--inter-node-latency", default="0", help="emulated one-way delay, e.g. 1ms (default 0)")
+                              epilog=TUNE_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, help="nodes (emulated: one namespace each)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")
+    p.add_argument("--inter-node-bandwidth", default="1gbit",
+                   help=f"emulated link rate of each node, each direction: {RATE_UNITS}")
+    p.add_argument("--inter-node-latency", default="0", help="emulated one-way delay, e.g. 1ms")
     p.add_argument("--intra-node-bandwidth", default=None,
-                   help="nominal rate inside a node before calibration (default: 200MB/s, gloo on loopback)")
+                   help=f"nominal rate inside a node before calibration, {RATE_UNITS} (default: 200MB/s, gloo "
+                        f"on loopback)")
     p.add_argument("--degrees", default=None, help="comma list of shard degrees (default: every divisor)")
-    p.add_argument("--repeats", type=int, default=2, help="launches per degree, round-robin (default 2)")
+    p.add_argument("--repeats", type=int, default=2, help="launches per degree, round-robin")
     p.add_argument("--gpu-memory", default=None, help="memory limit per rank for 'fits' (default: none)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-emulation", action="store_true", help="run the nodes on loopback (no shaping)")

@@ -14,8 +14,9 @@ From Python (on every rank of a launched job)::
 Modules: ``config`` (the typed sections), ``config_io`` (TOML and overrides), ``corpus`` (text sources and
 tokenizers), ``lm`` (one adapter per model kind: build, logits, loss), ``optimizer`` (AdamW and schedule),
 ``trainer`` (the ``Trainer``: steps, evaluation, checkpoints), ``result`` (a session's records),
-``metrics``, ``progress``, ``rank_warnings``, ``resume``, ``profiling``, ``summary``, ``job`` (one rank's
-run), ``command`` (the command line), ``report`` (``hsdp report``'s plots).
+``metrics``, ``wandb_sink`` (Weights & Biases, ``log.wandb``), ``progress``, ``rank_warnings``, ``resume``,
+``profiling``, ``summary``, ``job`` (one rank's run), ``command`` (the command line), ``report`` (``hsdp
+report``'s plots).
 """
 
 from __future__ import annotations

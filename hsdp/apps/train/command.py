@@ -63,7 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG.toml] [section.field=value ...]",
                    help="a TOML config file, then overrides applied in order")
-    p.add_argument("--resume", action="store_true", help="continue the run directory from its last checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run directory from its last checkpoint; refused when it holds none, "
+                        "except under torchrun, where that is a fresh start (a job script's first submission)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler traces of a few steps")
     p.add_argument("--out", metavar="DIR", help="run directory (train.out_dir)")
     p.add_argument("--steps", type=int, help="training steps (train.steps)")
@@ -146,20 +148,23 @@ def run_rank(config: RunConfig, report: Report | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp train``; the exit status."""
     from hsdp.apps.train.config_io import resolve_config, to_toml
-    from hsdp.apps.train.rundir import start_problem
+    from hsdp.apps.train.rundir import resume_problem, start_problem
+    from hsdp.apps.train.wandb_sink import wandb_problem
 
     try:
         path, items = split_items(args.items)
         overrides = overrides_from(args) + items
         config = resolve_config(path, overrides)
-        problem = None if under_torchrun() else start_problem(config) or layout_problem(config)
+        # Under torchrun each rank checks its run directory itself (and --resume may start fresh there).
+        problem = wandb_problem(config) if under_torchrun() else (
+            start_problem(config) or resume_problem(config) or layout_problem(config) or wandb_problem(config))
     except ValueError as e:
         return _error(str(e))
     if args.print_config:
         print(to_toml(config), end="")
         return 0
-    if problem is not None:  # caught here, once, before starting any rank
-        return _error(problem)
+    if problem is not None:  # before starting any rank; under torchrun every rank stops alike, rank 0 says why
+        return _error(problem) if os.environ.get("RANK", "0") == "0" else USAGE_ERROR
     if under_torchrun():
         return run_rank(config)
     from hsdp.tools.launch import launch_local

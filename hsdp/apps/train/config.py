@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 TOKENIZERS = ("byte", "char")
 DATA_FORMATS = ("auto", "text", "jsonl", "dataset")
 PRECISIONS = ("fp32", "bf16")
+WANDB_MODES = ("online", "offline")
 DEFAULT_OUT_DIR = "runs/train"
 STDLIB = "stdlib"
 
@@ -193,14 +194,34 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    """Where rank 0's per-step records go besides ``metrics.jsonl``/``.csv`` (and TensorBoard when installed).
+    ``wandb`` also logs them, and the whole configuration, to Weights & Biases (``pip install
+    'hsdp[wandb]'``): project ``wandb_project``, run name the run directory's name; ``wandb_mode``
+    ``offline`` writes the W&B run under the run directory (or ``$WANDB_DIR``) for ``wandb sync`` later,
+    ``online`` needs ``wandb login`` (or ``WANDB_API_KEY``) on the node of rank 0."""
+
+    SECTION: ClassVar[str] = "log"
+    wandb: bool = False
+    wandb_project: str = "hsdp"
+    wandb_mode: str = "online"
+
+    def __post_init__(self) -> None:
+        _one_of(self.SECTION, "wandb_mode", self.wandb_mode, WANDB_MODES)
+        if not self.wandb_project:
+            _fail(self.SECTION, "wandb_project", self.wandb_project, "name a project, e.g. 'hsdp'")
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    """A whole ``hsdp train`` configuration: the five sections, checked together on construction."""
+    """A whole ``hsdp train`` configuration: the six sections, checked together on construction."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         if self.train.stop_after > self.train.steps:

@@ -1,7 +1,7 @@
 """Reading and writing :class:`~hsdp.apps.train.config.RunConfig`: TOML files and ``section.field=value``
 overrides.
 
-A TOML file holds any subset of the sections (``[model]``, ``[data]``, ``[optim]``, ``[train]``,
+A TOML file holds any subset of the sections (``[model]``, ``[data]``, ``[optim]``, ``[train]``, ``[log]``,
 ``[parallel]``); missing fields keep their defaults. Overrides are applied on top, in order; their values
 are TOML values (``train.steps=50``, ``data.extensions=[".txt"]``), and a bare word is a string
 (``model.preset=small``). Unknown sections or fields and values of the wrong type raise ``ValueError``

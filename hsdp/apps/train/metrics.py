@@ -1,7 +1,8 @@
 """Per-step metrics of a training run: what is measured, and the files rank 0 writes them to.
 
 One record per optimizer step, written to ``metrics.jsonl`` and ``metrics.csv`` in the run directory (and
-to TensorBoard under ``tb/`` when the ``tensorboard`` package is installed):
+to TensorBoard under ``tb/`` when the ``tensorboard`` package is installed, and to Weights & Biases with
+``log.wandb = true``):
 
   ``step`` (1-based), ``loss`` (training loss averaged over the step's micro-batches and all ranks),
   ``eval_loss`` (held-out loss, on evaluation steps only), ``lr``, ``grad_norm`` (before clipping),
@@ -22,7 +23,8 @@ import json
 import os
 import resource
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -71,10 +73,21 @@ def _tensorboard(log_dir: str, purge_step: int | None) -> Any:
     return SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
 
-class MetricsWriter:
-    """Rank 0's metric files. ``resume_step``: keep the records up to that step (``None``: start empty)."""
+class RecordSink(Protocol):
+    """Another destination of the per-step records (e.g. :class:`hsdp.apps.train.wandb_sink.WandbSink`)."""
 
-    def __init__(self, run_dir: str, resume_step: int | None = None) -> None:
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsWriter:
+    """Rank 0's metric files. ``resume_step``: keep the records up to that step (``None``: start empty).
+    ``sinks`` receive each new record too (not the kept ones: they had them before the interruption) and
+    are closed with the files."""
+
+    def __init__(self, run_dir: str, resume_step: int | None = None, sinks: Sequence[RecordSink] = ()) -> None:
+        self._sinks = list(sinks)
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step] if resume_step is not None else []
         self._jsonl = open(os.path.join(run_dir, JSONL_NAME), "w", encoding="utf-8")  # noqa: SIM115
         self._csv_file = open(os.path.join(run_dir, CSV_NAME), "w", encoding="utf-8", newline="")  # noqa: SIM115
@@ -97,12 +110,16 @@ class MetricsWriter:
             for name in _TB_SCALARS:
                 if record.get(name) is not None:
                     self._tb.add_scalar(f"train/{name}", record[name], record["step"])
+        for sink in self._sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self._jsonl.close()
         self._csv_file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -26,8 +26,9 @@ def save(run: RunDir, model: ShardedModel, optimizer: ShardedOptimizer, step: in
 
 def resume(run: RunDir, model: ShardedModel, optimizer: ShardedOptimizer, channel: RankChannel) -> tuple[int, str]:
     """Load the newest valid checkpoint and this rank's RNG states; returns ``(step, directory)``, or
-    ``(0, "")`` when the run has no checkpoint yet (a fresh start, so a job script can always pass
-    ``--resume``). A collective."""
+    ``(0, "")`` when the run has no checkpoint yet (a fresh start, so a job script under torchrun can always
+    pass ``--resume``; ``hsdp train`` starting the ranks itself refuses that case before spawning them, see
+    :func:`hsdp.apps.train.rundir.resume_problem`). A collective."""
     has_checkpoint = channel.broadcast(bool(run.checkpoint_steps()) if channel.is_root else None)
     if not has_checkpoint:
         return 0, ""

@@ -65,6 +65,11 @@ class RunDir:
         return [step for step, _ in list_steps(self.checkpoints)]
 
 
+def _held(run: RunDir) -> list[str]:
+    """The files that make ``run`` hold a run (a fresh run there would overwrite them)."""
+    return [name for name in (JSONL_NAME, TRAIN_CHECKPOINTS) if os.path.exists(os.path.join(run.path, name))]
+
+
 def start_problem(cfg: RunConfig) -> str | None:
     """Why a run with ``cfg`` may not start in its directory (``None``: it may). Any run refuses a directory
     another live job holds; a fresh run also refuses one that already holds a run, so nothing is
@@ -73,13 +78,60 @@ def start_problem(cfg: RunConfig) -> str | None:
     busy = lease_problem(run.checkpoints)
     if busy is not None:
         return busy
-    if cfg.train.resume or not os.path.isdir(run.path):
-        return None
-    held = [name for name in (JSONL_NAME, TRAIN_CHECKPOINTS) if os.path.exists(os.path.join(run.path, name))]
+    held = [] if cfg.train.resume else _held(run)
     if not held:
         return None
     return (f"train.out_dir = {run.path!r} already holds a run ({', '.join(held)}): pass --resume to continue "
             f"it, --out NEW_DIR to start another, or delete the directory")
+
+
+def resume_problem(cfg: RunConfig) -> str | None:
+    """Why ``hsdp train --resume`` may not continue ``train.out_dir`` (``None``: it may, or it does not
+    resume): the directory holds no checkpoint, most often a mistyped ``--out``. The message names the run
+    directories beside it that hold checkpoints, and the fix.
+
+    Only ``hsdp train`` starting the ranks itself asks this (before spawning any). Under torchrun a job
+    script passes ``--resume`` on its first submission too, where no checkpoint means a fresh start
+    (:func:`hsdp.apps.train.resume.resume`), so the ranks never refuse it."""
+    run = RunDir(cfg.train.out_dir)
+    if not cfg.train.resume or run.checkpoint_steps():
+        return None
+    state = "holds no checkpoint" if os.path.isdir(run.path) else "does not exist"
+    fresh = ("choose another --out (or delete it) to start a new run" if _held(run)
+             else "drop --resume to start a new run there")
+    found = runs_beside(run.path)
+    if not found:
+        where = os.path.dirname(os.path.normpath(run.path)) or "."
+        return (f"--resume: train.out_dir = {run.path!r} {state}, and no run directory beside it in {where!r} "
+                f"holds checkpoints: check --out, or {fresh}")
+    return (f"--resume: train.out_dir = {run.path!r} {state}; run directories with checkpoints nearby: "
+            f"{', '.join(found)}: pass --out with the one to continue, or {fresh}")
+
+
+MAX_LISTED = 8  # run directories named in resume_problem's message; more are counted
+
+
+def runs_beside(path: str) -> list[str]:
+    """The run directories holding checkpoints next to ``path`` (its siblings, and its parent when that is
+    one: ``--out runs/x/checkpoints``), spelled like ``path``; the first :data:`MAX_LISTED` by name."""
+    path = os.path.normpath(path)
+    parent = os.path.dirname(path)
+    found = [parent] if parent and _has_checkpoints(parent) else []
+    try:
+        names = sorted(os.listdir(parent or "."))
+    except OSError:  # the parent does not exist either
+        names = []
+    found += [p for p in (os.path.join(parent, n) for n in names) if p != path and _has_checkpoints(p)]
+    if len(found) > MAX_LISTED:
+        return [*found[:MAX_LISTED], f"... ({len(found) - MAX_LISTED} more)"]
+    return found
+
+
+def _has_checkpoints(path: str) -> bool:
+    try:
+        return bool(RunDir(path).checkpoint_steps())
+    except OSError:  # unreadable: not one to suggest
+        return False
 
 
 def _create(cfg: RunConfig, watchdog: Watchdog | None) -> None:

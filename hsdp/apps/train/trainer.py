@@ -37,6 +37,7 @@ from hsdp.apps.train.rank_warnings import RankWarnings
 from hsdp.apps.train.ranks import RankChannel
 from hsdp.apps.train.result import LoopResult
 from hsdp.apps.train.rundir import prepare_run_dir
+from hsdp.apps.train.wandb_sink import record_sinks
 from hsdp.data.text import TokenStream
 from hsdp.engine.hops import named_hop
 from hsdp.engine.preemption import StopSignals
@@ -224,7 +225,8 @@ class Trainer:
         """Steps ``start_step + 1`` to ``train.steps`` (or ``train.stop_after``), or until a SIGTERM."""
         end = self.cfg.train.stop_after or self.cfg.train.steps
         if self.channel.is_root:  # a resumed run keeps the records up to its checkpoint
-            self.writer = MetricsWriter(self.run.path, self.start_step if self.cfg.train.resume else None)
+            self.writer = MetricsWriter(self.run.path, self.start_step if self.cfg.train.resume else None,
+                                        sinks=record_sinks(self.cfg, self.run.path))
         with self.reporter, self.writer or contextlib.nullcontext():
             with StopSignals(self.cfg.train.save_on_signal) as signals:
                 for step in range(self.start_step + 1, end + 1):
