@@ -37,6 +37,9 @@ _EXPORTS = {
     "ShardedModel": "hsdp.engine.model",
     "ShardedOptimizer": "hsdp.engine.optim.sharded_optimizer",
     "MixedPrecision": "hsdp.engine.policy",
+    "AllReduceHop": "hsdp.engine.hops",
+    "Int8ErrorFeedbackHop": "hsdp.engine.hops",
+    "ReplicaHop": "hsdp.engine.hops",
     "ReplicaDivergence": "hsdp.engine.replicas",
     "check_replicas": "hsdp.engine.model",
     "full_state_dict": "hsdp.engine.state_dict",
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
     from hsdp.data.sampler import data_parallel_rank, data_parallel_size, distributed_sampler
     from hsdp.engine.clip import clip_grad_norm_
     from hsdp.engine.faults.watchdog import FaultPolicy
+    from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop, ReplicaHop
     from hsdp.engine.init import load_pretrained, materialize
     from hsdp.engine.memory import StateBytes, state_bytes
     from hsdp.engine.mesh import HSDPMesh, init_mesh, rank_grid
@@ -86,13 +90,16 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllReduceHop",
     "CheckpointError",
     "CheckpointOptions",
     "FaultPolicy",
     "HSDPMesh",
+    "Int8ErrorFeedbackHop",
     "MixedPrecision",
     "PreemptionGuard",
     "ReplicaDivergence",
+    "ReplicaHop",
     "ShardedModel",
     "ShardedOptimizer",
     "StateBytes",

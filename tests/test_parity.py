@@ -1,4 +1,5 @@
-"""Parity: hsdp on every mesh shape trains to the same parameters as one plain process, and as DDP."""
+"""Parity: hsdp on every mesh shape trains to the same parameters as one plain process, and as DDP; with the
+optimizer state sharded across replicas too (``shard_optimizer_across_replicas``) as well."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def _reference(world: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _train_hsdp(rank: int, sharding_degree: int, reshard: bool,
-                nested: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _train_hsdp(rank: int, sharding_degree: int, reshard: bool, nested: bool = False,
+                sliced: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(INIT_SEED + 100 * rank)  # different init per rank: wrapping must broadcast rank 0's
     if rank == 0:
         torch.manual_seed(INIT_SEED)
@@ -45,7 +46,7 @@ def _train_hsdp(rank: int, sharding_degree: int, reshard: bool,
     if nested:  # FSDP2-style: wrap the blocks first, then the root absorbs them
         for block in model.blocks:
             hsdp.ShardedModel(block, mesh=mesh, reshard_after_forward=reshard)
-    model = hsdp.ShardedModel(model, mesh=mesh, reshard_after_forward=reshard)
+    model = hsdp.ShardedModel(model, mesh=mesh, reshard_after_forward=reshard, shard_optimizer_across_replicas=sliced)
     opt = hsdp.ShardedOptimizer(model, _adamw(p for p in model.parameters() if p.requires_grad))
     losses = []
     for step in range(STEPS):
@@ -68,14 +69,16 @@ def _max_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> d
 
 
 def _sweep(rank: int, world: int, degrees: list[int]) -> dict[str, float]:
-    """Every (sharding degree, reshard_after_forward) configuration inside one process spawn."""
+    """Every (sharding degree, reshard_after_forward) configuration, and the replica-sharded optimizer on
+    each mesh, inside one process spawn."""
     ref = _reference(world) if rank == 0 else None
     out = {}
     for degree in degrees:
-        for reshard in (True, False):
-            full, _ = _train_hsdp(rank, degree, reshard)
+        for reshard, sliced in ((True, False), (False, False), (True, True)):
+            full, _ = _train_hsdp(rank, degree, reshard, sliced=sliced)
             if rank == 0:
-                out[f"{world // degree}x{degree} reshard={reshard}"] = max(_max_errors(full, ref).values())
+                name = f"{world // degree}x{degree} reshard={reshard}" + (" sliced" if sliced else "")
+                out[name] = max(_max_errors(full, ref).values())
     if world == 4:
         full, _ = _train_hsdp(rank, 2, True, nested=True)
         if rank == 0:
@@ -86,7 +89,7 @@ def _sweep(rank: int, world: int, degrees: list[int]) -> dict[str, float]:
 @pytest.mark.parametrize("world,degrees", [(1, [1]), (2, [1, 2]), (4, [2, 1, 4])])
 def test_parity_against_single_process(world: int, degrees: list[int]) -> None:
     errors = run_distributed(_sweep, world, degrees)[0]
-    assert len(errors) == 2 * len(degrees) + (world == 4)
+    assert len(errors) == 3 * len(degrees) + (world == 4)
     bad = {k: v for k, v in errors.items() if v > 1e-5}
     assert not bad, f"parameters differ from the single-process reference: {bad}"
 

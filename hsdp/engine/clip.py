@@ -20,7 +20,9 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
 
     Equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (tied parameters count once). A
     collective in the shard group only: after the backward, replicas hold identical gradient shards, so
-    no inter-node bytes are spent. The norm is returned on every rank.
+    no inter-node bytes are spent; with ``shard_optimizer_across_replicas`` each rank holds a 1/(R x S)
+    slice instead and the norm is reduced over the whole mesh (a few bytes across nodes). The norm is
+    returned on every rank.
 
     Non-finite norm: ``"warn"`` clips nothing and warns; ``"skip"`` also drops every gradient (sets it to
     ``None``) so the next ``optimizer.step()`` changes nothing; ``"error"`` raises ``FloatingPointError``.
@@ -29,11 +31,14 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
         raise ValueError("hsdp.clip_grad_norm_ expects a ShardedModel; use torch.nn.utils.clip_grad_norm_ otherwise")
     if on_nonfinite not in ("warn", "skip", "error"):
         raise ValueError(f"on_nonfinite must be 'warn', 'skip' or 'error', got {on_nonfinite!r}")
-    # A replicated (0-d) parameter's gradient is whole on every shard rank: count it on shard rank 0 only.
-    counted = [p for p in model.sharded_params() if not p.layout.replicated or model.mesh.shard_rank == 0]
+    sliced = model.shards_optimizer_across_replicas
+    # A replicated (0-d) parameter's gradient is whole on every shard rank (and every replica, when the rest
+    # is sliced across replicas): count it once.
+    first = model.mesh.shard_rank == 0 and (not sliced or model.mesh.replicate_rank == 0)
+    counted = [p for p in model.sharded_params() if not p.layout.replicated or first]
     grads = [g for g in (p.grad_local for p in counted) if g is not None]
     with model.comm.phase("hsdp.clip_grad_norm_"):
-        total = _total_norm(model, grads, float(norm_type))
+        total = _total_norm(model, grads, float(norm_type), "world" if sliced else "shard")
     if not torch.isfinite(total):
         _handle_nonfinite(model, total, on_nonfinite)
         return total
@@ -44,18 +49,18 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     return total
 
 
-def _total_norm(model: ShardedModel, grads: list[torch.Tensor], p: float) -> torch.Tensor:
+def _total_norm(model: ShardedModel, grads: list[torch.Tensor], p: float, group: str) -> torch.Tensor:
     device = model.mesh.device
     comm = model.comm
     if math.isinf(p):
         local = torch.stack([g.detach().abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
         total = local.max().float().reshape(1)
-        comm.all_reduce(total, "shard", op=dist.ReduceOp.MAX, label="grad norm")
+        comm.all_reduce(total, group, op=dist.ReduceOp.MAX, label="grad norm")
         return total[0]
     local = torch.zeros(1, device=device, dtype=torch.float32)
     for g in grads:
         local += torch.linalg.vector_norm(g.detach(), p, dtype=torch.float32) ** p
-    comm.all_reduce(local, "shard", op=dist.ReduceOp.SUM, label="grad norm")
+    comm.all_reduce(local, group, op=dist.ReduceOp.SUM, label="grad norm")
     return local[0] ** (1.0 / p)
 
 

@@ -12,12 +12,17 @@ The hop owns what crosses nodes, dtype included: it is the one setting for the i
 but convergent). A hop that keeps state across steps (the int8 hop's residuals) exposes it through
 ``state_dict``/``load_state_dict``; ``ShardedOptimizer.state_dict`` saves it per parameter, so it
 reshards with the checkpoint (``runtime/hop_state.py``).
+
+With ``shard_optimizer_across_replicas`` the hop reduce-scatters instead (``start_scatter``): each replica
+keeps the average of its slice only (``runtime/replica_slice.py``). :class:`AllReduceHop` does both, in its
+wire dtype; a hop without ``start_scatter`` (the int8 hop, whose payload is all-gathered) is refused for
+that mode when the model is wrapped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,6 +66,17 @@ class AllReduceHop:
         wire = buffer.to(self.dtype)
         handle = comm.all_reduce(wire, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=_label(key))
         return handle.then(lambda: buffer.copy_(wire))
+
+    def start_scatter(self, output: torch.Tensor, packed: torch.Tensor, comm: Comm, key: str) -> Handle:
+        """Begin the average over the replicate group of ``packed`` ``(R, n)``, row ``q`` landing in replica
+        ``q``'s ``output`` ``(n,)``: the first half of the all-reduce, in the wire dtype."""
+        if self.dtype is None or self.dtype == packed.dtype:
+            return comm.reduce_scatter(output, packed.view(-1), "replicate", op=dist.ReduceOp.AVG, async_op=True,
+                                       label=_label(key))
+        wire_out = torch.empty(output.shape, dtype=self.dtype, device=output.device)
+        handle = comm.reduce_scatter(wire_out, packed.view(-1).to(self.dtype), "replicate", op=dist.ReduceOp.AVG,
+                                     async_op=True, label=_label(key))
+        return handle.then(lambda: output.copy_(wire_out))
 
     def state_dict(self) -> None:
         return None  # stateless
@@ -117,6 +133,11 @@ class Int8ErrorFeedbackHop:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.residuals.update(state)
+
+
+def can_scatter(hop: Any) -> bool:
+    """Whether ``hop`` can reduce-scatter across replicas (needed by ``shard_optimizer_across_replicas``)."""
+    return callable(getattr(hop, "start_scatter", None))
 
 
 # The built-in hops by the names configuration files and the planner use.

@@ -61,6 +61,18 @@ class ShardedModel(nn.Module):
       * ``sharding_degree=1`` is plain replication (DDP semantics); the world size is full sharding.
       * ``mixed_precision``: compute/all-gather dtype and a reduce dtype per hop (see ``MixedPrecision``).
       * ``replica_hop``: what replaces the inter-node all-reduce (see ``hsdp.engine.hops``), e.g. bf16 or int8.
+      * ``shard_optimizer_across_replicas``: optimizer state (and the reduced gradients) sharded over all
+        R x S ranks, parameters still sharded over the S ranks of a node (ZeRO over the whole mesh; Megatron's
+        "HFSDP"). The inter-node all-reduce becomes a reduce-scatter across replicas; each rank's optimizer
+        steps its 1/(R x S) slice; an all-gather across replicas, in the parameter dtype, refreshes the node's
+        shards and overlaps the next forward. Same inter-node bytes, optimizer state / R, optimizer step / R.
+        Gradients and optimizer state are DTensors of the global shape, placements
+        ``(_StridedShard(0, split_factor=S), Shard(0))``; checkpoints move freely between the modes. Needs an
+        element-wise optimizer and a hop that can reduce-scatter (not the int8 hop). Between
+        ``optimizer.step()`` and the next forward the shards are refreshed lazily: ``parameters()``,
+        ``state_dict()``, ``reshard()`` and the hsdp helpers wait for the refresh; a module attribute read
+        directly (``model.fc.weight``) right after the step may be stale, so call ``model.reshard()`` first.
+        With R = 1 it changes nothing. See ``hsdp/engine/runtime/replica_slice.py``.
     """
 
     _hsdp_state: HSDPState
@@ -69,7 +81,8 @@ class ShardedModel(nn.Module):
     def __new__(cls, module: nn.Module, sharding_degree: int | None = None, *, mesh: HSDPMesh | None = None,
                 wrap: WrapPolicy = None, reshard_after_forward: bool = True,
                 mixed_precision: MixedPrecision | None = None, replica_hop: ReplicaHop | None = None,
-                broadcast_buffers: bool | None = None) -> ShardedModel:
+                broadcast_buffers: bool | None = None,
+                shard_optimizer_across_replicas: bool = False) -> ShardedModel:
         if isinstance(module, ShardedModel):
             raise ValueError(
                 f"{type(module).__name__} is already a ShardedModel: wrap each model once (to shard a "
@@ -79,7 +92,7 @@ class ShardedModel(nn.Module):
             raise ValueError(f"ShardedModel wraps an nn.Module, got {type(module).__name__}")
         mesh = _resolve_mesh(sharding_degree, mesh)
         options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop(),
-                              broadcast_buffers)
+                              broadcast_buffers, shard_optimizer_across_replicas)
         _attach(module, shard_module(module, mesh, wrap, options))
         install_unwrapped_step_guard()
         swap_class(module, ShardedModel)
@@ -136,9 +149,29 @@ class ShardedModel(nn.Module):
         """Issue the next unit's all-gather while the current one computes (default on)."""
         self._hsdp_state.prefetch = enabled
 
+    @property
+    def shards_optimizer_across_replicas(self) -> bool:
+        """Whether the optimizer steps 1/R slices of the shards (``shard_optimizer_across_replicas`` with R > 1)."""
+        return any(p.slice is not None for p in self.sharded_params())
+
+    def gather_stepped_slices(self) -> None:
+        """Replica-sharded optimizer: start the all-gathers across replicas that bring every replica's stepped
+        slice into the shards (``ShardedOptimizer.step`` calls it). Asynchronous; the next forward, and
+        everything that reads the shards, waits for them."""
+        self._hsdp_state.start_slice_gathers()
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        self._hsdp_state.settle_slices()  # a slice all-gather in flight: the shards are being refreshed
+        return super().parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        self._hsdp_state.settle_slices()
+        return super().named_parameters(*args, **kwargs)
+
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across
         replicas (a collective in the replicate group; call it on every rank)."""
+        self._hsdp_state.settle_slices()
         with self.comm.phase("ShardedModel.check_replicas"):
             check_replica_shards(self.sharded_params(), self.comm)
 
@@ -163,6 +196,7 @@ class ShardedModel(nn.Module):
         keeps its old dtype. A conversion that changes shapes or leaves the mesh's device raises
         ``ValueError``. See ``hsdp/engine/runtime/storage.py``.
         """
+        self._hsdp_state.settle_slices()
         return apply_to_sharded_model(self, fn, recurse, super()._apply)
 
     # -- state dict ----------------------------------------------------------------------------------
@@ -170,6 +204,7 @@ class ShardedModel(nn.Module):
         """Original keys and shapes; sharded parameters as ``DTensor`` with placements
         ``(Replicate(), Shard(0))`` on the mesh (the layout FSDP2 uses), buffers as plain tensors. A parent
         module's ``state_dict()`` holds the same DTensors (the parameters are DTensors between steps)."""
+        self._hsdp_state.settle_slices()
         sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         # Mid-step (a unit still unsharded) the slots hold the plain unsharded faces: report the shards.
         for p in self.sharded_params():

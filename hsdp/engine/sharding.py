@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from hsdp.engine.collectives import Comm
-from hsdp.engine.hops import ReplicaHop
+from hsdp.engine.hops import ReplicaHop, can_scatter
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
 from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.replica_slice import SliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.state import HSDPState
 from hsdp.engine.runtime.unit import ShardUnit
@@ -76,12 +77,22 @@ class UnitOptions:
     mixed_precision: MixedPrecision
     replica_hop: ReplicaHop
     broadcast_buffers: bool | None = None  # None: automatic (see hsdp/engine/runtime/buffers.py)
+    shard_optimizer_across_replicas: bool = False  # see hsdp/engine/runtime/replica_slice.py
 
     def __post_init__(self) -> None:
         # Checked here, before the first collective of wrapping.
         if self.broadcast_buffers is not None and not isinstance(self.broadcast_buffers, bool):
             raise ValueError(f"broadcast_buffers must be True, False or None (automatic: on iff the model has "
                              f"BatchNorm-style running statistics), got {self.broadcast_buffers!r}")
+        if not isinstance(self.shard_optimizer_across_replicas, bool):
+            raise ValueError(f"shard_optimizer_across_replicas must be True or False, got "
+                             f"{self.shard_optimizer_across_replicas!r}")
+        if self.shard_optimizer_across_replicas and not can_scatter(self.replica_hop):
+            raise ValueError(
+                f"shard_optimizer_across_replicas reduce-scatters gradients across replicas, which "
+                f"{type(self.replica_hop).__name__} cannot do (it all-gathers its payload): use "
+                f"replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes), or "
+                f"turn shard_optimizer_across_replicas off")
 
 
 class Sharded(NamedTuple):
@@ -188,6 +199,9 @@ def _build_unit(module: nn.Module, assigned: list[ParamAssignment], comm: Comm, 
                      policy.compute(a.param.dtype))
         for a in assigned
     ]
+    if options.shard_optimizer_across_replicas and mesh.replicate_degree > 1:  # R = 1: nothing to split
+        for p in params:
+            p.slice = SliceLayout(p.layout, mesh.replicate_degree, mesh.replicate_rank)
     unit = ShardUnit(module, params, comm, options.reshard_after_forward, key, policy, options.replica_hop)
     unit.load_full([a.param.detach() for a in assigned])
     for p in params:

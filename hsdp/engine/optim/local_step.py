@@ -58,9 +58,10 @@ class LocalViews:
     def view_of(self, param: nn.Parameter) -> nn.Parameter:
         sp = self._by_param[id(param)]
         view = self._views.get(id(param))
-        if view is None or view.data_ptr() != sp.sharded_local.data_ptr():
+        local = sp.opt_local  # the chunk, or this replica's slice of it (see runtime/replica_slice.py)
+        if view is None or view.data_ptr() != local.data_ptr() or view.shape != local.shape:
             # Rebuilt when the shard buffer moved (e.g. model.to(...)): the view must alias the live shard.
-            view = nn.Parameter(sp.sharded_local, requires_grad=param.requires_grad)
+            view = nn.Parameter(local, requires_grad=param.requires_grad)
             self._views[id(param)] = view
         grad = param.grad
         view.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
@@ -107,5 +108,5 @@ def _write_back(state: Any, param: nn.Parameter, local: dict[str, Any] | None, v
         current = entries.get(key)
         if current is value or (isinstance(current, DTensor) and current._local_tensor is value):
             continue
-        is_chunk = isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == sp.layout.local_shape
-        entries[key] = sp.to_dtensor(value) if is_chunk else value
+        is_chunk = isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == sp.opt_shape
+        entries[key] = sp.to_opt_dtensor(value) if is_chunk else value

@@ -16,7 +16,7 @@ from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.adafactor import adafactor_step, state_is_replicated
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
-from hsdp.engine.runtime.dtensor import as_sharded_state
+from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.step_guard import refusal
@@ -54,6 +54,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __new__(cls, model: ShardedModel, optimizer: torch.optim.Optimizer, *,
                 check_replicas_every: int | None = None) -> ShardedOptimizer:
         _validate(model, optimizer)
+        sliced = model.shards_optimizer_across_replicas
+        if sliced and not is_elementwise(optimizer):
+            raise ValueError(
+                f"{type(optimizer).__name__}: shard_optimizer_across_replicas steps each replica's slice of the "
+                f"shards on its own, which is exact only for torch's element-wise optimizers (SGD, Adam, AdamW, "
+                f"...); wrap the model without shard_optimizer_across_replicas for this optimizer")
         if check_replicas_every is not None and check_replicas_every < 1:
             raise ValueError(f"check_replicas_every must be a positive step count or None, got {check_replicas_every}")
         _repoint_params(model, optimizer)
@@ -61,6 +67,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         object.__setattr__(optimizer, "_hsdp_model", model)
         object.__setattr__(optimizer, "_hsdp_check_every", check_replicas_every)
         object.__setattr__(optimizer, "_hsdp_steps", 0)
+        object.__setattr__(optimizer, "_hsdp_sliced", sliced)
         views = LocalViews(_sharded_by_param(model)) if is_elementwise(optimizer) else None
         object.__setattr__(optimizer, "_hsdp_local_views", views)
         object.__setattr__(optimizer, "_hsdp_sharded_step", _sharded_step(optimizer))
@@ -75,18 +82,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
         if self._hsdp_sharded_step is not None:  # Adafactor, Muon: see adafactor.py, muon.py
-            result = None
-            if closure is not None:
-                with torch.enable_grad():
-                    result = closure()
+            result = _evaluate(closure)
             self._hsdp_sharded_step(self, self._hsdp_model)
-        elif self._hsdp_local_views is not None and closure is None:
+        elif self._hsdp_local_views is not None and (closure is None or self._hsdp_sliced):
+            # With a closure the loss is evaluated first (these optimizers evaluate it once); the step itself
+            # must be local when only a replica slice is stepped (DTensor cannot step it).
+            result = _evaluate(closure)
             with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
-                result = super().step()
+                super().step()
         elif self._hsdp_unverified and closure is None:
             result = self._verified_step()
         else:
             result = super().step(closure)
+        if self._hsdp_sliced:
+            self._hsdp_model.gather_stepped_slices()  # overlaps the next forward
         self._hsdp_steps += 1
         if self._hsdp_check_every and self._hsdp_steps % self._hsdp_check_every == 0:
             self._hsdp_model.check_replicas()
@@ -140,13 +149,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {}
         for name, entries in state_dict["state"].items():
             sp = by_param[id(params[index[name]])]
-            state[index[name]] = {k: as_sharded_state(v, sp.layout, sp.device_mesh,
-                                                       state_is_replicated(k, len(sp.layout.global_shape))
-                                                       and isinstance(self, torch.optim.Adafactor))
-                                  for k, v in entries.items()}
+            state[index[name]] = {k: _as_state(self, sp, k, v) for k, v in entries.items()}
         raw_groups = [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
         super().load_state_dict({"state": state, "param_groups": raw_groups})
         load_hop_state_dict(self._hsdp_model.units, self._hsdp_model.mesh, state_dict.get("hop_residuals", {}))
+
+
+def _evaluate(closure: Any) -> Any:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _as_state(optimizer: ShardedOptimizer, sp: ShardedParam, key: str, value: Any) -> Any:
+    """One loaded state entry in the layout this optimizer keeps (the chunk, or the replica slice)."""
+    if sp.slice is not None:
+        return as_slice_state(value, sp.layout, sp.slice, sp.device_mesh)
+    replicated = state_is_replicated(key, len(sp.layout.global_shape)) and isinstance(optimizer, torch.optim.Adafactor)
+    return as_sharded_state(value, sp.layout, sp.device_mesh, replicated)
 
 
 def _validate(model: Any, optimizer: Any) -> None:

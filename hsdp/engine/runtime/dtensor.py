@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.replica_slice import SliceLayout
 
 PLACEMENTS = (Replicate(), Shard(0))
 
@@ -133,6 +134,20 @@ def as_sharded_state(value: Any, layout: ShardLayout, device_mesh: DeviceMesh, r
         return value
     own = ShardLayout(shape, layout.sharding_degree, layout.shard_rank)
     return to_sharded_dtensor(own.chunk(value).clone(), device_mesh, shape)
+
+
+def as_slice_state(value: Any, layout: ShardLayout, piece: SliceLayout, device_mesh: DeviceMesh) -> Any:
+    """Per-parameter optimizer state as a replica-sharded optimizer keeps it: this replica's slice (see
+    ``replica_slice.py``) as a DTensor of the parameter's shape, owning its memory, when the value has the
+    parameter's shape (a full tensor, hsdp's chunk DTensor: no collective; another layout: a
+    ``full_tensor()``); scalars and other shapes unchanged."""
+    if isinstance(value, DTensor) and tuple(value.placements) == piece.placements \
+            and tuple(value.to_local().shape) == piece.local_shape and value.device_mesh == device_mesh:
+        return value
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) != layout.global_shape:
+        return value
+    chunk = local_chunk(value, layout)
+    return to_sharded_dtensor(piece.of_chunk(chunk).clone(), device_mesh, layout.global_shape, piece.placements)
 
 
 def _chunked_as_hsdp(value: DTensor, layout: ShardLayout, device_mesh: DeviceMesh) -> bool:

@@ -9,6 +9,10 @@ Deferred sync (gradient accumulation): on a micro-batch that does not sync repli
 shard is added to the unit's fp32 ``partial`` and nothing crosses nodes; the sync micro-batch sends the
 whole partial sum once, so inter-node bytes per optimizer step do not grow with the micro-batch count.
 
+Replica-sharded optimizer (``shard_optimizer_across_replicas``): the hop reduce-scatters the shard across
+replicas instead of all-reducing it, so each rank ends with the reduced gradient of its slice only
+(``replica_slice.py``); the flags travel in every replica's part.
+
 Each rank appends one "has gradient" flag per parameter to every chunk of its reduce-scatter input. After
 both averaging hops the flag is positive iff some rank produced a gradient, which gives exactly DDP's
 semantics for unused parameters (gradient ``None`` only when unused everywhere) without an extra collective.
@@ -17,11 +21,13 @@ semantics for unused parameters (gradient ``None`` only when unused everywhere) 
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Handle
+from hsdp.engine.runtime.replica_slice import SliceLayout, pack_chunks, packed_numel
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
 
@@ -34,10 +40,14 @@ def reduced_params(unit: ShardUnit) -> list[ShardedParam]:
 def slot_offsets(params: list[ShardedParam]) -> list[int]:
     """Where each parameter's chunk starts in a reduced slot: padded chunks back to back (the flags follow).
     Hop state (error-feedback residuals) is laid out the same way."""
+    return _running_offsets([p.layout.padded_numel for p in params])
+
+
+def _running_offsets(numels: list[int]) -> list[int]:
     offsets, offset = [], 0
-    for p in params:
+    for n in numels:
         offsets.append(offset)
-        offset += p.layout.padded_numel
+        offset += n
     return offsets
 
 
@@ -131,8 +141,25 @@ class Reduction:
         hop_dtype = unit.policy.reduce(self.params[0].dtype)  # a sync after fp32 partial sums: back to it
         if self.output.dtype != hop_dtype:
             self.output = self.output.to(hop_dtype)
-        self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
+        if _slices(self.params) is None:
+            self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
+        else:
+            self._handle = self._start_scatter()
         self.stage = Stage.REPLICA_HOP
+
+    def _start_scatter(self) -> Handle:
+        """Pack the reduced shard replica-major and reduce-scatter it across replicas (see
+        ``replica_slice.py``); ``output`` becomes this replica's part: its slices, then the flags."""
+        unit, params, n = self.unit, self.params, len(self.params)
+        slices = _slices(params)
+        assert slices is not None
+        width = packed_numel(slices)
+        packed = self.output.new_zeros(unit.comm.size("replicate"), width + n)
+        pack_chunks(_parts(self.output, slot_offsets(params), [p.layout.local_shape for p in params]),
+                    slices, packed)
+        packed[:, width:] = self.output[-n:]
+        self.output = self.output.new_empty(width + n)
+        return unit.hop.start_scatter(self.output, packed, unit.comm, unit.key)
 
     def abandon(self) -> None:
         """Wait for the collective in flight and drop its result (the backward that started it raised)."""
@@ -151,10 +178,27 @@ class Reduction:
         self._handle.wait()
         n = len(self.params)
         has_grad = (self.output[-n:] > 0).tolist()
-        for p, offset, flag in zip(self.params, slot_offsets(self.params), has_grad, strict=True):
+        slices = _slices(self.params)
+        if slices is None:
+            parts = _parts(self.output, slot_offsets(self.params), [p.layout.local_shape for p in self.params])
+        else:
+            parts = _parts(self.output, _running_offsets([s.padded_numel for s in slices]),
+                           [s.local_shape for s in slices])
+        for p, part, flag in zip(self.params, parts, has_grad, strict=True):
             if flag:
-                p.accumulate_grad(self.output[offset: offset + p.layout.local_numel].view(p.layout.local_shape))
+                p.accumulate_grad(part)
         self.stage = Stage.DONE
+
+
+def _slices(params: list[ShardedParam]) -> list[SliceLayout] | None:
+    """The replica slices of a unit's reduced parameters; ``None`` without replica sharding (all or none)."""
+    slices = [p.slice for p in params]
+    return None if slices[0] is None else slices  # type: ignore[return-value]
+
+
+def _parts(buffer: torch.Tensor, offsets: list[int], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of each parameter's part of a flat reduction buffer."""
+    return [buffer[o: o + math.prod(shape)].view(shape) for o, shape in zip(offsets, shapes, strict=True)]
 
 
 def _reduce_scatter_input(p: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype, device: torch.device,

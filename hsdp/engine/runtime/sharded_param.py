@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.engine.runtime.dtensor import local_of, sharded_parameter, to_sharded_dtensor
 from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.replica_slice import SliceLayout
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class ShardedParam:
         self.dtype = original.dtype
         self.device = original.device
         self.compute_dtype = compute_dtype or original.dtype
+        # Set when the optimizer state is sharded across replicas too: the rows of the chunk this replica
+        # reduces and steps (``replica_slice.py``); ``None``: it steps the whole chunk.
+        self.slice: SliceLayout | None = None
         self.sharded: nn.Parameter  # DTensor; set by bind_sharded
         self.sharded_local: torch.Tensor  # 1D slot view shaped like this rank's chunk; set by bind_sharded
         self.device_mesh: DeviceMesh  # set by bind_sharded
@@ -108,7 +112,7 @@ class ShardedParam:
             except RuntimeError:
                 pass  # keep the new object
         if grad_local is not None:
-            self.sharded.grad = self.to_dtensor(grad_local)
+            self.sharded.grad = self.to_opt_dtensor(grad_local)
         self._make_unsharded(compute_dtype, requires_grad)
 
     @property
@@ -122,21 +126,38 @@ class ShardedParam:
         """A tensor shaped like this rank's chunk, as a DTensor of the parameter's global shape."""
         return to_sharded_dtensor(local, self.device_mesh, self.layout.global_shape, self.layout.placements)
 
+    # -- what the optimizer steps: the chunk, or this replica's slice of it ------------------------------
+    @property
+    def opt_local(self) -> torch.Tensor:
+        """The part of the parameter this rank's optimizer updates (a view into the flat shard buffer)."""
+        return self.sharded_local if self.slice is None else self.slice.of_chunk(self.sharded_local)
+
+    @property
+    def opt_shape(self) -> tuple[int, ...]:
+        return self.layout.local_shape if self.slice is None else self.slice.local_shape
+
+    def to_opt_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like :attr:`opt_local` (a gradient, a moment) as a DTensor of the global shape."""
+        if self.slice is None:
+            return self.to_dtensor(local)
+        return to_sharded_dtensor(local, self.device_mesh, self.layout.global_shape, self.slice.placements)
+
     # -- the sharded gradient ----------------------------------------------------------------------------
     @property
     def grad_local(self) -> torch.Tensor | None:
-        """This rank's chunk of the sharded gradient (``None`` when there is none)."""
+        """This rank's part of the reduced gradient, shaped like :attr:`opt_local` (``None`` when there is
+        none)."""
         grad = self.sharded.grad
         return None if grad is None else local_of(grad)
 
     def accumulate_grad(self, local: torch.Tensor) -> None:
-        """Add a reduced gradient chunk to ``sharded.grad``; the first one becomes the gradient without a copy
-        (a view into the reduction output) when dtypes agree."""
+        """Add a reduced gradient part (shaped like :attr:`opt_local`) to ``sharded.grad``; the first one becomes
+        the gradient without a copy (a view into the reduction output) when dtypes agree."""
         if local.dtype != self.dtype:
             local = local.to(self.dtype)
         current = self.grad_local
         if current is None:
-            self.sharded.grad = self.to_dtensor(local)
+            self.sharded.grad = self.to_opt_dtensor(local)
         else:
             current += local
 

@@ -338,13 +338,26 @@ class HSDPState:
 
     # -- explicit control ----------------------------------------------------------------------------
     def reshard_all(self) -> None:
-        """Free every unsharded parameter; after a backward that raised, discard it first (see
-        :meth:`_repair_torn_step`), so that an optimizer step right after the exception is safe."""
+        """Free every unsharded parameter and finish the slice all-gathers in flight (the shards are then
+        current); after a backward that raised, discard it first (see :meth:`_repair_torn_step`), so that an
+        optimizer step right after the exception is safe."""
         if self._callback_queued and torch._C._current_graph_task_id() == -1:
             self._discard_torn_backward()
-            return
         for unit in self.units:
             unit.reshard()
+            unit.settle()
+
+    def settle_slices(self) -> None:
+        """Finish every slice all-gather in flight (see :meth:`start_slice_gathers`)."""
+        for unit in self.units:
+            unit.settle()
+
+    def start_slice_gathers(self) -> None:
+        """Replica-sharded optimizer, after its step: start every unit's all-gather across replicas, in the
+        order the next forward gathers the units, so the first ones are ready first."""
+        order = self._forward_order + [u for u in self.units if u not in self._forward_order]
+        for unit in order:
+            unit.start_slice_gather()
 
     def is_idle(self) -> bool:
         return all(u.state is ShardedState.SHARDED for u in self.units) and not self._pending
