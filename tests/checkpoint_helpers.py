@@ -34,9 +34,11 @@ class CkptNet(ParityNet):
         return self.head(self.norm(x) * self.scale) + 0.0 * self.unused(x).sum()
 
 
-def build(mesh: hsdp.HSDPMesh, seed: int = 0, **net: Any) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer]:
+def build(mesh: hsdp.HSDPMesh, seed: int = 0, sliced: bool = False,
+          **net: Any) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer]:
+    """``sliced``: optimizer state sharded across replicas too (``shard_optimizer_across_replicas``)."""
     torch.manual_seed(seed)
-    model = hsdp.ShardedModel(CkptNet(**net), mesh=mesh)
+    model = hsdp.ShardedModel(CkptNet(**net), mesh=mesh, shard_optimizer_across_replicas=sliced)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD))
     return model, opt
 

@@ -167,7 +167,7 @@ def _fsdp2(shape: tuple[int, ...]) -> tuple[torch.nn.Module, torch.optim.Optimiz
 
 
 def _fsdp2_both_ways(rank: int, world: int, step_dir: str, ref: dict, fsdp_dir: str, shape: tuple[int, ...],
-                     hsdp_degree: int) -> dict:
+                     hsdp_degree: int, sliced: bool = False) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -182,7 +182,7 @@ def _fsdp2_both_ways(rank: int, world: int, step_dir: str, ref: dict, fsdp_dir: 
     msd, osd = get_state_dict(net, opt)
     out["fsdp_after_eval"] = full(msd)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=fsdp_dir)
-    model, hopt = build(hsdp.init_mesh(hsdp_degree), seed=9)
+    model, hopt = build(hsdp.init_mesh(hsdp_degree), seed=9, sliced=sliced)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hsdp.load_checkpoint(fsdp_dir, model, hopt)
@@ -192,8 +192,8 @@ def _fsdp2_both_ways(rank: int, world: int, step_dir: str, ref: dict, fsdp_dir: 
     return out
 
 
-def _reshard_load(rank: int, world: int, degree: int, run_dir: str, ref: dict) -> dict:
-    model, opt = build(hsdp.init_mesh(degree), seed=3)
+def _reshard_load(rank: int, world: int, degree: int, run_dir: str, ref: dict, sliced: bool = False) -> dict:
+    model, opt = build(hsdp.init_mesh(degree), seed=3, sliced=sliced)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         extra = hsdp.load_checkpoint(run_dir, model, opt)
@@ -204,11 +204,41 @@ def _reshard_load(rank: int, world: int, degree: int, run_dir: str, ref: dict) -
     return out
 
 
-def _world4(rank: int, world: int, run_dir: str, step_dir: str, ref: dict, fsdp_dir: str) -> dict:
-    """Fresh processes: the exact resume on 2x2 first, then the 1x4 and 4x1 reshards and FSDP2 on 2-D."""
+def _world4(rank: int, world: int, run_dir: str, step_dir: str, ref: dict, fsdp_dir: str, work: str) -> dict:
+    """Fresh processes: the exact resume on 2x2 first, then the 1x4 and 4x1 reshards and FSDP2 on 2-D, then
+    the replica-sharded optimizer's round trips."""
     out = {"resume": _resume(rank, world, run_dir)}
     out |= {f"{4 // d}x{d}": _reshard_load(rank, world, d, run_dir, ref) for d in (4, 1)}
     out["fsdp2_2d"] = _fsdp2_both_ways(rank, world, step_dir, ref, fsdp_dir, (2, 2), 2)
+    out["sliced"] = _sliced(rank, world, run_dir, ref, work)
+    return out
+
+
+def _sliced(rank: int, world: int, run_dir: str, ref: dict, work: str) -> dict:
+    """``shard_optimizer_across_replicas``: the 2x2 checkpoint saved without it loads into it on 2x2 and 4x1;
+    saved with it, resume is bitwise, and it loads without it (1x4) and into FSDP2, and back."""
+    out = {f"{4 // d}x{d}": _reshard_load(rank, world, d, run_dir, ref, sliced=True) for d in (2, 1)}
+    mesh = hsdp.init_mesh(2)
+    model, opt = build(mesh, seed=1, sliced=True)
+    hsdp.restore_rng_state(hsdp.load_checkpoint(run_dir, model, opt)["rng"])
+    for _ in range(2):
+        train_step(model, opt)
+    own = os.path.join(work, "sliced")
+    path = hsdp.save_checkpoint(own, model, opt, extra={"rng": hsdp.capture_rng_state()}, step=7)
+    saved = {"model": model_state(model), "optim": optim_state(opt.state_dict())}
+    straight = [train_step(model, opt) for _ in range(2)]
+    final = {"model": model_state(model), "optim": optim_state(opt.state_dict())}
+    fresh, fresh_opt = build(mesh, seed=8, sliced=True)
+    seed_rank(60 + rank)
+    hsdp.restore_rng_state(hsdp.load_checkpoint(own, fresh, fresh_opt)["rng"])
+    resumed = [train_step(fresh, fresh_opt) for _ in range(2)]
+    out["bitwise resume"] = resumed == straight and same(
+        {"model": model_state(fresh), "optim": optim_state(fresh_opt.state_dict())}, final)
+    plain, plain_opt = build(hsdp.init_mesh(4), seed=9)
+    hsdp.load_checkpoint(own, plain, plain_opt)
+    out["into 1x4 without"] = same(model_state(plain), saved["model"]) and same(
+        optim_state(plain_opt.state_dict()), saved["optim"])
+    out["fsdp2"] = _fsdp2_both_ways(rank, world, path, saved, os.path.join(work, "fsdp2"), (2, 2), 2, sliced=True)
     return out
 
 
@@ -235,13 +265,14 @@ def _single(rank: int, world: int, run_dir: str, ref: dict) -> dict:
 @pytest.fixture(scope="module")
 def world4(saved: dict, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     fsdp_dir = str(tmp_path_factory.mktemp("fsdp2d"))
-    return run_distributed(_world4, 4, saved["run_dir"], saved["path"], saved["ref"], fsdp_dir)
+    work = str(tmp_path_factory.mktemp("sliced"))
+    return run_distributed(_world4, 4, saved["run_dir"], saved["path"], saved["ref"], fsdp_dir, work)
 
 
 def test_reshard_and_fsdp2_interop(saved: dict, world4: list[dict], tmp_path) -> None:
     ref, run_dir, step_dir = saved["ref"], saved["run_dir"], saved["path"]
     targets: dict[str, list[dict]] = {}
-    four = [{k: v for k, v in r.items() if k != "resume"} for r in world4]
+    four = [{k: v for k, v in r.items() if k not in ("resume", "sliced")} for r in world4]
     two = run_distributed(_reshard_world2, 2, run_dir, step_dir, ref, str(tmp_path / "fsdp1d"))
     one = run_distributed(_single, 1, run_dir, ref)
     for results in (four, two, one):
@@ -261,6 +292,19 @@ def test_reshard_and_fsdp2_interop(saved: dict, world4: list[dict], tmp_path) ->
             assert close(r["fsdp_after_eval"], reference["after_eval"]), f"{name}: FSDP2 continues differently"
     assert all("another kind" in r for r in targets["sgd"]), targets["sgd"]
     assert all(targets["sgd_unchanged"])
+
+
+def test_replica_sharded_optimizer_round_trips(saved: dict, world4: list[dict]) -> None:
+    reference = saved["ranks"][0]["probe"]  # the same step on the original 2x2 mesh, without the option
+    for rank, r in enumerate(world4):
+        sliced = r["sliced"]
+        for name in ("2x2", "4x1"):
+            assert sliced[name]["model"] and sliced[name]["optim"], f"{name} rank {rank}: loaded state differs"
+            assert close(sliced[name]["after_eval"], reference["after_eval"]), f"{name}: training continues differently"
+        assert sliced["bitwise resume"], f"rank {rank}"
+        assert sliced["into 1x4 without"], f"rank {rank}"
+        flags = {k: v for k, v in sliced["fsdp2"].items() if isinstance(v, bool)}
+        assert all(flags.values()), (rank, flags)
 
 
 # ---------------------------------------------------------------------------------------------------------
