@@ -31,7 +31,8 @@ def _records(steps: int) -> list[dict[str, Any]]:
     return [{"step": s, "loss": 5.0 / s ** 0.3, "eval_loss": 5.2 / s ** 0.3 if s % 10 == 0 else None,
              "lr": 1e-3 * min(1.0, s / 4), "grad_norm": 10.0 / s, "tokens": 2048 * s, "step_s": 0.06,
              "tokens_per_s": 20_000 + 50 * (s % 7), "shard_bytes": 1.2e6, "replicate_bytes": 4.4e5,
-             "shard_s": 0.05, "replicate_s": 0.02 + 0.001 * (s % 5), "mem_bytes": 3e8 + 1e6 * s}
+             "shard_s": 0.05, "replicate_s": 0.02 + 0.001 * (s % 5), "exposed_comm_s": 0.01 + 0.001 * (s % 3),
+             "mem_bytes": 3e8 + 1e6 * s}
             for s in range(1, steps + 1)]
 
 
@@ -83,19 +84,21 @@ def test_every_report_step_axis_has_whole_steps(tmp_path: Path) -> None:
             assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks), (name, ax.get_title(), ticks)
 
 
-def test_communication_plots_step_time_next_to_time_inside_collectives(tmp_path: Path) -> None:
+def test_communication_plots_exposed_time_and_step_time_next_to_time_inside_collectives(tmp_path: Path) -> None:
     records = _records(12)
     sent_ax, time_ax = report_figures(str(_run_dir(tmp_path, 12)))["communication.png"]().axes
     assert sent_ax.get_ylabel() == "KiB sent" and _line(sent_ax, "shard (intra-node)")[1] == [1.2e6 / 1024] * 12
     assert "overlapped or not" in time_ax.get_title() and time_ax.get_ylabel() == "seconds"
-    # The step time is on the same axis as the collectives: a shaded area under rank 0's step seconds.
-    (area,) = time_ax.collections
-    assert area.get_label() == "step time"
+    # The step time is on the same axis as the collectives: a shaded area under rank 0's step seconds, the
+    # exposed communication a darker area inside it.
+    area, exposed = time_ax.collections
+    assert area.get_label() == "step time" and exposed.get_label() == "exposed (waited)"
     assert np.isclose(area.get_paths()[0].vertices[:, 1].max(), 0.06)
+    assert np.isclose(exposed.get_paths()[0].vertices[:, 1].max(), max(r["exposed_comm_s"] for r in records))
     assert _line(time_ax, "inside shard collectives") == ([r["step"] for r in records], [0.05] * 12)
     assert _line(time_ax, "inside replicate collectives")[1] == [r["replicate_s"] for r in records]
     legend = [t.get_text() for t in time_ax.get_legend().get_texts()]
-    assert legend == ["step time", "inside shard collectives", "inside replicate collectives"]
+    assert legend == ["step time", "exposed (waited)", "inside shard collectives", "inside replicate collectives"]
 
 
 def test_training_figure_plots_lr_grad_norm_and_memory_per_rank(tmp_path: Path) -> None:

@@ -242,10 +242,13 @@ def test_metrics_without_tensorboard(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_comm_totals_rank_ranges_eta_and_region_names() -> None:
-    stats = {"shard": {"all_gather": {"calls": 2, "bytes": 10, "wire_bytes": 5, "seconds": 0.5},
-                       "reduce_scatter": {"calls": 1, "bytes": 10, "wire_bytes": 5, "seconds": 0.25}},
-             "world": {"broadcast": {"calls": 1, "bytes": 10, "wire_bytes": 10, "seconds": 1.0}}}
-    assert comm_totals(stats) == {"shard_bytes": 10.0, "shard_s": 0.75, "replicate_bytes": 0.0, "replicate_s": 0.0}
+    stats = {"shard": {"all_gather": {"calls": 2, "bytes": 10, "wire_bytes": 5, "seconds": 0.5, "waited": 0.125},
+                       "reduce_scatter": {"calls": 1, "bytes": 10, "wire_bytes": 5, "seconds": 0.25, "waited": 0.0}},
+             "world": {"broadcast": {"calls": 1, "bytes": 10, "wire_bytes": 10, "seconds": 1.0, "waited": 0.5}}}
+    # Exposed: every wait the host blocked in (the world broadcast too); not measured where waits do not block.
+    assert comm_totals(stats) == {"shard_bytes": 10.0, "shard_s": 0.75, "replicate_bytes": 0.0, "replicate_s": 0.0,
+                                  "exposed_comm_s": 0.625}
+    assert comm_totals(stats, waits_block=False)["exposed_comm_s"] is None
     assert rank_ranges([3, 0, 1, 2, 5]) == "0-3,5" and rank_ranges([4]) == "4"
     assert format_eta(7.4) == "0:07" and format_eta(3723) == "1:02:03" and format_eta(float("nan")) == "?"
     assert profiler_region("all_gather", "shard", "Block(blocks.0)") == "hsdp::all_gather[shard] Block(blocks.0)"

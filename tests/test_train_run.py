@@ -54,6 +54,9 @@ def test_hsdp_train_end_to_end(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5  # the loss falls
     assert records[3]["eval_loss"] is not None and records[7]["eval_loss"] is not None
+    # Exposed communication (waits that blocked the host: measured on CPUs): some, never more than the step.
+    assert all(0 <= r["exposed_comm_s"] <= r["step_s"] for r in records)
+    assert sum(r["exposed_comm_s"] for r in records) > 0
     assert (run / "metrics.csv").read_text().count("\n") == 9
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_000004", "step_000008"]

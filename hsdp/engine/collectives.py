@@ -27,16 +27,23 @@ GROUPS = ("shard", "replicate", "world")
 
 @dataclass
 class OpStats:
-    """Totals for one (group, op) pair. ``wire_bytes`` is what one rank sends under a ring algorithm."""
+    """Totals for one (group, op) pair. ``wire_bytes`` is what one rank sends under a ring algorithm.
+
+    ``seconds``: from issue to completed wait, overlapped with compute or not. ``waited``: the part the host
+    spent blocked in the wait. Where a wait blocks the host (gloo, CPU tensors) that is the *exposed*
+    communication, the time the rank could not compute; with NCCL the host never blocks (the stream waits)
+    and it stays near zero: the profiler trace shows the GPU's side.
+    """
 
     calls: int = 0
     bytes: int = 0
     wire_bytes: int = 0
     seconds: float = 0.0
+    waited: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {"calls": self.calls, "bytes": self.bytes, "wire_bytes": self.wire_bytes,
-                "seconds": round(self.seconds, 6)}
+                "seconds": round(self.seconds, 6), "waited": round(self.waited, 6)}
 
 
 @dataclass
@@ -102,7 +109,10 @@ class Handle:
         if self._work is not None:
             # A separate region: in a trace, the exposed (not overlapped) communication is the wait.
             with record_function(f"{self._region} wait" if self._region else "hsdp::wait"):
+                blocked = None if self._start is None else time.perf_counter()
                 self._work.wait()
+                if self._stats is not None and blocked is not None:
+                    self._stats.waited += time.perf_counter() - blocked
         if self._stats is not None and self._start is not None:
             self._stats.seconds += time.perf_counter() - self._start
         if self._retire is not None:

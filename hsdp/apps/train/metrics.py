@@ -9,8 +9,10 @@ to TensorBoard under ``tb/`` when the ``tensorboard`` package is installed, and 
   ``tokens`` (processed by all ranks so far), ``step_s`` and ``tokens_per_s`` (this step, rank 0's
   clock), ``shard_bytes`` / ``replicate_bytes`` (this rank's sent bytes in the intra-node shard group and
   the inter-node replicate group: ``wire_bytes`` of ``model.comm_stats()``), ``shard_s`` /
-  ``replicate_s`` (time in those collectives, waits included) and ``mem_bytes`` (peak memory so far:
-  CUDA allocator peak on GPUs, the process's peak resident set on CPUs).
+  ``replicate_s`` (time in those collectives from issue to completed wait, overlapped with compute or not),
+  ``exposed_comm_s`` (the time the rank waited for collectives instead of computing: measured on CPUs,
+  where a wait blocks; ``None`` on GPUs, where the stream waits and the profiler trace shows it) and
+  ``mem_bytes`` (peak memory so far: CUDA allocator peak on GPUs, the process's peak resident set on CPUs).
 
 On ``--resume`` the files keep the records up to the checkpoint's step and the resumed steps follow, so a
 resumed run's files read like an uninterrupted run's.
@@ -29,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 FIELDS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens", "step_s", "tokens_per_s", "shard_bytes",
-          "replicate_bytes", "shard_s", "replicate_s", "mem_bytes")
+          "replicate_bytes", "shard_s", "replicate_s", "exposed_comm_s", "mem_bytes")
 JSONL_NAME = "metrics.jsonl"
 CSV_NAME = "metrics.csv"
 TB_DIR = "tb"
@@ -37,14 +39,17 @@ _TB_SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "shard_by
                "mem_bytes")
 
 
-def comm_totals(stats: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+def comm_totals(stats: dict[str, dict[str, dict[str, float]]], waits_block: bool = True) -> dict[str, float | None]:
     """Sent bytes and seconds per group from ``model.comm_stats()``: ``{"shard_bytes": ..., "shard_s": ...,
-    "replicate_bytes": ..., "replicate_s": ...}``."""
-    out = {}
+    "replicate_bytes": ..., "replicate_s": ..., "exposed_comm_s": ...}``. ``waits_block``: whether waiting
+    for a collective blocks the host (CPU tensors); else the exposed time is not measured (``None``)."""
+    out: dict[str, float | None] = {}
     for group in ("shard", "replicate"):
         ops = stats.get(group, {}).values()
         out[f"{group}_bytes"] = float(sum(op["wire_bytes"] for op in ops))
         out[f"{group}_s"] = float(sum(op["seconds"] for op in ops))
+    waited = sum(op.get("waited", 0.0) for ops in stats.values() for op in ops.values())
+    out["exposed_comm_s"] = float(waited) if waits_block else None
     return out
 
 

@@ -5,17 +5,18 @@ Four figures in ``RUN_DIR/report/``, one question each, every x axis in whole st
   * ``loss.png``: training loss per step, held-out loss at the evaluation steps;
   * ``throughput.png``: tokens/s per step, with the run's median as a line;
   * ``communication.png``: KiB sent per step by rank 0 in the shard group (intra-node) and the replicate
-    group (inter-node); below, the step time as a shaded area with the time rank 0 spent inside each group's
-    collectives drawn over it;
+    group (inter-node); below, the step time as a shaded area with the exposed communication (the time rank 0
+    waited for collectives instead of computing) as a darker area inside it, and the time inside each
+    group's collectives drawn over it;
   * ``training.png``: learning rate, gradient norm (before clipping) and rank 0's peak memory per step, with
     every rank's end-of-run peak from ``summary.json`` when the run has finished.
 
 What the communication seconds are: each collective's time from issue to completed wait, summed over the
 step. Asynchronous collectives run while the rank computes (and while other collectives run), so the sum can
-exceed the step; it is not the exposed communication. ``metrics.jsonl`` records no compute time, so the
-exposed part cannot be derived from it (``step - compute`` would need one): read it from a ``--profile``
-trace, where the ``... wait`` regions are the communication the rank waited for. On CUDA with NCCL the
-seconds measure issue to enqueue, not the transfer (see ``hsdp.engine.collectives.Handle``).
+exceed the step; it is not the exposed communication. The exposed part is ``exposed_comm_s``: the time the
+host blocked waiting for collectives, which on CPUs (gloo) is the time the rank could not compute. On CUDA
+with NCCL the host does not block (the stream waits), so it is not recorded there and the plot omits it:
+read it from a ``--profile`` trace, where the ``... wait`` regions are the communication waited for.
 
 Rendered with matplotlib's Agg canvas (a bare ``Figure``, no pyplot state): no display needed, the same
 pixels everywhere. The ``*_figure`` functions return the figure so tests can read back what was drawn.
@@ -105,13 +106,16 @@ def communication_figure(records: list[dict[str, Any]]) -> Any:
     step = Series.of(records, "step_s")
     # The step as an area: a collective line above it ran (partly) alongside compute or other collectives.
     time_ax.fill_between(step.steps, step.values, color="0.85", step="mid", label="step time")
+    exposed = Series.of(records, "exposed_comm_s")
+    if exposed.steps:  # measured where waits block the host (CPUs)
+        time_ax.fill_between(exposed.steps, exposed.values, color="0.45", step="mid", label="exposed (waited)")
     for group, color, where in _GROUPS:
         sent = Series.of(records, f"{group}_bytes", 1 / 1024)
         secs = Series.of(records, f"{group}_s")
         sent_ax.plot(sent.steps, sent.values, color=color, label=f"{group} ({where})")
         time_ax.plot(secs.steps, secs.values, color=color, label=f"inside {group} collectives")
     sent_ax.set(title="Communication per step (rank 0)", ylabel="KiB sent")
-    time_ax.set(title="Step time, and time inside collectives (issue to wait: overlapped or not)",
+    time_ax.set(title="Step time, exposed communication, and time inside collectives (overlapped or not)",
                 xlabel="step", ylabel="seconds")
     time_ax.title.set_fontsize("medium")
     for ax in (sent_ax, time_ax):

@@ -155,7 +155,7 @@ class Trainer:
         cfg = self.cfg
         self.model.reset_comm_stats()
         loss, grad_norm, seconds = self._optimizer_step(step)
-        comm = comm_totals(self.model.comm_stats())
+        comm = comm_totals(self.model.comm_stats(), waits_block=self.mesh.device.type == "cpu")
         mean_loss, stop_votes = self.channel.mean([loss.item(), float(stop_requested)])
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optim.lr or set optim.grad_clip")
