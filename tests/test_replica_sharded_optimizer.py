@@ -7,6 +7,8 @@ hop, inter-node traffic and collective counts, state bytes, and the refusals.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from harness import run_distributed
@@ -81,12 +83,56 @@ def _refusals(rank: int) -> dict[str, str]:
     return out
 
 
+def _closure(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss
+
+
+def _steps(model: hsdp.ShardedModel, rank: int, use_closure: bool) -> dict[str, torch.Tensor]:
+    opt = hsdp.ShardedOptimizer(model, _adamw(p for p in model.parameters() if p.requires_grad))
+    for step in range(2):
+        closure = functools.partial(_closure, model, opt, *batch(step, rank))
+        if use_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+    model.check_replicas()
+    return hsdp.full_state_dict(model)
+
+
+def _meta_and_closure(rank: int) -> dict:
+    """Built on the meta device and materialised, it trains with replicas identical; a step with a closure
+    equals the plain one."""
+    def init(module: torch.nn.Module) -> None:
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        else:  # the root's own buffer
+            module.scale.copy_(torch.linspace(0.5, 1.5, module.scale.numel()))
+
+    mesh = hsdp.init_mesh(2)
+    with torch.device("meta"):
+        net = ParityNet()
+    model = hsdp.ShardedModel(net, mesh=mesh, shard_optimizer_across_replicas=True)
+    torch.manual_seed(INIT_SEED)
+    hsdp.materialize(model, init=init)
+    _steps(model, rank, use_closure=False)
+    fulls = []
+    for use_closure in (False, True):
+        torch.manual_seed(INIT_SEED)
+        fulls.append(_steps(hsdp.ShardedModel(ParityNet(), mesh=mesh, shard_optimizer_across_replicas=True), rank,
+                            use_closure))
+    return {"plain": fulls[0], "closure": fulls[1]}
+
+
 def _max_error(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max((full[k] - ref[k]).abs().max().item() for k in ref)
 
 
 def _all(rank: int, world: int) -> dict:
-    out: dict = {"refusals": _refusals(rank)}
+    out: dict = {"refusals": _refusals(rank), "meta_closure": _meta_and_closure(rank)}
     for clip in ("hsdp", "torch"):
         out[f"clip {clip}"] = _train(rank, True, clip=clip)
     out["accumulation"] = _train(rank, True, micro=MICRO)
@@ -152,3 +198,8 @@ def test_refusals_name_the_fix(runs: list[dict]) -> None:
     refusals = runs[0]["refusals"]
     assert "AllReduceHop" in refusals["int8"] and "Int8ErrorFeedbackHop" in refusals["int8"]
     assert "element-wise" in refusals["adafactor"] and "Adafactor" in refusals["adafactor"]
+
+
+def test_meta_device_build_and_closure_steps(runs: list[dict]) -> None:
+    got = runs[0]["meta_closure"]  # the meta-built model trained (check_replicas would have raised)
+    assert _max_error(got["closure"], got["plain"]) == 0.0
