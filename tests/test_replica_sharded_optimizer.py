@@ -60,7 +60,7 @@ def _train(rank: int, sliced: bool, clip: str = "", micro: int = 1,
         if step == STEPS - 1:
             grad_bytes = hsdp.state_bytes(model, opt).grads
         opt.step()
-        opt.zero_grad()
+        model.zero_grad()  # the module's own (does not wait for the slice all-gathers)
     model.check_replicas()  # the slices gathered after each step left the replicas identical
     stats = model.comm_stats().get("replicate", {})
     return {"full": hsdp.full_state_dict(model), "norms": norms, "bytes": hsdp.state_bytes(model, opt),

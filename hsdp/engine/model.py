@@ -168,6 +168,21 @@ class ShardedModel(nn.Module):
         self._hsdp_state.settle_slices()
         return super().named_parameters(*args, **kwargs)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` that does not wait for the slice all-gathers in flight (they refresh values,
+        not gradients): ``model.zero_grad()`` right after the step keeps them overlapping the next forward."""
+        for _, p in nn.Module.named_parameters(self):  # not self.named_parameters: that one waits
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across
         replicas (a collective in the replicate group; call it on every rank)."""
