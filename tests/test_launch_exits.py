@@ -2,8 +2,8 @@
 
 torchrun's agents meet in an exit barrier on the store that node 0's agent hosts; when that agent exits
 first, another agent's last reply is lost and it prints a C++ traceback although every rank succeeded.
-``hsdp/tools/launch/agent.py`` orders the exit; these tests widen the race to make it certain, and run 20
-real launches.
+``hsdp/tools/launch/agent.py`` orders the exit; these tests widen the race to make it certain, and run six
+more real launches.
 """
 
 from __future__ import annotations
@@ -93,16 +93,17 @@ def test_the_store_host_outlives_the_other_agents_exit_barrier(tmp_path: Path) -
     assert run.stdout.count("sum 2.0") == 2, run.stdout
 
 
-def test_twenty_successful_runs_end_without_a_traceback(tmp_path: Path) -> None:
+def test_successful_runs_end_without_a_traceback(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from hsdp.tools.launch.local import usable_cpus
 
     # A script that does not even import torch: the agents (and their exit) are what is tested, and the
     # workers' share of the cost goes. In parallel batches, since each run is mostly two agents importing torch.
+    # Six runs, not the twenty that once caught the race about twice: the widened window above makes it certain.
     (tmp_path / "job.py").write_text("print('done')\n")
     with ThreadPoolExecutor(max_workers=2 * usable_cpus()) as pool:
-        runs = list(pool.map(lambda _: _quiet_launch(tmp_path / "job.py", _env()), range(20)))
+        runs = list(pool.map(lambda _: _quiet_launch(tmp_path / "job.py", _env()), range(6)))
     for run in runs:
         assert run.returncode == 0 and not NOISE.search(run.stdout), run.stdout
         assert run.stdout.count("done") == 2, run.stdout
