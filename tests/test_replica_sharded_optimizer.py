@@ -59,12 +59,18 @@ def _train(rank: int, sliced: bool, clip: str = "", micro: int = 1,
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor().item())
         if step == STEPS - 1:
             grad_bytes = hsdp.state_bytes(model, opt).grads
+        before = model.comm.stats.calls("replicate", "all_gather")
         opt.step()
         model.zero_grad()  # the module's own (does not wait for the slice all-gathers)
+    # The slice all-gathers are queued in forward order, two in flight: the rest start as the next forward (here
+    # reshard()) settles the first ones.
+    started = model.comm.stats.calls("replicate", "all_gather") - before
+    model.reshard()
+    queued = model.comm.stats.calls("replicate", "all_gather") - before
     model.check_replicas()  # the slices gathered after each step left the replicas identical
     stats = model.comm_stats().get("replicate", {})
     return {"full": hsdp.full_state_dict(model), "norms": norms, "bytes": hsdp.state_bytes(model, opt),
-            "grad_bytes": grad_bytes, "stats": stats}
+            "grad_bytes": grad_bytes, "stats": stats, "started": started, "queued": queued}
 
 
 def _refusals(rank: int) -> dict[str, str]:
@@ -186,6 +192,11 @@ def test_optimizer_state_and_gradients_per_rank_fall_by_r(runs: list[dict]) -> N
         assert sliced.params == plain.params  # parameters stay sharded by node only
         assert sliced.optimizer <= 0.55 * plain.optimizer, (rank, sliced, plain)
         assert r["sliced"]["grad_bytes"] <= 0.55 * r["plain"]["grad_bytes"], rank
+
+
+def test_at_most_two_slice_all_gathers_in_flight_after_the_step(runs: list[dict]) -> None:
+    sliced = runs[0]["sliced"]
+    assert sliced["started"] == 2 and sliced["queued"] == 4  # ParityNet: the root and three blocks
 
 
 def test_parity_and_the_bf16_hop(runs: list[dict]) -> None:

@@ -44,6 +44,7 @@ from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.buffers import BufferSync
 from hsdp.engine.runtime.reduction import Reduction, reduce_grads
+from hsdp.engine.runtime.slice_gather import SliceGathers
 from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
 # Methods that run as hooks inside forward and backward; each is kept out of torch.compile graphs.
@@ -78,6 +79,9 @@ class HSDPState:
         self.mesh = mesh
         self.comm = comm
         self.units = units  # pre-order: root unit first
+        self.slice_gathers = SliceGathers()  # replica-sharded optimizer: the post-step all-gathers
+        for unit in units:
+            unit.slice_gathers = self.slice_gathers
         self.buffers = BufferSync(units[0].module, comm, broadcast_buffers)
         # Gradient sync for the next backward: False/True as FSDP2's set_requires_gradient_sync and
         # set_requires_all_reduce (micro-batches of gradient accumulation).
@@ -345,19 +349,16 @@ class HSDPState:
             self._discard_torn_backward()
         for unit in self.units:
             unit.reshard()
-            unit.settle()
+        self.slice_gathers.settle_all()
 
     def settle_slices(self) -> None:
-        """Finish every slice all-gather in flight (see :meth:`start_slice_gathers`)."""
-        for unit in self.units:
-            unit.settle()
+        """Finish every slice all-gather, in flight or queued (see :meth:`start_slice_gathers`)."""
+        self.slice_gathers.settle_all()
 
     def start_slice_gathers(self) -> None:
-        """Replica-sharded optimizer, after its step: start every unit's all-gather across replicas, in the
-        order the next forward gathers the units, so the first ones are ready first."""
-        order = self._forward_order + [u for u in self.units if u not in self._forward_order]
-        for unit in order:
-            unit.start_slice_gather()
+        """Replica-sharded optimizer, after its step: queue every unit's all-gather across replicas in the order
+        the next forward gathers the units, the first ones started (``slice_gather.py``)."""
+        self.slice_gathers.schedule(self._forward_order + [u for u in self.units if u not in self._forward_order])
 
     def is_idle(self) -> bool:
         return all(u.state is ShardedState.SHARDED for u in self.units) and not self._pending

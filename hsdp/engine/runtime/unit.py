@@ -15,8 +15,8 @@ from torch import nn
 from hsdp.engine.collectives import Comm, Handle
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
-from hsdp.engine.runtime.replica_slice import SliceLayout, pack_own, packed_numel, unpack_slices
 from hsdp.engine.runtime.sharded_param import ShardedParam
+from hsdp.engine.runtime.slice_gather import SliceGathers
 
 
 class ShardedState(enum.Enum):
@@ -44,9 +44,8 @@ class ShardUnit:
         self.partial: torch.Tensor | None = None
         self._gather_handle: Handle | None = None
         self._gather_buffer: torch.Tensor | None = None
-        # Replica-sharded optimizer: the all-gather across replicas of the slices just stepped, in flight
-        # until the chunk is next read (see start_slice_gather).
-        self._slice_gather: tuple[Handle, torch.Tensor, list[ShardedParam]] | None = None
+        # Replica-sharded optimizer: the model's queue of slice all-gathers (set by the runtime).
+        self.slice_gathers: SliceGathers | None = None
         # Per-step bookkeeping, reset by the root at the end of backward.
         self.used_in_grad_forward = False
         self.pending_post_backward = 0
@@ -103,33 +102,12 @@ class ShardUnit:
             for p, full in zip(self.params, fulls, strict=True):
                 p.sharded_local.copy_(p.layout.chunk(full))
 
-    # -- replica-sharded optimizer: every replica's stepped slice back into the chunk --------------------
-    def start_slice_gather(self) -> None:
-        """After an optimizer step on replica slices: start the all-gather across replicas (in the parameter
-        dtype) that refreshes the rest of this rank's chunks. Asynchronous, so that it overlaps the next
-        forward; :meth:`settle` finishes it, and everything that reads the chunks calls it first."""
-        params = [p for p in self.params if p.slice is not None and p.requires_grad]
-        if not params:
-            return
-        self.settle()
-        slices: list[SliceLayout] = [p.slice for p in params]  # type: ignore[misc]
-        width = packed_numel(slices)
-        mine = self.sharded_flat.new_zeros(width)
-        pack_own([p.sharded_local for p in params], slices, mine)
-        out = self.sharded_flat.new_empty(self.comm.size("replicate") * width)
-        handle = self.comm.all_gather(out, mine, "replicate", async_op=True, label=f"{self.name} params")
-        self._slice_gather = (handle, out, params)
-
+    # -- replica-sharded optimizer ------------------------------------------------------------------------
     def settle(self) -> None:
-        """Finish the slice all-gather in flight, if any: the chunks then hold every replica's update."""
-        if self._slice_gather is None:
-            return
-        handle, out, params = self._slice_gather
-        self._slice_gather = None
-        handle.wait()
-        slices: list[SliceLayout] = [p.slice for p in params]  # type: ignore[misc]
-        with torch.no_grad():
-            unpack_slices(out.view(self.comm.size("replicate"), -1), slices, [p.sharded_local for p in params])
+        """Finish this unit's slice all-gather after a replica-sliced optimizer step, if one is pending (see
+        ``slice_gather.py``): the shards then hold every replica's update. Called before any read of them."""
+        if self.slice_gathers is not None:
+            self.slice_gathers.settle(self)
 
     # -- unshard / reshard (forward and pre-backward) -------------------------------------------------
     def unshard(self, async_op: bool = True) -> None:
