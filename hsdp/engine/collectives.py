@@ -125,6 +125,14 @@ class Handle:
             on_done()
 
 
+def _sum_chunks(received: torch.Tensor, output: torch.Tensor, n: int, average: bool) -> None:
+    """The local half of a reduce-scatter done as an all-to-all: ``received`` holds every rank's copy of this
+    rank's chunk, in rank order (the same order on every rank, so results are deterministic)."""
+    torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
+    if average:
+        output.div_(n)
+
+
 def profiler_region(op: str, group: str, label: str = "") -> str:
     """The ``torch.profiler`` region name of one collective: ``hsdp::<op>[<group>] <label>``."""
     return f"hsdp::{op}[{group}] {label}" if label else f"hsdp::{op}[{group}]"
@@ -141,6 +149,7 @@ class Comm:
                        "world": mesh.world_size}
         # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
         self._watchdog = mesh.watchdog
+        self._gloo = dist.get_backend() == "gloo"  # reduce-scatter as all-to-all + sum (see reduce_scatter)
         self._ledger = None if mesh.watchdog is None else mesh.watchdog.ledger
 
     @contextlib.contextmanager
@@ -189,7 +198,12 @@ class Comm:
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG, async_op: bool = False, *,
                        label: str = "") -> Handle:
         """``output`` receives this rank's chunk of the element-wise reduction of every rank's ``input``.
-        ``label`` names the profiler region (see :meth:`all_gather`)."""
+        ``label`` names the profiler region (see :meth:`all_gather`).
+
+        On gloo, an all-to-all and a local sum: gloo has no reduce-scatter of its own (``reduce_scatter_single``
+        all-reduces the whole input and keeps one chunk, twice the bytes), while the all-to-all sends each
+        rank only the chunk it reduces, the (n-1)/n x input of a ring reduce-scatter. NCCL's is a ring already.
+        """
         n = self._sizes[group]
         if n == 1:
             output.copy_(input.view(output.shape))
@@ -198,6 +212,11 @@ class Comm:
         stats = self._record(group, "reduce_scatter", nbytes, (n - 1) / n)
         region = profiler_region("reduce_scatter", group, label)
         with record_function(region):
+            if self._gloo and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                received = torch.empty_like(input)
+                work = dist.all_to_all_single(received, input, group=self._groups[group], async_op=True)
+                return self._finish(work, stats, async_op, region,
+                                    functools.partial(_sum_chunks, received, output, n, op == dist.ReduceOp.AVG))
             work = dist.reduce_scatter_single(output, input, op=op, group=self._groups[group], async_op=True)
             return self._finish(work, stats, async_op, region)
 
@@ -260,11 +279,12 @@ class Comm:
             work = dist.barrier(group=self._groups[group], async_op=True)
         self._finish(work, stats, async_op=False, region=region)
 
-    def _finish(self, work: dist.Work, stats: OpStats, async_op: bool, region: str = "") -> Handle:
+    def _finish(self, work: dist.Work, stats: OpStats, async_op: bool, region: str = "",
+                on_done: Callable[[], None] | None = None) -> Handle:
         retire = None
         if self._ledger is not None:
             retire = functools.partial(self._ledger.done, self._ledger.enter(region, work))
-        handle = Handle(work, stats, region=region, retire=retire)
+        handle = Handle(work, stats, on_done=on_done, region=region, retire=retire)
         if not async_op:
             handle.wait()
         return handle
