@@ -1,7 +1,8 @@
 """Predicted state bytes per rank against what hsdp reports (``hsdp.state_bytes``), and the metrics file.
 
-One spawn of 4 gloo ranks builds each model at shard degrees 1, 2 and 4, trains one step with AdamW and
-reports the largest rank's state bytes; the prediction comes from the unwrapped module's spec
+One spawn of 4 gloo ranks builds each model at shard degrees 1, 2 and 4 (and, at 1 and 2, with the
+optimizer sharded across the 4 and 2 replicas), trains one step with AdamW and reports the largest rank's
+state bytes; the prediction comes from the unwrapped module's spec
 (:func:`hsdp.tools.planner.introspect.spec_from_module`) without any process group. Acceptance: within 10%.
 """
 
@@ -50,18 +51,21 @@ def _models() -> dict[str, tuple[nn.Module, object]]:
     }
 
 
+CASES = [(1, False), (2, False), (4, False), (1, True), (2, True)]  # (S, optimizer sharded across replicas)
+
+
 def _state_bytes(rank: int, world: int) -> dict:
     out: dict = {}
-    for shard in (1, 2, 4):
+    for shard, sliced in CASES:
         mesh = hsdp.init_mesh(shard)
         for name, (module, loss) in _models().items():
-            model = hsdp.ShardedModel(module, mesh=mesh)
+            model = hsdp.ShardedModel(module, mesh=mesh, shard_optimizer_across_replicas=sliced)
             opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
             loss(model, rank).backward()
             opt.step()
             total = torch.tensor([float(hsdp.state_bytes(model, opt).total)])
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
-            out[(name, shard)] = total.item()
+            out[(name, shard, sliced)] = total.item()
     return out
 
 
@@ -77,14 +81,17 @@ def spawned() -> tuple[dict, dict]:
 
 def test_predicted_state_bytes_match_hsdp_within_10_percent(spawned: tuple[dict, dict]) -> None:
     measured = spawned[0]
-    assert len(measured) == 9
-    for (name, shard), got in measured.items():
+    assert len(measured) == 3 * len(CASES)
+    for (name, shard, sliced), got in measured.items():
         module = _models()[name][0]
-        predicted = estimate_memory(spec_from_module(module), shard, TrainOptions()).state
+        options = TrainOptions(shard_optimizer_across_replicas=sliced)
+        predicted = estimate_memory(spec_from_module(module), shard, options, replicate=4 // shard).state
         # ParityNet's never-used parameter has no gradient or optimizer state: the one thing a static
         # spec cannot know; everything else (padding, frozen, tied) is counted exactly.
         tolerance = 0.10 if name == "parity" else 1e-9
-        assert abs(predicted / got - 1) <= tolerance, (name, shard, predicted, got)
+        assert abs(predicted / got - 1) <= tolerance, (name, shard, sliced, predicted, got)
+    # Sharding AdamW and the gradients across the 4 replicas of the DDP layout: 4 + 12/4 of 16 B per element.
+    assert measured[("gpt", 1, True)] < 0.5 * measured[("gpt", 1, False)]
 
 
 def _recorded(rank: int, world: int) -> dict:
@@ -109,3 +116,4 @@ def test_step_recorder_reports_what_tune_needs(spawned: tuple[dict, dict]) -> No
     spec = spec_from_module(GPT(GPT_CFG))
     assert [u["shapes"] for u in r["model"]["units"]] == [[list(s) for s in u.shapes] for u in spec.units]
     assert r["options"]["replicate_dtype"] == "fp32" and r["backend"] == "gloo"
+    assert r["options"]["shard_optimizer_across_replicas"] is False

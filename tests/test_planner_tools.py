@@ -23,6 +23,7 @@ from hsdp.tools.planner.model import ComputeProfile
 from hsdp.tools.planner.options import TrainOptions
 from hsdp.tools.planner.plan import make_plan
 from hsdp.tools.planner.presets import inter_link, model_preset
+from hsdp.tools.planner.render import recommendation_line, tune_rows
 from hsdp.tools.planner.tune import TuneRun, launch_command, load_metrics, summarise
 from hsdp.tools.quantities import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
@@ -103,43 +104,69 @@ def test_calibration_recovers_step_times_of_a_known_cluster() -> None:
     cal = calibrate(model, nominal, options, data, profile)
     for m in data:
         assert cal.predict(model, m.shard, options) == pytest.approx(m.step_s, rel=0.02)
-    for shard, predicted in leave_one_out(model, nominal, options, data, profile).items():
+    for (shard, _), predicted in leave_one_out(model, nominal, options, data, profile).items():
         assert predicted == pytest.approx(data[shard.bit_length() - 1].step_s, rel=0.2)
     with pytest.raises(ValueError, match="at least one"):
         calibrate(model, nominal, options, [], profile)
 
 
-def _metrics(shard: int, step_s: float, model_name: str = "small") -> dict:
+def _metrics(shard: int, step_s: float, model_name: str = "small", sliced: bool = False) -> dict:
     spec = model_preset(model_name, 128, 2)
+    options = TrainOptions(shard_optimizer_across_replicas=sliced)
     return {"format": "hsdp-metrics/1", "world_size": 4, "nproc_per_node": 2, "sharding_degree": shard,
             "micro_batches": 1, "step_s": [step_s * f for f in (0.98, 1.0, 1.03)], "median_step_s": step_s,
-            "state_bytes": {"total": estimate_memory(spec, shard, TrainOptions()).state},
+            "state_bytes": {"total": estimate_memory(spec, shard, options, replicate=4 // shard).state},
             "inter_node_bytes_per_step": [[1e6, 1e6], [1e6, 1e6]], "backend": "gloo",
             "model": {"name": spec.name, "seq_len": 128, "micro_batch": 2,
                       "units": [{"name": u.name, "shapes": [list(x) for x in u.shapes],
                                  "flops_per_token": u.forward_flops_per_token} for u in spec.units]},
             "profile": {"forward_s": 0.12, "backward_s": 0.2, "optimizer_s_per_element": 1.2e-8},
-            "options": {"reshard_after_forward": True, "replicate_dtype": "fp32"}}
+            "options": {"reshard_after_forward": True, "replicate_dtype": "fp32",
+                        "shard_optimizer_across_replicas": sliced}}
 
 
-def _synthetic_runs(tmp_path: Path) -> Path:
+def _synthetic_runs(tmp_path: Path, candidates: list[tuple[int, bool]] | None = None) -> Path:
     true, profile = _truth()
     model = model_preset("small", 128, 2)
     runs = tmp_path / "runs"
     runs.mkdir()
-    for s in (1, 2, 4):
-        step = estimate_step(model, true, s, TrainOptions(), profile).step_s
-        (runs / f"s{s}.json").write_text(json.dumps(_metrics(s, step)))
+    for s, sliced in candidates or [(1, False), (2, False), (4, False)]:
+        options = TrainOptions(shard_optimizer_across_replicas=sliced)
+        step = estimate_step(model, true, s, options, profile).step_s
+        (runs / f"s{s}{'_opt' if sliced else ''}.json").write_text(json.dumps(_metrics(s, step, sliced=sliced)))
     return runs
 
 
 def test_tune_report_from_metrics_matches_and_recommends_the_fastest(tmp_path: Path) -> None:
     runs = _synthetic_runs(tmp_path)
     measured = summarise(load_metrics([runs]))
-    report = analyse(measured, emulated_cluster(2, 2, "1gbit"), TrainOptions())
+    # Only plain runs were measured: compare the plan over the same (the option is compared in the next test).
+    report = analyse(measured, emulated_cluster(2, 2, "1gbit"), TrainOptions(), shard_optimizer="off")
     assert all(abs(r.error) < 0.02 for r in report.rows)
     assert report.recommended_shard == report.measured_fastest.shard
     assert all(r.measured_state_bytes == r.predicted_state_bytes for r in report.rows)
+
+
+def test_tune_measures_the_option_where_r_is_above_one_and_predicts_each_run_with_its_setting(
+        tmp_path: Path) -> None:
+    auto = TuneRun(nodes=2, nproc_per_node=2)
+    assert auto.candidates == [(1, False), (1, True), (2, False), (2, True), (4, False)]
+    assert TuneRun(shard_optimizer="off").candidates == [(1, False), (2, False), (4, False)]
+    with pytest.raises(ValueError, match="shard_optimizer"):
+        TuneRun(shard_optimizer="maybe")
+    # Two candidates keep it cheap (no leave-one-out fits): S=2 on 2 x 2 without and with the option.
+    candidates = [(2, False), (2, True)]
+    measured = summarise(load_metrics([_synthetic_runs(tmp_path, candidates)]))
+    assert [m.key for m in measured.measurements] == candidates
+    report = analyse(measured, emulated_cluster(2, 2, "1gbit"), TrainOptions())
+    assert all(abs(r.error) < 0.02 for r in report.rows)
+    assert all(r.measured_state_bytes == r.predicted_state_bytes for r in report.rows)
+    plain, sliced = report.rows
+    # AdamW in fp32 at R=2: 4 + 12/2 of 16 bytes per parameter, plus padding and `step` scalars.
+    assert sliced.predicted_state_bytes == pytest.approx(10 / 16 * plain.predicted_state_bytes, rel=0.01)
+    rows = tune_rows(report)
+    assert [row[1] for row in rows] == ["1/2", "1/4 (R x S)"]
+    assert "; measured fastest S=2" in recommendation_line(report)
 
 
 def test_hsdp_tune_from_metrics_writes_results(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -155,10 +182,12 @@ def test_hsdp_tune_from_metrics_writes_results(tmp_path: Path, capsys: pytest.Ca
 
 def test_hsdp_plan_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     args = ["plan", "--model", "7b", "--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80GiB",
-            "--intra-node-bandwidth", "450GB/s", "--inter-node-bandwidth", "50GB/s"]
+            "--intra-node-bandwidth", "450GB/s", "--inter-node-bandwidth", "50GB/s",
+            "--shard-optimizer-across-replicas", "off"]
     assert main([*args, "--json", "-"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["recommended"] == {"replicate": 16, "shard": 8} and len(plan["layouts"]) == 8
+    assert plan["recommended"] == {"replicate": 16, "shard": 8, "shard_optimizer_across_replicas": False}
+    assert len(plan["layouts"]) == 8
     assert main([*args, "--plot", str(tmp_path / "p.png")]) == 0
     assert "Recommended" in capsys.readouterr().out and (tmp_path / "p.png").stat().st_size > 0
     assert main([*args, "--inter-node-bandwidth", "fast"]) == 2
@@ -203,13 +232,14 @@ H100_70B = ["plan", "--model", "70b", "--nodes", "64", "--gpus-per-node", "8", "
 
 def test_hsdp_plan_breaks_ties_toward_the_smallest_shard_degree(capsys: pytest.CaptureFixture) -> None:
     # 70B on 64 x 8 H100: S=32..512 fit and all step within 1% of each other; S=64 is 0.02% faster.
-    assert main([*H100_70B, "--activation-checkpointing", "--json", "-"]) == 0
+    off = ["--shard-optimizer-across-replicas", "off"]
+    assert main([*H100_70B, *off, "--activation-checkpointing", "--json", "-"]) == 0
     plan = json.loads(capsys.readouterr().out)
     fitting = [e for e in plan["layouts"] if e["fits"]]
     fastest = min(fitting, key=lambda e: e["step"]["step_s"])
     assert [e["shard"] for e in fitting] == [32, 64, 128, 256, 512] and fastest["shard"] == 64
-    assert plan["recommended"] == {"replicate": 16, "shard": 32}  # not 1x512, the slowest that fits
-    assert main([*H100_70B, "--activation-checkpointing"]) == 0
+    assert plan["recommended"] == {"replicate": 16, "shard": 32, "shard_optimizer_across_replicas": False}  # not 1x512
+    assert main([*H100_70B, *off, "--activation-checkpointing"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # undo the terminal's line wrapping
     assert "Recommended: 16x32 (S=32" in text and "8x64 (S=64, HSDP, shard > node) is 0.02% faster" in text
     assert "ties go to the least inter-node traffic (here the smallest shard degree that fits)" in text
@@ -220,12 +250,12 @@ def test_ties_below_a_node_go_to_the_node_and_on_one_node_to_less_memory() -> No
     # 7B on 16 x 8 H100 with 8 NICs: S=4..128 all within 1%. S=4 would send more (the hop over 32 replicas)
     # and hold more; S=32 is fastest by 0.3% but sends 6x the bytes: S=8, the node, is the least traffic.
     fast = replace(_h100(), inter_bandwidth=inter_link("8xib400").bandwidth)
-    plan = make_plan(model_preset("7b"), fast, TrainOptions(micro_batches=4))
+    plan = make_plan(model_preset("7b"), fast, TrainOptions(micro_batches=4), shard_optimizer="off")
     ties = [e for e in plan.layouts if e.fits and e.step.step_s <= min(
         x.step.step_s for x in plan.layouts if x.fits) * 1.01]
     assert {e.layout.shard for e in ties} >= {4, 8, 32, 128} and plan.best is not None
     assert plan.best.layout.shard == 8 and "ties go to the least inter-node traffic: " in plan.reasons[0]
-    one_node = make_plan(model_preset("7b"), _h100(1), TrainOptions(micro_batches=4))
+    one_node = make_plan(model_preset("7b"), _h100(1), TrainOptions(micro_batches=4))  # R=1: nothing to shard
     assert one_node.best is not None and one_node.best.layout.shard == 8  # nothing crosses: least memory
 
 

@@ -68,10 +68,29 @@ def test_overrides_are_typed_and_applied_in_order() -> None:
     (["optim.min_lr=1.0"], r"optim\.min_lr = 1\.0: must not exceed optim\.lr"),
     (["train.stop_after=500"], r"train\.stop_after = 500: exceeds train\.steps"),
     (["parallel.replica_hop=fp8"], r"parallel\.replica_hop = 'fp8'"),
+    (["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"],
+     r"parallel\.shard_optimizer_across_replicas = True: needs a hop that can reduce-scatter.*'bf16' or 'fp32'"),
 ])
 def test_bad_values_name_the_field(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_config(None, overrides)
+
+
+def test_shard_optimizer_across_replicas_is_read_and_refused_with_int8_before_spawning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    cfg = resolve_config(None, ["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=bf16"])
+    assert cfg.parallel.shard_optimizer_across_replicas is True
+    assert RunConfig().parallel.shard_optimizer_across_replicas is False
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def spawn(*args: object) -> int:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr("hsdp.tools.launch.launch_local", spawn)
+    bad = ["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"]
+    assert main([*bad, f"train.out_dir={tmp_path / 'run'}"]) == 2
+    assert "parallel.replica_hop to 'bf16' or 'fp32'" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 def test_toml_file_then_overrides_and_file_errors(tmp_path: Path) -> None:

@@ -45,7 +45,9 @@ def _trace_names(path: Path) -> set[str]:
 
 
 def test_hsdp_train_end_to_end(tmp_path: Path) -> None:
-    proc = _hsdp(tmp_path, "train", "--steps", "8", "--profile", "train.profile_steps=2", *QUICK)
+    # With the optimizer sharded across the 2 replicas (the default path runs in the resume jobs below).
+    proc = _hsdp(tmp_path, "train", "--steps", "8", "--profile", "train.profile_steps=2", *QUICK,
+                 "parallel.shard_optimizer_across_replicas=true")
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     assert "[node 0] step     8/8" in out and "eta" in out and "Per node and step" in out
@@ -63,12 +65,19 @@ def test_hsdp_train_end_to_end(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mesh"] == {"replicas": 2, "shards": 2, "world": 4} and len(summary["ranks"]) == 4
     floor = summary["inter_node_floor_bytes_per_step"]
-    for node in summary["nodes"]:  # per node inter-node bytes = 2(R-1)/R x P x 4, plus padding and flags
+    # Per node: a reduce-scatter and an all-gather across replicas, (R-1)/R x P x (4 + 4) = the all-reduce's
+    # 2(R-1)/R x P x 4, plus padding and flags.
+    assert floor == pytest.approx(2 * 1 / 2 * summary["model"]["params"] * 4)
+    for node in summary["nodes"]:
         assert floor <= node["replicate_bytes_per_step"] < 1.01 * floor
+    # AdamW's 8 B per element over R x S = 4 ranks: as many bytes as the 4 B parameters over S = 2 (twice
+    # that without the option).
+    ranks = summary["ranks"]
+    assert max(r["optimizer"] for r in ranks) < 1.01 * max(r["params"] for r in ranks)
     names = _trace_names(run / "profile" / "rank0.json")
     for region in ("hsdp::all_gather[shard] Block(blocks.0)", "hsdp::all_gather[shard] GPT(root)",
-                   "hsdp::reduce_scatter[shard] Block(blocks.3)", "hsdp::all_reduce[replicate] blocks.1",
-                   "hsdp::all_reduce[replicate] root wait"):
+                   "hsdp::reduce_scatter[shard] Block(blocks.3)", "hsdp::reduce_scatter[replicate] blocks.1",
+                   "hsdp::all_gather[replicate] Block(blocks.2) params"):
         assert region in names, sorted(names)
     assert all(Path(p).stat().st_size > 10_000 for p in write_report(str(run)))
     again = _hsdp(tmp_path, "train", "--steps", "8")  # refused before any rank starts

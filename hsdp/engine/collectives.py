@@ -149,7 +149,7 @@ class Comm:
                        "world": mesh.world_size}
         # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
         self._watchdog = mesh.watchdog
-        self._gloo = dist.get_backend() == "gloo"  # reduce-scatter as all-to-all + sum (see reduce_scatter)
+        self._gloo = dist.get_backend() == "gloo"  # inter-node reduce-scatter as all-to-all + sum (reduce_scatter)
         self._ledger = None if mesh.watchdog is None else mesh.watchdog.ledger
 
     @contextlib.contextmanager
@@ -200,9 +200,11 @@ class Comm:
         """``output`` receives this rank's chunk of the element-wise reduction of every rank's ``input``.
         ``label`` names the profiler region (see :meth:`all_gather`).
 
-        On gloo, an all-to-all and a local sum: gloo has no reduce-scatter of its own (``reduce_scatter_single``
-        all-reduces the whole input and keeps one chunk, twice the bytes), while the all-to-all sends each
-        rank only the chunk it reduces, the (n-1)/n x input of a ring reduce-scatter. NCCL's is a ring already.
+        Across nodes on gloo (the ``replicate`` group), an all-to-all and a local sum: gloo has no reduce-scatter
+        of its own (``reduce_scatter_single`` all-reduces the whole input and keeps one chunk, twice the bytes),
+        while the all-to-all sends each rank only the chunk it reduces, the (n-1)/n x input of a ring
+        reduce-scatter, at the cost of a receive buffer the size of the input. Inside a node the bytes are
+        cheap and the buffer (a whole unit's gradients) is not: there gloo's own runs. NCCL's is a ring.
         """
         n = self._sizes[group]
         if n == 1:
@@ -212,7 +214,7 @@ class Comm:
         stats = self._record(group, "reduce_scatter", nbytes, (n - 1) / n)
         region = profiler_region("reduce_scatter", group, label)
         with record_function(region):
-            if self._gloo and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            if self._gloo and group == "replicate" and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 received = torch.empty_like(input)
                 work = dist.all_to_all_single(received, input, group=self._groups[group], async_op=True)
                 return self._finish(work, stats, async_op, region,

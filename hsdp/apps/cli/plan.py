@@ -10,7 +10,7 @@ from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.tools.planner.cluster import ClusterSpec
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, TransformerShape, transformer
 from hsdp.tools.planner.options import PRECISIONS, REPLICATE_DTYPES, SYNC_MODES, TrainOptions, precision
-from hsdp.tools.planner.plan import DEFAULT_HEADROOM, Plan, make_plan
+from hsdp.tools.planner.plan import DEFAULT_HEADROOM, SHARD_OPTIMIZER_MODES, Plan, make_plan
 from hsdp.tools.planner.presets import (
     GPUS,
     INTER_LINKS,
@@ -50,6 +50,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", default="deferred", choices=SYNC_MODES,
                    help="micro-batch sync: deferred = inter-node once per step (default)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--shard-optimizer-across-replicas", default="auto", choices=SHARD_OPTIMIZER_MODES,
+                   help="gradients and optimizer state over all R x S ranks (ShardedModel's "
+                        "shard_optimizer_across_replicas); auto: used where it lets a faster layout fit")
 
 
 def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -139,7 +142,8 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ComputeProfile
 def build_plan(args: argparse.Namespace) -> Plan:
     model, profile = model_from_args(args)
     return make_plan(model, cluster_from_args(args), options_from_args(args), profile,
-                     degrees=parse_degrees(args.degrees), headroom=args.headroom)
+                     degrees=parse_degrees(args.degrees), headroom=args.headroom,
+                     shard_optimizer=args.shard_optimizer_across_replicas)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -12,7 +12,15 @@ from typing import Any
 from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.apps.cli.plan import parse_degrees
 from hsdp.tools.planner.compare import TuneReport, analyse, emulated_cluster, options_from_metrics
-from hsdp.tools.planner.tune import DEFAULT_SCRIPT, TuneRun, collect, default_workdir, load_metrics, summarise
+from hsdp.tools.planner.tune import (
+    DEFAULT_SCRIPT,
+    TuneRun,
+    candidate_label,
+    collect,
+    default_workdir,
+    load_metrics,
+    summarise,
+)
 from hsdp.tools.quantities import parse_bandwidth, parse_bytes
 
 TUNE_EPILOG = f"""\
@@ -22,7 +30,8 @@ examples:
   hsdp tune --from-metrics runs/tune/ --nodes 16 --nproc-per-node 8 --inter-node-bandwidth 50GB/s
 
 The script runs once per shard degree and repeat with HSDP_SHARDING_DEGREE set (hsdp.init_mesh() reads it)
-and HSDP_METRICS_FILE naming where it writes its measurements (hsdp.tools.planner.metrics.StepRecorder).
+and HSDP_METRICS_FILE naming where it writes its measurements (hsdp.tools.planner.metrics.StepRecorder);
+HSDP_SHARD_OPTIMIZER_ACROSS_REPLICAS=1 asks it to pass shard_optimizer_across_replicas=True to ShardedModel.
 Without a script: {" ".join(DEFAULT_SCRIPT)}.
 """
 
@@ -47,6 +56,9 @@ def add_tune(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-emulation", action="store_true", help="run the nodes on loopback (no shaping)")
     mode.add_argument("--allow-fallback", action="store_true", help="fall back to loopback without root")
+    p.add_argument("--shard-optimizer-across-replicas", default="auto", choices=("auto", "on", "off"),
+                   help="auto: measure each degree with R > 1 also with the optimizer sharded across replicas "
+                        "($HSDP_SHARD_OPTIMIZER_ACROSS_REPLICAS=1) and let the plan use it where it pays")
     p.add_argument("--from-metrics", nargs="+", metavar="PATH", help="analyse existing metrics files or dirs")
     p.add_argument("--workdir", default=None, help="keep every run's metrics and log here (default: a temp dir)")
     p.add_argument("--out", default=None, help="write tune_<date>[_<tag>].json/.md/.png into this directory")
@@ -64,21 +76,21 @@ def _tune_run(args: argparse.Namespace) -> TuneRun:
         script = script[1:]
     emulation = "none" if args.no_emulation else "auto" if args.allow_fallback else "require"
     return TuneRun(tuple(script) or DEFAULT_SCRIPT, args.nodes, args.nproc_per_node, args.inter_node_bandwidth,
-                   args.inter_node_latency, tuple(parse_degrees(args.degrees) or ()), args.repeats, emulation)
+                   args.inter_node_latency, tuple(parse_degrees(args.degrees) or ()), args.repeats, emulation,
+                   shard_optimizer=args.shard_optimizer_across_replicas)
 
 
 def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> TuneReport:
     measured = summarise(results)
-    backend = next((r.get("backend", "gloo") for r in results if "error" not in r), "gloo")
     memory = parse_bytes(args.gpu_memory) if args.gpu_memory else math.inf
     nominal = emulated_cluster(measured.world_size // measured.nproc_per_node, measured.nproc_per_node,
-                               args.inter_node_bandwidth, memory, backend)
+                               args.inter_node_bandwidth, memory)
     if args.intra_node_bandwidth:
         from dataclasses import replace
 
         nominal = replace(nominal, intra_bandwidth=parse_bandwidth(args.intra_node_bandwidth))
     ok = next(r for r in results if "error" not in r)
-    return analyse(measured, nominal, options_from_metrics(ok))
+    return analyse(measured, nominal, options_from_metrics(ok), args.shard_optimizer_across_replicas)
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -91,8 +103,9 @@ def run_tune(args: argparse.Namespace) -> int:
         else:
             tune_run = _tune_run(args)
             workdir = Path(args.workdir) if args.workdir else default_workdir()
-            print(f"[tune] {tune_run.nodes} x {tune_run.nproc_per_node} ranks, degrees "
-                  f"{tune_run.candidate_degrees}, {tune_run.repeats} repeats; runs in {workdir}", flush=True)
+            labels = [candidate_label(*c) for c in tune_run.candidates]
+            print(f"[tune] {tune_run.nodes} x {tune_run.nproc_per_node} ranks, candidates {', '.join(labels)}, "
+                  f"{tune_run.repeats} repeats; runs in {workdir}", flush=True)
             results = collect(tune_run, workdir, echo=lambda s: print(s, flush=True))
         report = _report(args, results)
     except ValueError as e:

@@ -174,7 +174,11 @@ class ParallelConfig:
     itself (emulated nodes on this machine) when it is not already running under torchrun or ``hsdp
     launch``. ``sharding_degree`` 0 means the ranks per node (HSDP); 1 is DDP, the world size full
     sharding. ``mixed_precision`` ``bf16`` computes and reduces in bfloat16 over fp32 master shards;
-    ``replica_hop`` picks the inter-node gradient hop (``int8`` compresses with error feedback)."""
+    ``replica_hop`` picks the inter-node gradient hop (``int8`` compresses with error feedback).
+    ``shard_optimizer_across_replicas`` splits gradients and AdamW state over all R x S ranks (parameters
+    stay split over S): optimizer state and step / R, the same inter-node bytes with an fp32 hop (with a
+    bf16 hop the all-gather after the step stays fp32: 1.5x); not with the int8 hop, which cannot
+    reduce-scatter. No effect with one replica."""
 
     SECTION: ClassVar[str] = "parallel"
     nodes: int = 2
@@ -183,14 +187,21 @@ class ParallelConfig:
     mixed_precision: str = "fp32"
     replica_hop: str = "fp32"
     reshard_after_forward: bool = True
+    shard_optimizer_across_replicas: bool = False
 
     def __post_init__(self) -> None:
-        from hsdp.engine.hops import HOP_NAMES  # torch import deferred: configs load without it
+        from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop  # torch import deferred, as above
 
         _at_least(self.SECTION, self, ("nodes", "nproc_per_node"), 1)
         _at_least(self.SECTION, self, ("sharding_degree",), 0)
         _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
         _one_of(self.SECTION, "replica_hop", self.replica_hop, HOP_NAMES)
+        # Refused here, before any rank starts: every rank's ShardedModel would refuse it alike.
+        if self.shard_optimizer_across_replicas and not can_scatter(named_hop(self.replica_hop)):
+            _fail(self.SECTION, "shard_optimizer_across_replicas", True,
+                  f"needs a hop that can reduce-scatter across replicas, and parallel.replica_hop = "
+                  f"{self.replica_hop!r} cannot: set parallel.replica_hop to 'bf16' or 'fp32', or turn "
+                  f"parallel.shard_optimizer_across_replicas off")
 
 
 @dataclass(frozen=True)

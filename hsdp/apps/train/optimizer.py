@@ -24,7 +24,9 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 def build_optimizer(model: hsdp.ShardedModel, cfg: OptimConfig) -> hsdp.ShardedOptimizer:
     """AdamW over the model's shards. Matrices (embeddings, linear and Conv1D weights) decay; biases and
     norm scales do not (decaying them hurts and saves nothing). Shards keep their parameter's rank, so
-    ``dim() >= 2`` tells the two apart on every rank alike."""
+    ``dim() >= 2`` tells the two apart on every rank alike. AdamW is element-wise, so it also steps the
+    1/R slices of ``parallel.shard_optimizer_across_replicas`` (an optimizer that reduces across elements,
+    such as Adafactor or Muon, would be refused there by ``ShardedOptimizer``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},

@@ -1,7 +1,8 @@
-"""What one training session produced: its per-step records and this rank's traffic totals."""
+"""What one training session produced: its per-step records (and from them this rank's traffic per step)."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,16 +14,19 @@ class LoopResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     checkpoint_step: int | None = None  # the step of the newest of ``checkpoints``
-    shard_bytes: float = 0.0  # this rank's, summed over the session's steps
-    replicate_bytes: float = 0.0
     trace: str | None = None
     stopped_by_signal: bool = False  # a rank got SIGTERM: every rank stopped after the last record's step
 
     def add(self, record: dict[str, Any]) -> None:
-        """Append a finished step's record and count its traffic."""
+        """Append a finished step's record."""
         self.records.append(record)
-        self.shard_bytes += record["shard_bytes"]
-        self.replicate_bytes += record["replicate_bytes"]
+
+    def bytes_per_step(self, group: str) -> float:
+        """This rank's bytes sent in ``group`` ("shard" or "replicate") per step: the median over the session's
+        steps, the steady state. (With the optimizer sharded across replicas a step's slice all-gathers
+        partly run during the next step's forward: the first step counts fewer, and a mean would too.)"""
+        values = [r[f"{group}_bytes"] for r in self.records]
+        return float(statistics.median(values)) if values else 0.0
 
     @property
     def steps(self) -> int:

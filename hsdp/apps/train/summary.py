@@ -4,8 +4,8 @@ Every rank contributes one record (:func:`rank_record`); rank 0 prints three tab
 ``summary.json``. Communication is per optimizer step: ``shard`` is the intra-node group (all-gather,
 reduce-scatter), ``replicate`` the inter-node group (the gradient hop). Per node, the replicate bytes of
 the node's ranks add up to the HSDP floor ``2(R-1)/R x P x b`` for a plain all-reduce (P parameters of b
-bytes on the wire, R replicas), shown next to the measurement (slightly above it: chunk padding and one
-flag per parameter ride along).
+bytes on the wire, R replicas; with the optimizer sharded across replicas ``(R-1)/R x P x (b + 4)``), shown
+next to the measurement (slightly above it: chunk padding and one flag per parameter ride along).
 """
 
 from __future__ import annotations
@@ -27,23 +27,26 @@ _WIRE_BYTES = {"fp32": 4, "bf16": 2}  # per element on the inter-node hop; int8 
 
 
 def rank_record(model: hsdp.ShardedModel, optimizer: hsdp.ShardedOptimizer, result: LoopResult) -> dict[str, Any]:
-    """This rank's place in the mesh, model-state bytes, peak memory and mean bytes per step."""
+    """This rank's place in the mesh, model-state bytes, peak memory and bytes per step (the median step)."""
     mesh = model.mesh
     node = int(os.environ.get("GROUP_RANK", mesh.replicate_rank))  # torchrun's node rank
-    steps = max(result.steps, 1)
     return {"rank": mesh.rank, "node": node, "shard": mesh.shard_rank,
             **hsdp.state_bytes(model, optimizer).as_dict(), "peak_bytes": peak_memory_bytes(mesh.device),
-            "shard_bytes_per_step": result.shard_bytes / steps,
-            "replicate_bytes_per_step": result.replicate_bytes / steps}
+            "shard_bytes_per_step": result.bytes_per_step("shard"),
+            "replicate_bytes_per_step": result.bytes_per_step("replicate")}
 
 
 def inter_node_floor(cfg: RunConfig, n_params: int, replicas: int) -> float | None:
-    """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop."""
+    """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop; with
+    ``parallel.shard_optimizer_across_replicas`` ``(R-1)/R x P x (b + 4)``: a reduce-scatter in the hop
+    dtype, then an all-gather of the stepped slices in the parameter dtype (fp32 shards)."""
     wire = _WIRE_BYTES.get(cfg.parallel.replica_hop)
     if wire is None:
         return None
     if cfg.parallel.mixed_precision == "bf16" and cfg.parallel.replica_hop == "fp32":
         wire = 2  # the hop inherits bf16 from the reduce dtype
+    if cfg.parallel.shard_optimizer_across_replicas:
+        return (replicas - 1) / replicas * n_params * (wire + 4)
     return 2 * (replicas - 1) / replicas * n_params * wire
 
 
@@ -120,7 +123,7 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
 
 def node_table(summary: dict[str, Any]) -> Table:
     floor = summary["inter_node_floor_bytes_per_step"]
-    caption = "" if floor is None else f"inter-node floor 2(R-1)/R x P x b = {kib(floor)} KiB per node"
+    caption = "" if floor is None else f"inter-node floor (see inter_node_floor) = {kib(floor)} KiB per node"
     t = Table(title="Per node and step (KiB)", caption=caption)
     for name in ("node", "ranks", "intra-node (shard)", "inter-node (replicate)"):
         t.add_column(name, justify="right", no_wrap=True)

@@ -86,7 +86,8 @@ class Trainer:
         return hsdp.ShardedModel(module, mesh=self.mesh, wrap=self.lm.wrap,
                                  reshard_after_forward=par.reshard_after_forward,
                                  mixed_precision=_PRECISION[par.mixed_precision],
-                                 replica_hop=named_hop(par.replica_hop))
+                                 replica_hop=named_hop(par.replica_hop),
+                                 shard_optimizer_across_replicas=par.shard_optimizer_across_replicas)
 
     def _streams(self) -> tuple[TokenStream, TokenStream]:
         """This rank's training and held-out batches (different seeds: different positions)."""

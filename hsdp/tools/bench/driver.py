@@ -1,10 +1,12 @@
-"""Side-by-side benchmark: hsdp against FSDP2 (HSDP and full shard) and DDP on the same GPT, seed and batches.
+"""Side-by-side benchmark: hsdp (plain, and with ``shard_optimizer_across_replicas``) against FSDP2 (HSDP and
+full shard) and DDP on the same GPT, seed and batches.
 
 Every (network, system) pair runs as its own job of 2 nodes x 2 ranks: on an emulated cluster (network
 namespaces, inter-node links shaped by tc) at each ``--bandwidths`` value, and on plain loopback. Reports
-median step time, the ratio to FSDP2 HSDP, peak tensor memory and peak RSS per rank, and inter-node bytes
-per step read from the link counters against the floor ``2 (R-1)/R x P x 4`` bytes per node. Writes JSON,
-a dated Markdown table with the exact command, and a plot to ``--out``.
+median step time, the ratios to FSDP2 HSDP and to plain hsdp, peak tensor memory and peak RSS per rank, model
+state per rank split into parameters, gradients and optimizer state (``hsdp.state_bytes``), and inter-node
+bytes per step read from the link counters against the floor ``2 (R-1)/R x P x 4`` bytes per node. Writes
+JSON, a dated Markdown table with the exact command, and a plot to ``--out``.
 
     hsdp bench                       # the full matrix (tens of minutes on 2 cores)
     hsdp bench --bandwidths 1gbit --systems hsdp,fsdp2-hsdp --steps 5
@@ -25,7 +27,7 @@ from pathlib import Path
 from hsdp.tools.bench.report import markdown_table, plot
 from hsdp.tools.results import results_run
 
-DEFAULT_SYSTEMS = "hsdp,fsdp2-hsdp,fsdp2-full,ddp"
+DEFAULT_SYSTEMS = "hsdp,hsdp-opt-across-replicas,fsdp2-hsdp,fsdp2-full,ddp"
 
 
 def _launch_command(network: str, stats: str) -> list[str]:
@@ -74,12 +76,29 @@ def summarise(results: list[dict]) -> list[dict]:
         r["inter_node_mb_per_node"] = statistics.median(sent) / 1e6 if any(sent) else None
         r["peak_rss_mib"] = max(r["peak_rss_mib_per_rank"])
         r["peak_tensor_mib"] = max(r["peak_tensor_mib_per_rank"])
+        r["state_bytes"] = _largest_state(r)
     base = {(r["network"], r["micro_batches"]): r for r in ok if r["system"] == "fsdp2-hsdp"}
+    plain = {(r["network"], r["micro_batches"]): r for r in ok if r["system"] == "hsdp"}
     for r in ok:
         ref = base.get((r["network"], r["micro_batches"]))
         r["ratio_to_fsdp2_hsdp"] = r["median_step_s"] / ref["median_step_s"] if ref else None
         r["tensor_peak_ratio_to_fsdp2_hsdp"] = r["peak_tensor_mib"] / ref["peak_tensor_mib"] if ref else None
+        ref = plain.get((r["network"], r["micro_batches"]))
+        r["ratio_to_hsdp"] = r["median_step_s"] / ref["median_step_s"] if ref else None
+        ours, theirs = r["state_bytes"], ref and ref["state_bytes"]
+        r["optimizer_bytes_ratio_to_hsdp"] = (ours["optimizer"] / theirs["optimizer"]
+                                              if ours and theirs and theirs["optimizer"] else None)
     return results
+
+
+def _largest_state(r: dict) -> dict[str, int] | None:
+    """Model-state bytes of the rank holding the most (ranks differ by padding and uneven chunks), with its
+    total; None for results written before the worker measured them."""
+    per_rank = r.get("state_bytes_per_rank")
+    if not per_rank:
+        return None
+    largest = max(per_rank, key=lambda s: sum(s.values()))
+    return {**largest, "total": sum(largest.values())}
 
 
 def combine_repeats(runs: list[dict]) -> list[dict]:

@@ -49,7 +49,39 @@ def markdown_table(meta: dict, results: list[dict]) -> str:
             f"| {_fmt(r['tensor_peak_ratio_to_fsdp2_hsdp'], '.3f')} | {r['peak_rss_mib']:.0f} "
             f"| {_fmt(inter, '.1f')} | {r['floor_mb_per_node']:.1f} | {_fmt(vs, '.3f')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + state_table(results)) + "\n"
+
+
+def state_table(results: list[dict]) -> list[str]:
+    """Markdown lines of the model state per rank, one row per system and micro-batch count (the bytes do not
+    depend on the network: the first network's run is shown); no lines when no result measured it."""
+    rows: dict[tuple[str, int], dict] = {}
+    for r in results:
+        if r.get("state_bytes"):
+            rows.setdefault((r["system"], r["micro_batches"]), r)
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Model state per rank",
+        "",
+        "Bytes held by the rank with the most, after `optimizer.step()` and before `zero_grad` (`hsdp.state_bytes`: "
+        "hsdp's flat shard buffers and gradient/optimizer shards; the local chunks of FSDP2's DTensors; DDP's "
+        "full tensors, its gradient buckets not counted). Ratios: against plain hsdp on the same network and "
+        "micro-batches (the optimizer-state bytes; the median step time).",
+        "",
+        "| system | micro-batches | params MiB | grads MiB | optimizer MiB | total MiB | optimizer / hsdp "
+        "| step / hsdp |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows.values():
+        st = r["state_bytes"]
+        lines.append(
+            f"| {r['system']} | {r['micro_batches']} "
+            + "".join(f"| {st[k] / 2**20:.2f} " for k in ("params", "grads", "optimizer", "total"))
+            + f"| {_fmt(r.get('optimizer_bytes_ratio_to_hsdp'), '.3f')} | {_fmt(r.get('ratio_to_hsdp'), '.3f')} |"
+        )
+    return lines
 
 
 def plot(results: list[dict], path: Path) -> None:

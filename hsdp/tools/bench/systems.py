@@ -27,8 +27,9 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=True)
 
 
-def _hsdp(model: nn.Module, dm: DeviceMesh, lr: float, hop: str = "fp32") -> Wrapped:
-    m = hsdp.ShardedModel(model, mesh=hsdp.init_mesh(device_mesh=dm), replica_hop=named_hop(hop))
+def _hsdp(model: nn.Module, dm: DeviceMesh, lr: float, hop: str = "fp32", shard_optimizer: bool = False) -> Wrapped:
+    m = hsdp.ShardedModel(model, mesh=hsdp.init_mesh(device_mesh=dm), replica_hop=named_hop(hop),
+                          shard_optimizer_across_replicas=shard_optimizer)
     return Wrapped(m, hsdp.ShardedOptimizer(m, _adamw(m, lr)), m.set_requires_all_reduce)
 
 
@@ -61,6 +62,8 @@ SYSTEMS: dict[str, Callable[..., Wrapped]] = {
     "hsdp": _hsdp,
     "hsdp-bf16-hop": lambda m, dm, lr: _hsdp(m, dm, lr, "bf16"),
     "hsdp-int8-hop": lambda m, dm, lr: _hsdp(m, dm, lr, "int8"),
+    # Optimizer state and reduced gradients over all R x S ranks (ZeRO over the mesh); parameters by node.
+    "hsdp-opt-across-replicas": lambda m, dm, lr: _hsdp(m, dm, lr, shard_optimizer=True),
     "fsdp2-hsdp": _fsdp2,
     "fsdp2-full": _fsdp2_full,
     "ddp": _ddp,

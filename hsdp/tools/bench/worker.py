@@ -3,7 +3,9 @@
 Every system sees the same initial weights (seeded), the same batches and the same optimizer. Step time is
 the wall time of forward + backward + optimizer step, measured on every rank between barriers and
 reported as the slowest rank per step; the median over the measured steps (after warm-up) is the figure.
-Peak tensor memory comes from one more step, run under a memory tracker (see ``peak_memory``).
+Peak tensor memory comes from one more step, run under a memory tracker (see ``peak_memory``); model state
+per rank (``hsdp.state_bytes``: parameters, gradients, optimizer state) is read in that step, between
+``optimizer.step()`` and ``zero_grad``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from hsdp.engine.collectives import Comm
+from hsdp.engine.memory import StateBytes, state_bytes
 from hsdp.engine.mesh import mesh_from_device_mesh
 from hsdp.models import GPT, preset
 from hsdp.tools.bench.peak_memory import measure_step_peak
@@ -27,6 +30,14 @@ from hsdp.tools.bench.systems import SYSTEMS, Wrapped
 from hsdp.tools.step_timing import StepTimer, peak_rss_bytes
 
 MIB = 2**20
+# Model state per rank, split as hsdp.state_bytes reports it: for hsdp the flat shard buffers, gradient and
+# optimizer-state shards; for FSDP2 the local chunks of its DTensors; for DDP the full tensors.
+STATE_KINDS = ("params", "grads", "optimizer")
+
+
+def _state_split(s: StateBytes) -> tuple[int, int, int]:
+    """Model-state bytes of this rank in ``STATE_KINDS`` order."""
+    return s.params, s.grads, s.optimizer
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,9 +54,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _step_parts(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Callable[[], float | None]]:
+def _step_parts(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                on_stepped: Callable[[], None] | None = None) -> list[Callable[[], float | None]]:
     """One optimizer step as callables: each micro-batch's forward and backward (returning its loss), then
-    the optimizer step."""
+    the optimizer step. ``on_stepped`` runs between ``optimizer.step()`` and ``zero_grad``: the one moment
+    parameters, gradients and optimizer state all exist."""
 
     def micro_batch(i: int, x: torch.Tensor, y: torch.Tensor) -> float:
         w.set_sync(i == len(batches) - 1)
@@ -55,6 +68,8 @@ def _step_parts(w: Wrapped, batches: list[tuple[torch.Tensor, torch.Tensor]]) ->
 
     def optimizer_step() -> None:
         w.optimizer.step()
+        if on_stepped is not None:
+            on_stepped()
         w.optimizer.zero_grad(set_to_none=True)
 
     return [functools.partial(micro_batch, i, x, y) for i, (x, y) in enumerate(batches)] + [optimizer_step]
@@ -94,9 +109,12 @@ def main() -> None:
             losses.append(_step(w, batches))
     per_node = timer.link_bytes_per_node()
     rss_peak = peak_rss_bytes() / MIB  # of the timed steps: the tracked step below allocates bookkeeping of its own
-    results, tensor_peak = measure_step_peak(_step_parts(w, next_batches()), w.model, w.optimizer,
-                                             torch.device("cpu"))
-    peaks = timer.comm.all_gather_floats([rss_peak, tensor_peak / MIB])
+    # Model state is read in the untimed memory step (it walks every parameter), the same way for every system.
+    state: list[StateBytes] = []
+    results, tensor_peak = measure_step_peak(
+        _step_parts(w, next_batches(), lambda: state.append(state_bytes(w.model, w.optimizer))),
+        w.model, w.optimizer, torch.device("cpu"))
+    peaks = timer.comm.all_gather_floats([rss_peak, tensor_peak / MIB, *map(float, _state_split(state[0]))])
     measured = timer.measured
     result = {
         "system": args.system, "preset": args.preset, "params": n_params, "world": world, "sharding_degree": s,
@@ -104,6 +122,7 @@ def main() -> None:
         "median_step_s": statistics.median(measured), "step_s": measured, "losses": losses,
         "peak_rss_mib_per_rank": [p[0] for p in peaks], "rss_before_wrap_mib": rss_before,
         "peak_tensor_mib_per_rank": [p[1] for p in peaks], "memory_step_loss": results[-2],
+        "state_bytes_per_rank": [dict(zip(STATE_KINDS, map(int, p[2:]), strict=True)) for p in peaks],
         "optimizer_steps": args.warmup + args.steps + 1,
         # Link counters of the measured steps, which include each step's barrier and timing all-reduce
         # (a few bytes) and the TCP/IP headers.

@@ -50,6 +50,15 @@ class Measurement:
     inter_node_bytes: float | None = None
     state_bytes: float | None = None
     run_medians: tuple[float, ...] = ()  # each launch's own median: the spread shows the noise
+    shard_optimizer: bool = False  # measured with shard_optimizer_across_replicas
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        return self.shard, self.shard_optimizer
+
+    def options(self, base: TrainOptions) -> TrainOptions:
+        """``base`` with this run's ``shard_optimizer_across_replicas``."""
+        return replace(base, shard_optimizer_across_replicas=self.shard_optimizer)
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,8 @@ def _residuals(model: ModelSpec, options: TrainOptions, cluster: ClusterSpec, pr
 
     def f(theta: np.ndarray) -> np.ndarray:
         cal = apply(cluster, profile, dict(zip(names, np.exp(theta).tolist())))
-        fit = [math.log(cal.predict(model, m.shard, options) / m.step_s) / MEASUREMENT_SIGMA for m in data]
+        fit = [math.log(cal.predict(model, m.shard, m.options(options)) / m.step_s) / MEASUREMENT_SIGMA
+               for m in data]
         return np.concatenate([np.array(fit), (theta - prior) / spreads])
 
     return f
@@ -143,12 +153,13 @@ def calibrate(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, dat
 
 
 def leave_one_out(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, data: Sequence[Measurement],
-                  profile: ComputeProfile | None = None) -> dict[int, float]:
-    """For each measured layout: its step time predicted by a calibration on the *other* layouts only
-    (how well the model extrapolates to a layout it has not seen)."""
+                  profile: ComputeProfile | None = None) -> dict[tuple[int, bool], float]:
+    """For each measured layout (by :attr:`Measurement.key`): its step time predicted by a calibration on
+    the *other* layouts only (how well the model extrapolates to a layout it has not seen)."""
     out = {}
     for m in data:
         rest = [d for d in data if d is not m]
         if rest:
-            out[m.shard] = calibrate(model, cluster, options, rest, profile).predict(model, m.shard, options)
+            cal = calibrate(model, cluster, options, rest, profile)
+            out[m.key] = cal.predict(model, m.shard, m.options(options))
     return out

@@ -32,8 +32,9 @@ class ClusterSpec:
         inside its node / to another node, which overlap cannot hide: 0 on GPUs (DMA engines move the
         bytes), nanoseconds on CPU ranks whose cores also run the copies and the TCP stack (more per byte
         over a 1500-byte-MTU link than over loopback's 64 KiB);
-      * ``reduce_scatter_factor``: wire bytes of a reduce-scatter relative to a ring one: 1 for NCCL, 2 for
-        gloo, which runs it as an all-reduce (measured on the emulated cluster: 1.50 x buffer over a node
+      * ``reduce_scatter_factor``: wire bytes of a reduce-scatter relative to a ring one: 1 for NCCL and for
+        hsdp on gloo (its Comm reduce-scatters with an all-to-all there), 2 for gloo's own reduce-scatter,
+        which is an all-reduce (FSDP2 on CPUs; measured on the emulated cluster: 1.50 x buffer over a node
         boundary at 4 ranks, where a ring would send 0.75 x).
 
     ``gpu_memory`` is bytes per rank (``math.inf``: no limit). ``ValueError`` names the field to fix.

@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 from hsdp.tools.planner.cluster import ClusterSpec
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
+# "replica_reduce_scatter": hsdp's reduce-scatter across replicas (the replica-sharded optimizer's hop), at the
+# ring's bytes on every backend: NCCL's is a ring, and on gloo hsdp runs it as an all-to-all plus a local sum
+# where gloo's own reduce-scatter (``reduce_scatter_factor``) is an all-reduce.
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "replica_reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def wire_factor(op: str, n: int, reduce_scatter_factor: float = 1.0) -> float:
     if n <= 1:
         return 0.0
     base = (n - 1) / n
-    factors = {"all_gather": base, "reduce_scatter": reduce_scatter_factor * base, "all_reduce": 2 * base}
+    factors = {"all_gather": base, "reduce_scatter": reduce_scatter_factor * base, "all_reduce": 2 * base,
+               "replica_reduce_scatter": base}
     if op not in factors:
         raise ValueError(f"collective {op!r}: use one of {OPS}")
     return factors[op]

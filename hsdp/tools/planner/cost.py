@@ -12,6 +12,14 @@ process group is. Per micro-batch:
             reduce-scatter, and a wait for every hop;
   step      the optimizer over this rank's ``P / S`` elements.
 
+With the optimizer sharded across replicas (``shard_optimizer_across_replicas``, R > 1) the hop is a
+reduce-scatter across replicas of the replica-packed shard (the hop dtype), the step covers ``P / (R x S)``
+elements, and the previous step's all-gathers across replicas of the stepped slices (parameter dtype) are
+issued at the step's start, in forward order: a unit's forward all-gather waits for its refresh (the
+runtime's ``settle``), so they overlap the forward rather than block at the end of the step. Inter-node
+bytes: ``(R-1)/R x P x (hop bytes + parameter bytes)``, the all-reduce's ``2(R-1)/R x P x b`` when the
+two dtypes agree.
+
 When both kinds of group cross nodes (a shard group spans nodes *and* R > 1), their collectives share
 each node's link: a collective that needs the link starts only once the other group's transfer has left
 it (bandwidth shared in aggregate, the order simplified). CPU time the collectives take from compute on
@@ -31,7 +39,7 @@ from hsdp.tools.planner.comm import (
     node_bytes,
     rank_split_bytes,
 )
-from hsdp.tools.planner.memory import full_elements
+from hsdp.tools.planner.memory import full_elements, stepped_elements
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, UnitSpec
 from hsdp.tools.planner.options import TrainOptions
 
@@ -54,6 +62,7 @@ class UnitCost:
     reduce_scatter: Transfer
     hop: Transfer
     reduces: bool = True
+    refresh: Transfer = Transfer()  # replica-sharded optimizer: the post-step all-gather across replicas
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,11 @@ def _compute_split(model: ModelSpec, cluster: ClusterSpec, profile: ComputeProfi
 
 
 def _hop(links: GroupLinks, cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions) -> tuple[str, float]:
+    replicas = cluster.world_size // shard
+    if options.shards_optimizer(replicas):
+        # R slices padded alike, each followed by the flags (every replica needs them).
+        packed = replicas * (u.slice_slot(shard, replicas) + u.tensors)
+        return "replica_reduce_scatter", packed * options.replicate_bytes
     elements = u.trainable_slot(shard) + u.tensors  # the reduced shard plus a "has gradient" flag per tensor
     if options.replicate_dtype == "int8":
         return "all_gather", links.size * elements * options.replicate_bytes
@@ -101,6 +115,14 @@ def _hop(links: GroupLinks, cluster: ClusterSpec, u: UnitSpec, shard: int, optio
 
 def _transfer(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -> Transfer:
     return Transfer(collective_seconds(links, cluster, op, nbytes), link_seconds(links, cluster, op, nbytes))
+
+
+def _refresh(cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions) -> tuple[str, float] | None:
+    """The all-gather across replicas of the stepped slices, in the parameter dtype (None: no such step)."""
+    replicas = cluster.world_size // shard
+    if not options.shards_optimizer(replicas) or not u.tensors:
+        return None
+    return "all_gather", replicas * u.slice_slot(shard, replicas) * options.precision.param_bytes
 
 
 def _scatter_bytes(u: UnitSpec, shard: int, reduce_bytes: int) -> float:
@@ -120,7 +142,9 @@ def unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: Trai
             if u.numel else Transfer()
         scatter = _transfer(links.shard, cluster, "reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes))
         hop = _transfer(links.replicate, cluster, *_hop(links.replicate, cluster, u, shard, options))
-        out.append(UnitCost(fwd, bwd, gather, scatter, hop, u.tensors > 0))
+        refresh = _refresh(cluster, u, shard, options)
+        out.append(UnitCost(fwd, bwd, gather, scatter, hop, u.tensors > 0,
+                            _transfer(links.replicate, cluster, *refresh) if refresh else Transfer()))
     return out
 
 
@@ -148,14 +172,23 @@ class _Timeline:
         self.cpu = max(self.cpu, end)
 
 
-def _forward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions) -> None:
-    gathered: dict[int, float] = {0: tl.issue("shard", costs[0].all_gather)}
+def _forward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions,
+             refreshed: dict[int, float] | None = None) -> None:
+    """``refreshed``: when each unit's refresh all-gather ends (replica-sharded optimizer, first
+    micro-batch): the runtime waits for it on the training thread before gathering the unit."""
+    ready = refreshed or {}
+
+    def gather(i: int) -> float:
+        tl.wait(ready.get(i, 0.0))
+        return tl.issue("shard", costs[i].all_gather)
+
+    gathered: dict[int, float] = {0: gather(0)}
     for i in range(1, len(costs)):
         if i not in gathered:
-            gathered[i] = tl.issue("shard", costs[i].all_gather)
+            gathered[i] = gather(i)
         tl.wait(gathered[i])
         if options.prefetch and i + 1 < len(costs):
-            gathered[i + 1] = tl.issue("shard", costs[i + 1].all_gather)
+            gathered[i + 1] = gather(i + 1)
         tl.cpu += costs[i].forward
     tl.cpu += costs[0].forward  # the root's head and loss, after the blocks
 
@@ -228,6 +261,9 @@ def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainO
         ops = [("all_gather", full_elements(u, shard) * p.compute_bytes, gathers, sl),
                ("reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes), reduces if u.tensors else 0, sl),
                (*_hop(rl, cluster, u, shard, options), syncs if u.tensors else 0, rl)]
+        refresh = _refresh(cluster, u, shard, options)
+        if refresh:
+            ops.append((*refresh, 1, rl))  # once per optimizer step
         for op, nbytes, count, links in ops:
             if links.size > 1:
                 node += count * node_bytes(links, cluster, op, nbytes)
@@ -241,11 +277,14 @@ def estimate_step(model: ModelSpec, cluster: ClusterSpec, shard: int, options: T
     """Seconds and bytes of one optimizer step with sharding degree ``shard`` (a divisor of the world)."""
     costs = unit_costs(model, cluster, shard, options, profile)
     tl = _Timeline()
+    # Steady state: the previous step's refresh all-gathers start when this step does, in forward order.
+    refreshed = {i: tl.issue("replicate", c.refresh) for i, c in enumerate(costs) if c.refresh.seconds}
     for m in range(options.micro_batches):
-        _forward(tl, costs, options)
+        _forward(tl, costs, options, refreshed if m == 0 else None)
         _backward(tl, costs, options, m)
     per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
-    optimizer = per_element * sum(u.trainable_slot(shard) for u in model.units)
+    replicas = cluster.world_size // shard
+    optimizer = per_element * sum(stepped_elements(u, shard, replicas, options) for u in model.units)
     compute = options.micro_batches * sum(c.forward + c.backward for c in costs)
     t = _traffic(model, cluster, shard, options)
     # Host time per byte sent is spent on the same cores as compute: added, never overlapped.

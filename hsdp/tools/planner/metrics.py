@@ -155,4 +155,5 @@ def _engine_options(model: ShardedModel) -> dict[str, Any]:
         "compute_bytes": u.policy.compute(dtype).itemsize,
         "reduce_bytes": u.policy.reduce(dtype).itemsize,
         "replicate_dtype": "int8" if "Int8" in hop else {4: "fp32", 2: "bf16"}.get(hop_dtype.itemsize, "same"),
+        "shard_optimizer_across_replicas": model.shards_optimizer_across_replicas,
     }

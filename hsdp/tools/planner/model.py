@@ -18,6 +18,10 @@ from dataclasses import dataclass
 Shape = tuple[int, int]  # (rows, elements per row) of one parameter
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class UnitSpec:
     """One unit: the parameters one all-gather moves, and the forward FLOPs per token it costs."""
@@ -43,6 +47,12 @@ class UnitSpec:
     def trainable_slot(self, sharding_degree: int) -> int:
         """The part of :meth:`slot` with gradients: what the reduce-scatter and the hop carry."""
         return sum(-(-r // sharding_degree) * c for r, c in self.shapes)
+
+    def slice_slot(self, sharding_degree: int, replicas: int) -> int:
+        """With the optimizer sharded across replicas: the elements of :meth:`trainable_slot` the largest rank
+        steps, each chunk's ``ceil(rows / S)`` rows split again in ``ceil(. / R)`` per replica (so the
+        padding of both splits is counted; ``replicas=1`` is :meth:`trainable_slot`)."""
+        return sum(_ceil(_ceil(r, sharding_degree), replicas) * c for r, c in self.shapes)
 
 
 @dataclass(frozen=True)

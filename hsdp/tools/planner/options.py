@@ -11,6 +11,7 @@ Each field maps to one engine setting, so a plan can be followed literally:
 | ``sync="deferred"`` | ``with model.no_sync():`` on all but the last micro-batch |
 | ``sync="local"`` | ``model.set_requires_gradient_sync(False)`` on all but the last micro-batch |
 | ``activation_checkpointing`` | ``torch.utils.checkpoint`` around each block |
+| ``shard_optimizer_across_replicas`` | ``ShardedModel(..., shard_optimizer_across_replicas=True)`` |
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class TrainOptions:
     micro-batch (what torchtitan does); ``"local"`` communicates nothing until the last micro-batch and
     keeps fp32 unsharded gradient sums (least traffic, 4 bytes x P more memory per rank).
     ``replicate_dtype``: the inter-node hop's dtype (``"same"``: the reduce dtype).
+    ``shard_optimizer_across_replicas``: gradients, optimizer state (and a master copy) sharded over all
+    R x S ranks, parameters still over S; the inter-node all-reduce becomes a reduce-scatter (hop dtype)
+    plus, after the step, an all-gather of the stepped slices in the *parameter* dtype. It changes nothing
+    when R = 1; the int8 hop cannot reduce-scatter, so the two are refused together.
     """
 
     precision: Precision = PRECISIONS["fp32"]
@@ -83,6 +88,7 @@ class TrainOptions:
     sync: str = "deferred"
     prefetch: bool = True
     activation_checkpointing: bool = False
+    shard_optimizer_across_replicas: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
@@ -91,6 +97,18 @@ class TrainOptions:
             raise ValueError(f"sync={self.sync!r}: choose one of {SYNC_MODES}")
         if self.replicate_dtype not in REPLICATE_DTYPES:
             raise ValueError(f"replicate_dtype={self.replicate_dtype!r}: choose one of {REPLICATE_DTYPES}")
+        if self.shard_optimizer_across_replicas and not self.hop_can_scatter:
+            raise ValueError("shard_optimizer_across_replicas reduce-scatters gradients across replicas, which the "
+                             "int8 hop cannot do: use replicate_dtype 'bf16' or 'fp32', or turn the option off")
+
+    @property
+    def hop_can_scatter(self) -> bool:
+        """Whether the inter-node hop can reduce-scatter (what ``shard_optimizer_across_replicas`` needs)."""
+        return self.replicate_dtype != "int8"
+
+    def shards_optimizer(self, replicate: int) -> bool:
+        """Whether the option is in effect on a layout with ``replicate`` replicas (R = 1: nothing to split)."""
+        return self.shard_optimizer_across_replicas and replicate > 1
 
     @property
     def replicate_bytes(self) -> float:

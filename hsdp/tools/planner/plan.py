@@ -9,6 +9,15 @@ than modelled, then toward less memory (on one node, where nothing crosses). Onc
 the least traffic is the smallest shard degree that fits; below a node it is ``S`` = ranks per node, as
 smaller degrees send a little more (DDP's ring crosses nodes over all ranks) and hold more memory.
 Breaking ties by memory alone would pick full sharding: the most traffic of all.
+
+Each layout with R > 1 is also estimated with the optimizer sharded across replicas
+(``shard_optimizer_across_replicas``: gradients and optimizer state / R, an all-gather across replicas in
+the parameter dtype after the step; not with the int8 hop, which cannot reduce-scatter). The choice runs
+over both variants of every layout by the rules above, the plainer setting winning a tie of equal traffic.
+The table shows each layout with the option when it fits only with it or is more than the tie faster with
+it (and the recommended variant). So the option is recommended when it lets a faster layout fit (typically
+a smaller shard degree, whose traffic stays inside nodes) or makes one faster (the optimizer step covers
+1/R of the elements).
 """
 
 from __future__ import annotations
@@ -38,16 +47,24 @@ class LayoutEstimate:
     step: StepEstimate
     fits: bool
     tokens_per_s: float
+    shard_optimizer: bool = False  # shard_optimizer_across_replicas in effect (R > 1)
+
+    @property
+    def optimizer_shards(self) -> int:
+        """How many ranks split the optimizer state: S, or R x S with the option."""
+        return self.layout.world_size if self.shard_optimizer else self.layout.shard
 
     def as_dict(self) -> dict[str, object]:
         return {"replicate": self.layout.replicate, "shard": self.layout.shard, "kind": self.kind,
-                "fits": self.fits, "tokens_per_s": self.tokens_per_s, "memory_bytes": self.memory.as_dict(),
-                "step": self.step.as_dict()}
+                "shard_optimizer_across_replicas": self.shard_optimizer, "fits": self.fits,
+                "tokens_per_s": self.tokens_per_s, "memory_bytes": self.memory.as_dict(), "step": self.step.as_dict()}
 
 
 @dataclass(frozen=True)
 class Plan:
-    """All layouts (by shard degree), the recommended one (``None`` when nothing fits) and why."""
+    """All layouts (by shard degree; each in the variant the planner would use), the recommended one
+    (``None`` when nothing fits) and why; ``alternatives``: the variants not used (the same degree with
+    the optimizer sharded across replicas, or without)."""
 
     model: ModelSpec
     cluster: ClusterSpec
@@ -56,10 +73,13 @@ class Plan:
     layouts: tuple[LayoutEstimate, ...]
     best: LayoutEstimate | None
     reasons: tuple[str, ...]
+    alternatives: tuple[LayoutEstimate, ...] = ()
 
-    def layout(self, shard: int) -> LayoutEstimate:
-        for e in self.layouts:
-            if e.layout.shard == shard:
+    def layout(self, shard: int, shard_optimizer: bool | None = None) -> LayoutEstimate:
+        """The estimate of degree ``shard`` the plan uses, or its variant with/without the optimizer
+        sharded across replicas (``shard_optimizer``)."""
+        for e in (*self.layouts, *self.alternatives):
+            if e.layout.shard == shard and shard_optimizer in (None, e.shard_optimizer):
                 return e
         raise ValueError(f"shard degree {shard} is not in this plan: choose one of "
                          f"{[e.layout.shard for e in self.layouts]}")
@@ -73,21 +93,44 @@ class Plan:
             "options": {**{k: v for k, v in vars(self.options).items() if k != "precision"},
                         "precision": vars(self.options.precision)},
             "memory_limit_bytes": None if math.isinf(self.memory_limit) else self.memory_limit,
-            "recommended": None if self.best is None else {"replicate": self.best.layout.replicate,
-                                                           "shard": self.best.layout.shard},
+            "recommended": None if self.best is None else {
+                "replicate": self.best.layout.replicate, "shard": self.best.layout.shard,
+                "shard_optimizer_across_replicas": self.best.shard_optimizer},
             "reasons": list(self.reasons),
             "layouts": [e.as_dict() for e in self.layouts],
+            "alternatives": [e.as_dict() for e in self.alternatives],
         }
 
 
 def estimate_layout(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
                     profile: ComputeProfile | None = None, memory_limit: float = math.inf) -> LayoutEstimate:
     layout = Layout(cluster.world_size // shard, shard)
-    memory = estimate_memory(model, shard, options, profile)
+    memory = estimate_memory(model, shard, options, profile, layout.replicate)
     step = estimate_step(model, cluster, shard, options, profile)
     tokens = model.tokens * options.micro_batches * cluster.world_size
     return LayoutEstimate(layout, layout.kind(cluster.gpus_per_node), memory, step, memory.total <= memory_limit,
-                          tokens / step.step_s)
+                          tokens / step.step_s, options.shards_optimizer(layout.replicate))
+
+
+SHARD_OPTIMIZER_MODES = ("auto", "on", "off")
+
+
+def _variants(options: TrainOptions, replicate: int, mode: str) -> list[TrainOptions]:
+    """The settings of ``shard_optimizer_across_replicas`` to estimate a layout with, plainest first."""
+    off = replace(options, shard_optimizer_across_replicas=False)
+    if mode == "off" or replicate == 1:
+        return [off]
+    if mode == "on":
+        return [replace(options, shard_optimizer_across_replicas=True)]  # refuses the int8 hop
+    return [off, replace(options, shard_optimizer_across_replicas=True)] if options.hop_can_scatter else [off]
+
+
+def _use(plain: LayoutEstimate, sliced: LayoutEstimate) -> LayoutEstimate:
+    """The variant a layout uses: sharding the optimizer across replicas only when it fits and the plain
+    one does not, or is slower by more than the tie."""
+    if sliced.fits and (not plain.fits or plain.step.step_s > sliced.step.step_s * (1 + TIE)):
+        return sliced
+    return plain
 
 
 def _choose(estimates: Sequence[LayoutEstimate]) -> LayoutEstimate | None:
@@ -97,32 +140,60 @@ def _choose(estimates: Sequence[LayoutEstimate]) -> LayoutEstimate | None:
     fastest = min(e.step.step_s for e in fitting)
     ties = [e for e in fitting if e.step.step_s <= fastest * (1 + TIE)]
     # Least traffic first (robust to a slow link; on one node all are 0), then least memory.
-    return min(ties, key=lambda e: (e.step.inter_node_bytes, e.memory.total, e.step.step_s))
+    # Then the plainer setting (optimizer not sharded across replicas).
+    return min(ties, key=lambda e: (e.step.inter_node_bytes, e.shard_optimizer, e.memory.total, e.step.step_s))
 
 
 def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, profile: ComputeProfile | None = None,
-              degrees: Sequence[int] | None = None, headroom: float = DEFAULT_HEADROOM) -> Plan:
+              degrees: Sequence[int] | None = None, headroom: float = DEFAULT_HEADROOM,
+              shard_optimizer: str | None = None) -> Plan:
     """Estimate ``degrees`` (default: every divisor of the world size) and recommend one.
 
-    ``ValueError`` when a degree does not divide the world size or ``headroom`` is outside [0, 1).
+    ``shard_optimizer``: ``"auto"`` estimates every layout with R > 1 with and without
+    ``shard_optimizer_across_replicas`` and uses the option where it pays (see the module docstring);
+    ``"on"``/``"off"`` force it. Default: ``"on"`` when ``options.shard_optimizer_across_replicas``, else
+    ``"auto"``. ``ValueError`` when a degree does not divide the world size, ``headroom`` is outside [0, 1)
+    or ``"on"`` meets the int8 hop.
     """
     world = cluster.world_size
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom} must be in [0, 1): the fraction of GPU memory kept free")
+    mode = shard_optimizer or ("on" if options.shard_optimizer_across_replicas else "auto")
+    if mode not in SHARD_OPTIMIZER_MODES:
+        raise ValueError(f"shard_optimizer={mode!r}: choose one of {SHARD_OPTIMIZER_MODES}")
     chosen = list(degrees) if degrees else valid_degrees(world)
     bad = [d for d in chosen if d < 1 or world % d]
     if bad:
         raise ValueError(f"shard degrees {bad} do not divide the world size {world}: choose from "
                          f"{valid_degrees(world)}")
     limit = cluster.gpu_memory * (1 - headroom)
-    estimates = tuple(estimate_layout(model, cluster, d, options, profile, limit) for d in sorted(chosen))
-    best = _choose(estimates)
-    return Plan(model, cluster, options, limit, estimates, best, tuple(explain(estimates, best, cluster, model,
-                                                                               options, limit)))
+    used: list[LayoutEstimate] = []
+    others: list[LayoutEstimate] = []
+    for d in sorted(chosen):
+        variants = [estimate_layout(model, cluster, d, v, profile, limit)
+                    for v in _variants(options, world // d, mode)]
+        pick = variants[0] if len(variants) == 1 else _use(*variants)
+        used.append(pick)
+        others += [v for v in variants if v is not pick]
+    best = _choose(used + others)
+    estimates, alternatives = _show(best, used, others)
+    reasons = explain(estimates, best, cluster, model, options, limit, alternatives)
+    return Plan(model, cluster, options, limit, estimates, best, tuple(reasons), alternatives)
+
+
+def _show(best: LayoutEstimate | None, used: list[LayoutEstimate],
+          others: list[LayoutEstimate]) -> tuple[tuple[LayoutEstimate, ...], tuple[LayoutEstimate, ...]]:
+    """(rows, alternatives): the recommendation's layout shows the recommended variant."""
+    if best is None or any(e is best for e in used):
+        return tuple(used), tuple(others)
+    i = next(i for i, e in enumerate(used) if e.layout == best.layout)
+    return (tuple(best if j == i else e for j, e in enumerate(used)),
+            tuple(used[i] if e is best else e for e in others))
 
 
 def _name(e: LayoutEstimate) -> str:
-    return f"{e.layout.label} (S={e.layout.shard}, {e.kind})"
+    sliced = ", optimizer sharded across replicas" if e.shard_optimizer else ""
+    return f"{e.layout.label} (S={e.layout.shard}, {e.kind}{sliced})"
 
 
 def _gb(n: float) -> str:
@@ -137,7 +208,7 @@ def _recommended_reason(estimates: Sequence[LayoutEstimate], best: LayoutEstimat
     head = (f"Recommended: {_name(best)}: {format_seconds(best.step.step_s)} per step, "
             f"{best.tokens_per_s:,.0f} tokens/s on {cluster.world_size} GPUs")
     if fastest is best:
-        return f"{head}, the fastest of the {len(fitting)} layouts that fit."
+        return f"{head}, the fastest of the {len({e.layout for e in fitting})} layouts that fit."
     tie = (f"{head}. {_name(fastest)} is {1 - fastest.step.step_s / best.step.step_s:.2%} faster, within the "
            f"{TIE:.0%} the model cannot resolve")
     if best.step.inter_node_bytes == fastest.step.inter_node_bytes:
@@ -154,16 +225,58 @@ def _memory_reason(best: LayoutEstimate, limit: float, model: ModelSpec, options
     per = options.precision.state_bytes_per_param
     limit_text = "no memory limit" if math.isinf(limit) else f"{format_bytes(limit)} usable"
     acts = f"activations {format_bytes(m.activations)}" if m.activations else "activations not estimated"
+    params = format_count(model.params)
+    if best.shard_optimizer:
+        kept = options.precision.param_bytes
+        split = (f"{kept} B x {params} params / S={best.layout.shard} + {per - kept} B x {params} / "
+                 f"(R x S)={best.optimizer_shards}")
+    else:
+        split = f"{per} B x {params} params / S={best.layout.shard}"
+    refresh = f", after the step the all-gathers across replicas {format_bytes(m.refresh)}" if m.refresh else ""
     return (f"Memory: {format_bytes(m.total)} per GPU of {limit_text}: model state {format_bytes(m.state)} "
-            f"({per} B x {format_count(model.params)} params / S={best.layout.shard}), {acts}, gathered units "
-            f"{format_bytes(m.unsharded)}.")
+            f"({split}), {acts}, gathered units {format_bytes(m.unsharded)}{refresh}.")
+
+
+def _shard_optimizer_reason(best: LayoutEstimate, alternatives: Sequence[LayoutEstimate],
+                            limit: float) -> str | None:
+    """Why the recommendation does (or does not) shard the optimizer across replicas, against the same
+    layout's other variant."""
+    other = next((a for a in alternatives if a.layout == best.layout), None)
+    if other is None:
+        return None
+    plain, sliced = (other, best) if best.shard_optimizer else (best, other)
+    r = best.layout.replicate
+    memory = (f"model state {format_bytes(sliced.memory.state)} instead of {format_bytes(plain.memory.state)} "
+              f"per GPU (gradients and optimizer state / R={r})")
+    how = "a reduce-scatter across replicas, then an all-gather of the stepped slices in the parameter dtype"
+    same = abs(sliced.step.inter_node_bytes / max(plain.step.inter_node_bytes, 1.0) - 1) < 0.005
+    traffic = (f"the same inter-node traffic, {_gb(sliced.step.inter_node_bytes)} per node per step ({how})" if same
+               else f"inter-node {_gb(sliced.step.inter_node_bytes)} instead of {_gb(plain.step.inter_node_bytes)} "
+                    f"per node per step ({how})")
+    delta = plain.step.step_s / sliced.step.step_s - 1
+    if best.shard_optimizer:
+        why = (f"without it this layout needs {format_bytes(plain.memory.total)}, over the "
+               f"{format_bytes(limit)} usable" if not plain.fits
+               else f"without it this layout is {delta:.1%} slower (the optimizer step covers 1/R of the elements), "
+                    f"outside the {TIE:.0%} tie of the fastest")
+        return (f"Optimizer sharded across replicas (ShardedModel(..., shard_optimizer_across_replicas=True); "
+                f"hsdp train: parallel.shard_optimizer_across_replicas = true): {why}; {memory}; {traffic}.")
+    if not sliced.fits:
+        return None
+    why = ("slower here" if delta < 0 else f"within the {TIE:.0%} tie, which goes to the least inter-node traffic, "
+           f"then to the plainer setting")
+    return (f"Sharding the optimizer across replicas too (shard_optimizer_across_replicas) would give "
+            f"{memory}, {-delta:+.1%} step time and {traffic}; not used: {why}.")
 
 
 def _traffic_reason(best: LayoutEstimate, cluster: ClusterSpec) -> str:
     s = best.step
     if cluster.nodes == 1 or s.inter_node_bytes == 0:
         return "Traffic: nothing crosses nodes in this layout."
-    crossing = ("only the gradient all-reduce crosses nodes" if best.layout.shard <= cluster.gpus_per_node
+    hop = ("the gradient reduce-scatter and the all-gather of the stepped slices across replicas"
+           if best.shard_optimizer else "the gradient all-reduce")
+    crossing = (f"only {hop} cross{'' if best.shard_optimizer else 'es'} nodes"
+                if best.layout.shard <= cluster.gpus_per_node
                 else "its shard groups span nodes, so all-gathers and reduce-scatters cross nodes too")
     link_s = s.inter_node_bytes / cluster.inter_bandwidth
     return (f"Traffic: {crossing}: {_gb(s.inter_node_bytes)} per node per step, "
@@ -207,8 +320,8 @@ def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, option
     if s.exposed_comm_s < 0.15 * s.step_s or best.layout.replicate == 1:
         return None
     gains = []
-    for dtype in ("bf16", "int8"):
-        variant = replace(options, replicate_dtype=dtype)
+    for dtype in ("bf16", "int8") if not best.shard_optimizer else ("bf16",):  # int8 cannot reduce-scatter
+        variant = replace(options, replicate_dtype=dtype, shard_optimizer_across_replicas=best.shard_optimizer)
         if variant.replicate_bytes >= options.replicate_bytes and dtype != "int8":
             continue
         step = estimate_step(model, cluster, best.layout.shard, variant).step_s
@@ -234,14 +347,17 @@ def _memory_fixes(model: ModelSpec, options: TrainOptions) -> str:
 
 
 def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cluster: ClusterSpec,
-            model: ModelSpec, options: TrainOptions, limit: float) -> list[str]:
+            model: ModelSpec, options: TrainOptions, limit: float,
+            alternatives: Sequence[LayoutEstimate] = ()) -> list[str]:
     """The recommendation's reasons, one sentence each."""
     if best is None:
         smallest = min(estimates, key=lambda e: e.memory.total)
         return [f"No layout fits: the smallest, {_name(smallest)}, needs {format_bytes(smallest.memory.total)} per "
                 f"GPU against {format_bytes(limit)} usable; {_memory_fixes(model, options)}."]
-    lines = [_recommended_reason(estimates, best, cluster), _memory_reason(best, limit, model, options),
+    lines = [_recommended_reason([*estimates, *alternatives], best, cluster),
+             _memory_reason(best, limit, model, options),
              _traffic_reason(best, cluster)]
+    lines += [x for x in (_shard_optimizer_reason(best, alternatives, limit),) if x]
     lines += [x for x in (_runner_up_reason(estimates, best), _rejected_reason(estimates, limit),
                           _advice(best, model, cluster, options)) if x]
     return lines

@@ -21,7 +21,8 @@ from hsdp.tools.planner.compare import TuneReport
 from hsdp.tools.planner.plan import LayoutEstimate, Plan
 
 MEMORY_COLOURS = {"params": "#08306b", "grads": "#2171b5", "optimizer": "#6baed6", "master": "#41ab5d",
-                  "unsharded": "#00897b", "accumulation": "#7b1fa2", "activations": "#9e9ac8"}
+                  "unsharded": "#00897b", "accumulation": "#7b1fa2", "activations": "#9e9ac8",
+                  "after_step": "#bcbddc"}  # the replica-sharded optimizer's refresh, where it sets the peak
 TIME_COLOURS = {"compute": "#e6550d", "optimizer step": "#fdae6b", "exposed comm": "#a50f15"}
 _OVER_ALPHA = 0.35  # a layout that does not fit: faded and hatched
 _OVER_HATCH = "//"

@@ -13,15 +13,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hsdp.tools.planner.compare import TuneReport
+from hsdp.tools.planner.compare import Row, TuneReport
 from hsdp.tools.planner.plan import LayoutEstimate, Plan
+from hsdp.tools.planner.tune import candidate_label
 from hsdp.tools.quantities import format_bytes, format_seconds
 from hsdp.tools.results import results_run
 
-PLAN_COLUMNS = ("layout", "kind", "state/GPU", "peak/GPU", "fits", "step", "compute", "exposed comm",
-                "inter-node GB/node/step", "tokens/s")
-TUNE_COLUMNS = ("S", "measured s", "runs", "nominal s", "calibrated s", "error", "held-out s", "held-out error",
-                "inter-node MB/node/step measured", "predicted", "state bytes measured", "predicted")
+PLAN_COLUMNS = ("layout", "kind", "optimizer state", "state/GPU", "peak/GPU", "fits", "step", "compute",
+                "exposed comm", "inter-node GB/node/step", "tokens/s")
+TUNE_COLUMNS = ("S", "optimizer state", "measured s", "runs", "nominal s", "calibrated s", "error", "held-out s",
+                "held-out error", "inter-node MB/node/step measured", "predicted", "state bytes measured", "predicted")
 
 
 def _console() -> Console:
@@ -31,9 +32,15 @@ def _console() -> Console:
 
 def _plan_row(e: LayoutEstimate, best: LayoutEstimate | None) -> list[str]:
     mark = "* " if e is best else ""
-    return [f"{mark}{e.layout.label}", e.kind, format_bytes(e.memory.state), format_bytes(e.memory.total),
-            "yes" if e.fits else "NO", format_seconds(e.step.step_s), format_seconds(e.step.compute_s),
-            format_seconds(e.step.exposed_comm_s), f"{e.step.inter_node_bytes / 1e9:.3g}", f"{e.tokens_per_s:,.0f}"]
+    return [f"{mark}{e.layout.label}", e.kind, optimizer_split(e), format_bytes(e.memory.state),
+            format_bytes(e.memory.total), "yes" if e.fits else "NO", format_seconds(e.step.step_s),
+            format_seconds(e.step.compute_s), format_seconds(e.step.exposed_comm_s),
+            f"{e.step.inter_node_bytes / 1e9:.3g}", f"{e.tokens_per_s:,.0f}"]
+
+
+def optimizer_split(e: LayoutEstimate) -> str:
+    """``1/8`` (over the shard group) or ``1/64 (R x S)``: sharded across replicas too."""
+    return f"1/{e.optimizer_shards}" + (" (R x S)" if e.shard_optimizer else "")
 
 
 def plan_rows(plan: Plan) -> list[list[str]]:
@@ -47,7 +54,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     table = Table(title=f"{plan.model.name} ({plan.model.params / 1e9:.3g}B params) on {plan.cluster.describe()}; "
                         f"{limit}")
     for i, col in enumerate(PLAN_COLUMNS):
-        table.add_column(col, justify="left" if i < 2 else "right")
+        table.add_column(col, justify="left" if i < 3 else "right")
     for row in plan_rows(plan):
         table.add_row(*row)
     console.print(table)
@@ -62,14 +69,29 @@ def _pct(x: float | None) -> str:
 def tune_rows(report: TuneReport) -> list[list[str]]:
     out = []
     for r in report.rows:
-        mark = "* " if r.shard == report.recommended_shard else ""
+        mark = "* " if report.is_recommended(r) else ""
         inter = "n/a" if r.measured_inter_node_bytes is None else f"{r.measured_inter_node_bytes / 1e6:.1f}"
         state = "n/a" if r.measured_state_bytes is None else f"{r.measured_state_bytes:,.0f}"
         runs = "/".join(f"{x:.2f}" for x in sorted(r.run_medians))
-        out.append([f"{mark}{r.shard}", f"{r.measured_s:.3f}", runs, f"{r.nominal_s:.3f}", f"{r.calibrated_s:.3f}",
-                    _pct(r.error), "n/a" if r.held_out_s is None else f"{r.held_out_s:.3f}", _pct(r.held_out_error),
-                    inter, f"{r.predicted_inter_node_bytes / 1e6:.1f}", state, f"{r.predicted_state_bytes:,.0f}"])
+        out.append([f"{mark}{r.shard}", _row_split(report, r), f"{r.measured_s:.3f}", runs, f"{r.nominal_s:.3f}",
+                    f"{r.calibrated_s:.3f}", _pct(r.error), "n/a" if r.held_out_s is None else f"{r.held_out_s:.3f}",
+                    _pct(r.held_out_error), inter, f"{r.predicted_inter_node_bytes / 1e6:.1f}", state,
+                    f"{r.predicted_state_bytes:,.0f}"])
     return out
+
+
+def _row_split(report: TuneReport, r: Row) -> str:
+    return f"1/{report.measured.world_size} (R x S)" if r.shard_optimizer else f"1/{r.shard}"
+
+
+def recommendation_line(report: TuneReport) -> str:
+    """``recommended S=2 +opt/R; measured fastest S=2 (recommendation +0.0% vs fastest)``."""
+    fastest = report.measured_fastest
+    vs = report.recommended_vs_fastest()
+    rec = "nothing" if report.recommended_shard is None else candidate_label(report.recommended_shard,
+                                                                             report.recommended_shard_optimizer)
+    return (f"recommended {rec}; measured fastest {candidate_label(fastest.shard, fastest.shard_optimizer)}"
+            + ("" if vs is None else f" (recommendation {vs:+.1%} vs fastest)"))
 
 
 def constants_line(report: TuneReport) -> str:
@@ -99,10 +121,7 @@ def print_tune(report: TuneReport, console: Console | None = None) -> None:
     console.print(table)
     console.print(LEGEND, style="dim", highlight=False)
     console.print(constants_line(report), highlight=False)
-    fastest = report.measured_fastest.shard
-    vs = report.recommended_vs_fastest()
-    console.print(f"recommended S={report.recommended_shard}; measured fastest S={fastest}"
-                  + ("" if vs is None else f" (recommendation {vs:+.1%} vs fastest)"), highlight=False)
+    console.print(recommendation_line(report), highlight=False)
     for line in report.plan.reasons:
         console.print(f"- {line}", highlight=False)
     for failure in report.measured.failures:
@@ -147,13 +166,11 @@ def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[st
     name, meta, stamp = run.name, run.meta, run.meta["date"]
     dump_json({"meta": meta, "report": report.as_dict(), "runs": results}, str(out / f"{name}.json"))
     plot_plan(report.plan, out / f"{name}.png", report)
-    vs = report.recommended_vs_fastest()
     text = [f"# hsdp tune {stamp}{' (' + tag + ')' if tag else ''}", "", f"Command: `{command}` (git {meta['git']})",
             "", f"{report.measured.model.name}, {report.measured.model.params:,} parameters, "
             f"{report.measured.world_size} ranks ({report.measured.nproc_per_node} per node).", "",
             markdown(TUNE_COLUMNS, tune_rows(report)), LEGEND, "", constants_line(report), "",
-            f"Recommended S={report.recommended_shard}; measured fastest S={report.measured_fastest.shard}"
-            + ("" if vs is None else f"; the recommendation measured {vs:+.1%} against the fastest") + ".", "",
+            recommendation_line(report)[0].upper() + recommendation_line(report)[1:] + ".", "",
             *[f"- {line}" for line in report.plan.reasons], "",
             *[f"Failed run: {x}" for x in report.measured.failures],
             *[f"Warning: {x}" for x in report.measured.warnings], f"![plot]({name}.png)", ""]

@@ -3,10 +3,12 @@
 The script (default: :mod:`hsdp.tools.planner.workload`) is launched once per candidate shard degree and repeat,
 through ``hsdp launch`` (emulated nodes, or loopback), with ``$HSDP_SHARDING_DEGREE`` selecting the layout
 (``hsdp.init_mesh()`` reads it) and ``$HSDP_METRICS_FILE`` naming where it writes its measurements
-(:mod:`hsdp.tools.planner.metrics`). Repeats run round-robin over the degrees, so a burst of load from other
-programs on a shared machine lands on every layout alike; a layout's step time is the median of all its
-measured steps. On a real cluster, run the script yourself once per degree with those two variables and
-pass the files with ``--from-metrics``.
+(:mod:`hsdp.tools.planner.metrics`). With R > 1 a degree is also measured with the optimizer sharded across
+replicas (``$HSDP_SHARD_OPTIMIZER_ACROSS_REPLICAS=1``: the script passes ``shard_optimizer_across_replicas``
+to ``ShardedModel``; the built-in workload does), as the planner would consider it. Repeats run
+round-robin over the candidates, so a burst of load from other programs on a shared machine lands on every
+layout alike; a layout's step time is the median of all its measured steps. On a real cluster, run the
+script yourself once per candidate with those variables and pass the files with ``--from-metrics``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hsdp.tools.planner.model import ComputeProfile, ModelSpec, UnitSpec
 
 DEGREE_ENV = "HSDP_SHARDING_DEGREE"
 METRICS_ENV = "HSDP_METRICS_FILE"
+SHARD_OPTIMIZER_ENV = "HSDP_SHARD_OPTIMIZER_ACROSS_REPLICAS"  # "1": the script shards the optimizer over replicas
 DEFAULT_SCRIPT = ("-m", "hsdp.tools.planner.workload", "--preset", "small", "--steps", "6", "--warmup", "2")
 
 
@@ -35,7 +38,10 @@ DEFAULT_SCRIPT = ("-m", "hsdp.tools.planner.workload", "--preset", "small", "--s
 class TuneRun:
     """How to measure: ``script_args`` on ``nodes`` x ``nproc_per_node`` ranks, ``repeats`` times per
     degree in ``degrees`` (default: every divisor of the world size). ``emulation``: ``"require"`` (network
-    namespaces with shaped links; fail without root), ``"auto"`` (fall back to loopback) or ``"none"``."""
+    namespaces with shaped links; fail without root), ``"auto"`` (fall back to loopback) or ``"none"``.
+    ``shard_optimizer``: ``"auto"`` measures every degree with R > 1 both without and with the optimizer
+    sharded across replicas, ``"on"``/``"off"`` only one way (the built-in workload measures an int8 hop
+    without it, which cannot reduce-scatter, and its metrics say so)."""
 
     script_args: tuple[str, ...] = DEFAULT_SCRIPT
     nodes: int = 2
@@ -47,6 +53,7 @@ class TuneRun:
     emulation: str = "require"
     timeout_s: float = 1800.0
     env: dict[str, str] = field(default_factory=dict)
+    shard_optimizer: str = "auto"
 
     def __post_init__(self) -> None:
         world = self.nodes * self.nproc_per_node
@@ -57,12 +64,22 @@ class TuneRun:
             raise ValueError(f"repeats={self.repeats} must be at least 1")
         if self.emulation not in ("require", "auto", "none"):
             raise ValueError(f"emulation={self.emulation!r}: use 'require', 'auto' or 'none'")
+        if self.shard_optimizer not in ("auto", "on", "off"):
+            raise ValueError(f"shard_optimizer={self.shard_optimizer!r}: use 'auto', 'on' or 'off'")
         if not self.script_args:
             raise ValueError("nothing to run: pass a script after `--` (or leave it out for the built-in workload)")
 
     @property
     def candidate_degrees(self) -> list[int]:
         return list(self.degrees) or valid_degrees(self.nodes * self.nproc_per_node)
+
+    @property
+    def candidates(self) -> list[tuple[int, bool]]:
+        """``(degree, shard the optimizer across replicas)`` per launch of one repeat; R = 1 only without."""
+        world = self.nodes * self.nproc_per_node
+        if self.shard_optimizer != "auto":
+            return [(d, self.shard_optimizer == "on") for d in self.candidate_degrees]
+        return [(d, flag) for d in self.candidate_degrees for flag in (False, True) if not flag or world > d]
 
 
 def launch_command(run: TuneRun, stats_json: str) -> list[str]:
@@ -72,9 +89,15 @@ def launch_command(run: TuneRun, stats_json: str) -> list[str]:
     return [*cmd, *mode, "--stats-json", stats_json, "--", *run.script_args]
 
 
-def run_candidate(run: TuneRun, degree: int, metrics_path: Path, log_path: Path) -> dict[str, Any]:
+def candidate_label(degree: int, shard_optimizer: bool) -> str:
+    return f"S={degree}{' +opt/R' if shard_optimizer else ''}"
+
+
+def run_candidate(run: TuneRun, degree: int, metrics_path: Path, log_path: Path,
+                  shard_optimizer: bool = False) -> dict[str, Any]:
     """One launch at ``degree``; the metrics the script wrote, or ``{"error": ...}`` with the log's tail."""
-    env = {**os.environ, **run.env, DEGREE_ENV: str(degree), METRICS_ENV: str(metrics_path)}
+    env = {**os.environ, **run.env, DEGREE_ENV: str(degree), METRICS_ENV: str(metrics_path),
+           SHARD_OPTIMIZER_ENV: "1" if shard_optimizer else "0"}
     stats = metrics_path.with_suffix(".traffic.json")
     with open(log_path, "w") as log:
         try:
@@ -84,7 +107,8 @@ def run_candidate(run: TuneRun, degree: int, metrics_path: Path, log_path: Path)
             code = -1
     if not metrics_path.exists():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        return {"sharding_degree": degree, "error": f"exit {code}; last lines of {log_path}:\n{tail}"}
+        return {"sharding_degree": degree, "shard_optimizer_across_replicas": shard_optimizer,
+                "error": f"exit {code}; last lines of {log_path}:\n{tail}"}
     result = json.loads(metrics_path.read_text())
     if code != 0:
         # Rank 0 writes the file only after every rank finished its measured steps: a rank that dies
@@ -98,10 +122,10 @@ def collect(run: TuneRun, workdir: Path, echo: Any = print) -> list[dict[str, An
     workdir.mkdir(parents=True, exist_ok=True)
     results = []
     for rep in range(run.repeats):
-        for degree in run.candidate_degrees:
-            name = f"s{degree}_r{rep}"
-            result = run_candidate(run, degree, workdir / f"{name}.json", workdir / f"{name}.log")
-            echo(f"[tune] S={degree} repeat {rep + 1}/{run.repeats}: {_status(result)}")
+        for degree, sliced in run.candidates:
+            name = f"s{degree}{'_opt' if sliced else ''}_r{rep}"
+            result = run_candidate(run, degree, workdir / f"{name}.json", workdir / f"{name}.log", sliced)
+            echo(f"[tune] {candidate_label(degree, sliced)} repeat {rep + 1}/{run.repeats}: {_status(result)}")
             results.append(result)
     return results
 
@@ -160,26 +184,39 @@ def _pooled_profile(runs: Sequence[dict[str, Any]]) -> ComputeProfile | None:
     return ComputeProfile(*(statistics.median(p[k] for p in profiles) for k in keys))
 
 
-def _measurement(degree: int, runs: Sequence[dict[str, Any]]) -> Measurement:
+def shards_optimizer(result: dict[str, Any]) -> bool:
+    """Whether a run sharded the optimizer across replicas: what the model reported (a script may have
+    ignored the request), else what was requested (a failed run)."""
+    reported = result.get("options", {}).get("shard_optimizer_across_replicas")
+    return bool(result.get("shard_optimizer_across_replicas", False) if reported is None else reported)
+
+
+def _candidate(result: dict[str, Any]) -> tuple[int, bool]:
+    return result["sharding_degree"], shards_optimizer(result)
+
+
+def _measurement(key: tuple[int, bool], runs: Sequence[dict[str, Any]]) -> Measurement:
     steps = [t for r in runs for t in r["step_s"]]
     sent = [max(node[0] for node in r["inter_node_bytes_per_step"]) for r in runs]
-    return Measurement(degree, statistics.median(steps), statistics.median(sent) if any(sent) else None,
-                       max(r["state_bytes"]["total"] for r in runs), tuple(r["median_step_s"] for r in runs))
+    return Measurement(key[0], statistics.median(steps), statistics.median(sent) if any(sent) else None,
+                       max(r["state_bytes"]["total"] for r in runs), tuple(r["median_step_s"] for r in runs),
+                       key[1])
 
 
 def summarise(results: Sequence[dict[str, Any]]) -> Measured:
-    """Pool the runs per degree; ``ValueError`` when no run succeeded."""
+    """Pool the runs per candidate (degree, and whether the optimizer was sharded across replicas);
+    ``ValueError`` when no run succeeded."""
     ok = [r for r in results if "error" not in r]
     if not ok:
         details = "\n".join(r.get("error", "") for r in results)
         raise ValueError(f"no candidate layout ran successfully; fix the script and rerun:\n{details}")
-    degrees = sorted({r["sharding_degree"] for r in ok})
-    measurements = tuple(_measurement(d, [r for r in ok if r["sharding_degree"] == d]) for d in degrees)
+    keys = sorted({_candidate(r) for r in ok})
+    measurements = tuple(_measurement(k, [r for r in ok if _candidate(r) == k]) for k in keys)
     first = ok[0]
     return Measured(spec_from_metrics(first), _pooled_profile(ok), first["world_size"], first["nproc_per_node"],
                     first["micro_batches"], measurements,
-                    tuple(f"S={r['sharding_degree']}: {r['error']}" for r in results if "error" in r),
-                    tuple(f"S={r['sharding_degree']}: {r['warning']}" for r in ok if "warning" in r))
+                    tuple(f"{candidate_label(*_candidate(r))}: {r['error']}" for r in results if "error" in r),
+                    tuple(f"{candidate_label(*_candidate(r))}: {r['warning']}" for r in ok if "warning" in r))
 
 
 def default_workdir() -> Path:
