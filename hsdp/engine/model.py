@@ -154,11 +154,16 @@ class ShardedModel(nn.Module):
         """Whether the optimizer steps 1/R slices of the shards (``shard_optimizer_across_replicas`` with R > 1)."""
         return any(p.slice is not None for p in self.sharded_params())
 
-    def gather_stepped_slices(self) -> None:
+    @property
+    def units_in_forward_order(self) -> list[ShardUnit]:
+        """The units in the order the last forward gathered them (then any it did not use)."""
+        return self._hsdp_state.units_in_forward_order()
+
+    def gather_stepped_slices(self, units: list[ShardUnit] | None = None) -> None:
         """Replica-sharded optimizer: start the all-gathers across replicas that bring every replica's stepped
-        slice into the shards (``ShardedOptimizer.step`` calls it). Asynchronous; the next forward, and
-        everything that reads the shards, waits for them."""
-        self._hsdp_state.start_slice_gathers()
+        slices of ``units`` (default: all) into the shards (``ShardedOptimizer.step`` calls it unit by unit).
+        Asynchronous, two in flight; the next forward, and everything that reads the shards, waits for them."""
+        self._hsdp_state.start_slice_gathers(units)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         self._hsdp_state.settle_slices()  # a slice all-gather in flight: the shards are being refreshed

@@ -84,22 +84,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._hsdp_sharded_step is not None:  # Adafactor, Muon: see adafactor.py, muon.py
             result = _evaluate(closure)
             self._hsdp_sharded_step(self, self._hsdp_model)
-        elif self._hsdp_local_views is not None and (closure is None or self._hsdp_sliced):
+        elif self._hsdp_sliced:
             # With a closure the loss is evaluated first (these optimizers evaluate it once); the step itself
-            # must be local when only a replica slice is stepped (DTensor cannot step it).
+            # must be local: only a replica slice is stepped (DTensor cannot step it).
             result = _evaluate(closure)
+            self._step_slices_unit_by_unit()
+        elif self._hsdp_local_views is not None and closure is None:
             with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
-                super().step()
+                result = super().step()
         elif self._hsdp_unverified and closure is None:
             result = self._verified_step()
         else:
             result = super().step(closure)
-        if self._hsdp_sliced:
-            self._hsdp_model.gather_stepped_slices()  # overlaps the next forward
         self._hsdp_steps += 1
         if self._hsdp_check_every and self._hsdp_steps % self._hsdp_check_every == 0:
             self._hsdp_model.check_replicas()
         return result
+
+    def _step_slices_unit_by_unit(self) -> None:
+        """Replica-sharded optimizer: step the slices one unit at a time, in the next forward's order, and queue
+        each unit's slice all-gather as soon as its slices are stepped, so the first units' gathers (what the
+        next forward needs first) overlap the optimizer's work on the rest, then that forward."""
+        model = self._hsdp_model
+        unit_of = {id(p.sharded): unit for unit in model.units for p in unit.params}
+        groups = [list(g["params"]) for g in self.param_groups]
+        with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
+            local = [list(g["params"]) for g in self.param_groups]
+            for unit in model.units_in_forward_order:
+                for g, params, views in zip(self.param_groups, groups, local, strict=True):
+                    g["params"] = [v for p, v in zip(params, views, strict=True) if unit_of[id(p)] is unit]
+                if any(g["params"] for g in self.param_groups):
+                    super().step()
+                model.gather_stepped_slices([unit])
 
     def _verified_step(self) -> Any:
         """The first step of an optimizer hsdp does not know: warn if DTensor had to communicate."""

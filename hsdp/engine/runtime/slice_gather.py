@@ -45,11 +45,11 @@ class SliceGathers:
         self._queued: list[Any] = []  # units in the order the next forward needs them, not started yet
         self._in_flight: dict[int, tuple[Any, _Gather]] = {}
 
-    def schedule(self, units: list[Any]) -> None:
-        """Queue every unit with stepped slices (``units`` in the next forward's order) and start the first."""
-        self.settle_all()
-        self._queued = [u for u in units if stepped_params(u)]
-        self._fill()
+    def append(self, unit: Any) -> None:
+        """Queue one more unit (whose slices were just stepped), started at once if fewer than ``limit`` run."""
+        if stepped_params(unit) and unit not in self._queued and id(unit) not in self._in_flight:
+            self._queued.append(unit)
+            self._fill()
 
     def settle(self, unit: Any) -> None:
         """Finish ``unit``'s gather (starting it first if still queued): its shards are then current."""

@@ -355,10 +355,15 @@ class HSDPState:
         """Finish every slice all-gather, in flight or queued (see :meth:`start_slice_gathers`)."""
         self.slice_gathers.settle_all()
 
-    def start_slice_gathers(self) -> None:
-        """Replica-sharded optimizer, after its step: queue every unit's all-gather across replicas in the order
-        the next forward gathers the units, the first ones started (``slice_gather.py``)."""
-        self.slice_gathers.schedule(self._forward_order + [u for u in self.units if u not in self._forward_order])
+    def units_in_forward_order(self) -> list[ShardUnit]:
+        """The units in the order the last forward gathered them, then any it did not use."""
+        return self._forward_order + [u for u in self.units if u not in self._forward_order]
+
+    def start_slice_gathers(self, units: list[ShardUnit] | None = None) -> None:
+        """Replica-sharded optimizer, after stepping ``units``' slices (default: every unit): queue their
+        all-gathers across replicas, in forward order, the first ones started (``slice_gather.py``)."""
+        for unit in self.units_in_forward_order() if units is None else units:
+            self.slice_gathers.append(unit)
 
     def is_idle(self) -> bool:
         return all(u.state is ShardedState.SHARDED for u in self.units) and not self._pending
