@@ -94,6 +94,9 @@ class Reduction:
         self.sync_replicas = sync_replicas
         self._handle = handle
         self.stage = Stage.REDUCE_SCATTER
+        # Set by finish: the reduced flags, and which parameters this reduction gave their first gradient.
+        self.flags: torch.Tensor | None = None
+        self.created: list[bool] = []
 
     @classmethod
     def start(cls, unit: ShardUnit, params: list[ShardedParam], grads: list[torch.Tensor | None],
@@ -106,9 +109,10 @@ class Reduction:
         # _chunk_cat casts into its output, but needs one input dtype (fp32 sums may meet bf16 grads).
         in_dtypes = {g.dtype for g in grads if g is not None}
         in_dtype = in_dtypes.pop() if len(in_dtypes) == 1 else dtype
-        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=in_dtype, device=device)
+        flags = _flags(grads, in_dtype, device)
         inputs = [_reduce_scatter_input(p, g, in_dtype, device, s) for p, g in zip(params, grads, strict=True)]
-        inputs.append(flags.expand(s, -1))  # one copy of the flags in every rank's chunk
+        # One copy of the flags in every rank's chunk; contiguous, so _chunk_cat keeps its fast path.
+        inputs.append(flags.expand(s, -1).contiguous())
         n_out = sum(p.layout.padded_numel for p in params) + len(params)
         # ND: (S, slot + n_flags); row r is what rank r receives, padded chunk by chunk; casts on the way.
         rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
@@ -177,17 +181,46 @@ class Reduction:
             return
         self._handle.wait()
         n = len(self.params)
-        has_grad = (self.output[-n:] > 0).tolist()
         slices = _slices(self.params)
         if slices is None:
             parts = _parts(self.output, slot_offsets(self.params), [p.layout.local_shape for p in self.params])
         else:
             parts = _parts(self.output, _running_offsets([s.padded_numel for s in slices]),
                            [s.local_shape for s in slices])
-        for p, part, flag in zip(self.params, parts, has_grad, strict=True):
-            if flag:
-                p.accumulate_grad(part)
+        # Every parameter gets its part now, zeros for one no rank used; which had a gradient nowhere is read
+        # once per step on the host, after every reduction (drop_unused_grads): no host sync per unit.
+        self.created = [p.grad_local is None for p in self.params]
+        for p, part in zip(self.params, parts, strict=True):
+            p.accumulate_grad(part)
+        self.flags = self.output[-n:]
         self.stage = Stage.DONE
+
+
+def drop_unused_grads(reductions: list[Reduction]) -> None:
+    """After every reduction of a backward finished: the step's one host read, of all the "has gradient"
+    flags at once. A parameter no rank produced a gradient for gets ``grad = None`` back (DDP's semantics for
+    unused parameters) where this backward created its gradient; one that already had a gradient got zeros
+    added, which leaves it as it was."""
+    done = [r for r in reductions if r.flags is not None]
+    if not done:
+        return
+    used = (torch.cat([r.flags for r in done]) > 0).tolist()
+    flat = iter(used)
+    for r in done:
+        for p, created in zip(r.params, r.created, strict=True):
+            if not next(flat) and created:
+                p.sharded.grad = None
+        r.flags = None
+
+
+def _flags(grads: list[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The "has gradient" flags, written on the device (a tensor from a Python list would be a blocking copy
+    from the host on every post-backward)."""
+    flags = torch.ones(len(grads), dtype=dtype, device=device)
+    for i, g in enumerate(grads):
+        if g is None:
+            flags[i].fill_(0.0)
+    return flags
 
 
 def _slices(params: list[ShardedParam]) -> list[SliceLayout] | None:

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.buffers import BufferSync
-from hsdp.engine.runtime.reduction import Reduction, reduce_grads
+from hsdp.engine.runtime.reduction import Reduction, drop_unused_grads, reduce_grads
 from hsdp.engine.runtime.slice_gather import SliceGathers
 from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
@@ -291,6 +291,7 @@ class HSDPState:
                 self._reduce(unit)
         for reduction in self._pending:
             reduction.finish()
+        drop_unused_grads(self._pending)  # the backward's one host read
         self._pending.clear()
         self._reset_step()
 
