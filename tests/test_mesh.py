@@ -10,6 +10,7 @@ import torch
 from hsdp.engine import mesh as mesh_module
 from hsdp.engine.mesh import (
     default_sharding_degree,
+    device_type_for,
     grid_position,
     node_crossing_warning,
     rank_grid,
@@ -87,3 +88,11 @@ def test_init_mesh_warns_when_torchruns_nodes_split_a_shard_group(monkeypatch: p
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mesh_module.init_mesh(3, fault_policy=None)  # aligned with the nodes: silent
+
+
+def test_device_type_follows_the_backend_and_the_gpus() -> None:
+    # CUDA tensors through NCCL: the plain name, torch's default backend map, or a not-yet-resolved default.
+    for backend in ("nccl", "cpu:gloo,cuda:nccl", "undefined", "NCCL"):
+        assert device_type_for(backend, cuda_available=True) == "cuda", backend
+        assert device_type_for(backend, cuda_available=False) == "cpu", backend
+    assert device_type_for("gloo", cuda_available=True) == "cpu"  # an explicit gloo keeps CPU tensors

@@ -107,6 +107,16 @@ def node_crossing_warning(world_size: int, sharding_degree: int, ranks_per_node:
             f"groups within a node or spanning whole nodes")
 
 
+def device_type_for(backend: str, cuda_available: bool) -> str:
+    """The device the mesh's tensors live on, from the process group's backend: ``"cuda"`` when CUDA tensors
+    would go through NCCL (``"nccl"``, a backend map such as ``"cpu:gloo,cuda:nccl"``, or a default group
+    whose backend is still ``"undefined"``) and a GPU is present, else ``"cpu"`` (an explicit ``"gloo"`` keeps
+    CPU tensors even on a GPU machine)."""
+    backend = backend.lower()
+    wants_gpu = "nccl" in backend or backend in ("", "undefined")
+    return "cuda" if cuda_available and wants_gpu else "cpu"
+
+
 def _degree_from_env(text: str, world_size: int) -> int:
     # A bad value must fail on every rank before any collective, like a bad argument would.
     try:
@@ -205,11 +215,7 @@ def _init_process_group(timeout: timedelta) -> None:
             f"launch with `torchrun --nproc-per-node G script.py` (or `hsdp launch`), or call "
             f"torch.distributed.init_process_group() before building the mesh"
         )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    else:
-        backend = "gloo"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, timeout=timeout)
 
 
@@ -250,7 +256,10 @@ def init_mesh(
     crossing = node_crossing_warning(world_size, degree, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if crossing:  # a warning, not an error: it runs, only slower than the same degree aligned to nodes
         warnings.warn(crossing, stacklevel=2)
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = device_type_for(str(dist.get_backend()), torch.cuda.is_available())
+    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
+        # Also when the caller created the process group: each rank's collectives and tensors on its own GPU.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     watch_launcher(watchdog)  # a rank whose launcher dies ends too (hsdp.engine.faults.launcher)
     dm = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=MESH_DIM_NAMES)
