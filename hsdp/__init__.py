@@ -36,6 +36,7 @@ _EXPORTS = {
     "rank_grid": "hsdp.engine.mesh",
     "ShardedModel": "hsdp.engine.model",
     "ShardedOptimizer": "hsdp.engine.optim.sharded_optimizer",
+    "ShardedGradScaler": "hsdp.engine.optim.grad_scaler",
     "MixedPrecision": "hsdp.engine.policy",
     "AllReduceHop": "hsdp.engine.hops",
     "Int8ErrorFeedbackHop": "hsdp.engine.hops",
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from hsdp.engine.memory import StateBytes, state_bytes
     from hsdp.engine.mesh import HSDPMesh, init_mesh, rank_grid
     from hsdp.engine.model import ShardedModel, check_replicas
+    from hsdp.engine.optim.grad_scaler import ShardedGradScaler
     from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
     from hsdp.engine.policy import MixedPrecision
     from hsdp.engine.preemption import PreemptionGuard
@@ -100,6 +102,7 @@ __all__ = [
     "PreemptionGuard",
     "ReplicaDivergence",
     "ReplicaHop",
+    "ShardedGradScaler",
     "ShardedModel",
     "ShardedOptimizer",
     "StateBytes",
