@@ -16,7 +16,8 @@ Precision (``--precision``), identical for both frameworks so the comparison is 
   and collectives), again the same for both.
 * ``fp32`` (default on CPU): no reduced precision; the losses must then agree almost exactly.
 
-Run on one GPU with ``benchmarks/gpu_smoke.sh`` (torchrun, NCCL); check on CPU (gloo) with
+Run on one GPU with ``benchmarks/gpu_smoke.sh`` (torchrun, NCCL; ``benchmarks/gpu_check.sh`` runs it on the
+``gpt-1b`` preset after the CUDA tests); check on CPU (gloo) with
 ``torchrun --standalone --nproc-per-node 1 benchmarks/gpu_smoke.py --device cpu --steps 3 --out /tmp``.
 """
 

@@ -29,21 +29,57 @@ GROUPS = ("shard", "replicate", "world")
 class OpStats:
     """Totals for one (group, op) pair. ``wire_bytes`` is what one rank sends under a ring algorithm.
 
-    ``seconds``: from issue to completed wait, overlapped with compute or not. ``waited``: the part the host
-    spent blocked in the wait. Where a wait blocks the host (gloo, CPU tensors) that is the *exposed*
-    communication, the time the rank could not compute; with NCCL the host never blocks (the stream waits)
-    and it stays near zero: the profiler trace shows the GPU's side.
+    ``seconds``: from issue to completed wait, overlapped with compute or not. On CPUs (gloo) it is host
+    time. On a CUDA mesh the host does not block in a wait (the current stream waits instead), so host time
+    would only measure issue-to-enqueue: there ``seconds`` spans a CUDA event recorded on the current stream
+    at issue and one recorded after the wait, i.e. issue to completion on the stream timeline. The event
+    pairs are resolved lazily, when ``seconds`` or :meth:`as_dict` is read (or :meth:`CommStats.as_dict`):
+    that read blocks the host until the booked collectives are done, so read stats between steps, never
+    inside forward or backward.
+    ``waited``: the part the host spent blocked in the wait. Where a wait blocks the host (gloo, CPU tensors)
+    that is the *exposed* communication, the time the rank could not compute; on CUDA with NCCL the host
+    never blocks and it stays near zero: the profiler trace shows the GPU's side.
     """
 
     calls: int = 0
     bytes: int = 0
     wire_bytes: int = 0
-    seconds: float = 0.0
     waited: float = 0.0
+    _seconds: float = field(default=0.0, repr=False)
+    _events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        self.resolve()
+        return self._seconds
+
+    def book(self, seconds: float) -> None:
+        """Add host-timed seconds (CPU meshes)."""
+        self._seconds += seconds
+
+    def book_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """Add the span between two CUDA events, resolved when read. Pairs the device has already passed
+        are resolved now without blocking (``query``), so stats that are never read hold a bounded list."""
+        self._events.append((start, end))
+        if len(self._events) > _MAX_PENDING_EVENTS:
+            while self._events and self._events[0][0].query() and self._events[0][1].query():
+                first, last = self._events.pop(0)
+                self._seconds += first.elapsed_time(last) / 1000.0
+
+    def resolve(self) -> None:
+        """Turn pending CUDA event pairs into seconds: blocks the host until their collectives are done."""
+        for start, end in self._events:
+            end.synchronize()  # returns at once for pairs the device has already passed
+            self._seconds += start.elapsed_time(end) / 1000.0  # milliseconds
+        self._events.clear()
 
     def as_dict(self) -> dict[str, float]:
         return {"calls": self.calls, "bytes": self.bytes, "wire_bytes": self.wire_bytes,
                 "seconds": round(self.seconds, 6), "waited": round(self.waited, 6)}
+
+
+# Unread CUDA event pairs kept per stats row before the completed ones are folded into seconds.
+_MAX_PENDING_EVENTS = 256
 
 
 @dataclass
@@ -74,13 +110,16 @@ class CommStats:
 
 class Handle:
     """In-flight collectives. ``wait()`` is idempotent, books the elapsed time to the stats row, then runs
-    ``on_done`` (e.g. decompress or cast back). On CUDA with NCCL, waiting makes the current stream wait
-    for the collective without blocking the host, so the time booked there is issue-to-enqueue.
+    ``on_done`` (e.g. decompress, cast back, or the post-division of an fp16 average). On CUDA with NCCL,
+    waiting makes the current stream wait for the collective without blocking the host: with
+    ``cuda_timed`` the time booked is then the span between a CUDA event recorded on the current stream
+    at issue (the handle is built right after the collective is enqueued) and one recorded after the wait
+    (see :class:`OpStats`); otherwise it is host time.
     """
 
     def __init__(self, work: dist.Work | None = None, stats: OpStats | None = None,
                  on_done: Callable[[], None] | None = None, after: list[Handle] | None = None,
-                 region: str = "", retire: Callable[[], None] | None = None) -> None:
+                 region: str = "", retire: Callable[[], None] | None = None, cuda_timed: bool = False) -> None:
         self._work = work
         self._retire = retire  # takes the collective out of the ledger's pending set once waited
         self._region = region  # the collective's profiler region; waiting shows as "<region> wait"
@@ -90,6 +129,8 @@ class Handle:
         # runtime issues collectives only from hooks that run eagerly, so only user code tracing a Comm
         # call directly loses its seconds.
         self._start = None if torch.compiler.is_compiling() else time.perf_counter()
+        self._start_event = _recorded_event() if cuda_timed and stats is not None and self._start is not None \
+            else None
         self._on_done = on_done
         self.done = work is None and on_done is None and not self._after
 
@@ -113,8 +154,13 @@ class Handle:
                 self._work.wait()
                 if self._stats is not None and blocked is not None:
                     self._stats.waited += time.perf_counter() - blocked
-        if self._stats is not None and self._start is not None:
-            self._stats.seconds += time.perf_counter() - self._start
+        if self._stats is not None and self._start_event is not None:
+            # After the wait: the current stream now waits for the collective, so this event completes
+            # only once it has. No host synchronisation here: the pair is resolved when the stats are read.
+            self._stats.book_events(self._start_event, _recorded_event())
+            self._start_event = None
+        elif self._stats is not None and self._start is not None:
+            self._stats.book(time.perf_counter() - self._start)
         if self._retire is not None:
             self._retire()
         self.done = True
@@ -125,12 +171,57 @@ class Handle:
             on_done()
 
 
-def _sum_chunks(received: torch.Tensor, output: torch.Tensor, n: int, average: bool) -> None:
+def _recorded_event() -> torch.cuda.Event:
+    """A timing CUDA event recorded on the current stream (non-blocking)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def divide_factors(n: int) -> tuple[float, float]:
+    """``(pre, post)`` with ``pre * post == n``: an fp16 average over ``n`` ranks divides each input by
+    ``pre``, sums, and divides the sum by ``post``.
+
+    Summing first overflows (fp16 tops out at 65504: four ranks' gradients of 20000 already do) and dividing
+    by ``n`` first flushes small gradients to zero (below 2**-24, fp16's smallest subnormal); splitting
+    the division about ``sqrt(n)`` halves both exposures. ``pre`` is the smallest power of two at least
+    ``sqrt(n)``, so the pre-division is exact outside the subnormal range (it need not divide ``n``) and
+    the sum of ``n`` pre-divided inputs stays within ``sqrt(n)`` times the largest one; ``post = n / pre``
+    (at most ``sqrt(n)``) is one rounding of the result.
+    """
+    if n < 1:
+        raise ValueError(f"an average needs at least one rank, got {n}")
+    pre = 1
+    while pre * pre < n:
+        pre *= 2
+    return float(pre), n / pre
+
+
+def split_average(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, n: int) -> tuple[dist.ReduceOp.RedOpType,
+                                                                                         float]:
+    """The op to issue on ``tensor`` and the divisor to apply to the result. An fp16 ``AVG`` becomes a
+    ``SUM`` of ``tensor`` pre-divided *in place* by :func:`divide_factors`' ``pre``, to be post-divided by
+    ``post``; every other op and dtype is issued as asked (bf16 and fp32 have fp32's range: the backend's
+    own average is safe and saves a kernel)."""
+    if op != dist.ReduceOp.AVG or tensor.dtype != torch.float16:
+        return op, 1.0
+    pre, post = divide_factors(n)
+    if pre != 1:
+        tensor.div_(pre)
+    return dist.ReduceOp.SUM, post
+
+
+def _divide(output: torch.Tensor, divisor: float) -> None:
+    output.div_(divisor)
+
+
+def _sum_chunks(received: torch.Tensor, output: torch.Tensor, n: int, divisor: float) -> None:
     """The local half of a reduce-scatter done as an all-to-all: ``received`` holds every rank's copy of this
-    rank's chunk, in rank order (the same order on every rank, so results are deterministic)."""
+    rank's chunk, in rank order (the same order on every rank, so results are deterministic); the sum is
+    then divided by ``divisor`` (``n`` for an average, ``1`` for a sum, ``post`` for an fp16 average)."""
     torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
-    if average:
-        output.div_(n)
+    if divisor != 1:
+        output.div_(divisor)
 
 
 def profiler_region(op: str, group: str, label: str = "") -> str:
@@ -150,6 +241,7 @@ class Comm:
         # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
         self._watchdog = mesh.watchdog
         self._gloo = dist.get_backend() == "gloo"  # inter-node reduce-scatter as all-to-all + sum (reduce_scatter)
+        self._cuda = mesh.device.type == "cuda"  # time collectives with CUDA events (see OpStats)
         self._ledger = None if mesh.watchdog is None else mesh.watchdog.ledger
 
     @contextlib.contextmanager
@@ -200,6 +292,10 @@ class Comm:
         """``output`` receives this rank's chunk of the element-wise reduction of every rank's ``input``.
         ``label`` names the profiler region (see :meth:`all_gather`).
 
+        An fp16 ``AVG`` is split around a ``SUM`` (:func:`divide_factors`, against overflow and underflow):
+        ``input`` is then divided *in place* before the collective (callers pass a temporary), the output
+        once the handle is waited.
+
         Across nodes on gloo (the ``replicate`` group), an all-to-all and a local sum: gloo has no reduce-scatter
         of its own (``reduce_scatter_single`` all-reduces the whole input and keeps one chunk, twice the bytes),
         while the all-to-all sends each rank only the chunk it reduces, the (n-1)/n x input of a ring
@@ -214,19 +310,23 @@ class Comm:
         stats = self._record(group, "reduce_scatter", nbytes, (n - 1) / n)
         region = profiler_region("reduce_scatter", group, label)
         with record_function(region):
-            if self._gloo and group == "replicate" and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            wire_op, post = split_average(input, op, n)
+            if self._gloo and group == "replicate" and wire_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 received = torch.empty_like(input)
                 work = dist.all_to_all_single(received, input, group=self._groups[group], async_op=True)
+                divisor = n if wire_op == dist.ReduceOp.AVG else post
                 return self._finish(work, stats, async_op, region,
-                                    functools.partial(_sum_chunks, received, output, n, op == dist.ReduceOp.AVG))
-            work = dist.reduce_scatter_single(output, input, op=op, group=self._groups[group], async_op=True)
-            return self._finish(work, stats, async_op, region)
+                                    functools.partial(_sum_chunks, received, output, n, divisor))
+            work = dist.reduce_scatter_single(output, input, op=wire_op, group=self._groups[group], async_op=True)
+            return self._finish(work, stats, async_op, region,
+                                None if post == 1 else functools.partial(_divide, output, post))
 
     def all_reduce(self, tensor: torch.Tensor, group: str = "replicate",
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG, async_op: bool = False, *,
                    label: str = "") -> Handle:
         """Reduce ``tensor`` in place over the group. ``label`` names the profiler region (see
-        :meth:`all_gather`)."""
+        :meth:`all_gather`). An fp16 ``AVG`` is a pre-divided ``SUM`` post-divided once the handle is waited
+        (:func:`divide_factors`); until then ``tensor`` holds neither input nor result."""
         n = self._sizes[group]
         if n == 1:
             return Handle()
@@ -234,8 +334,10 @@ class Comm:
         stats = self._record(group, "all_reduce", nbytes, 2 * (n - 1) / n)
         region = profiler_region("all_reduce", group, label)
         with record_function(region):
-            work = dist.all_reduce(tensor, op=op, group=self._groups[group], async_op=True)
-            return self._finish(work, stats, async_op, region)
+            wire_op, post = split_average(tensor, op, n)
+            work = dist.all_reduce(tensor, op=wire_op, group=self._groups[group], async_op=True)
+            return self._finish(work, stats, async_op, region,
+                                None if post == 1 else functools.partial(_divide, tensor, post))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                    input_sizes: list[int], group: str = "shard", async_op: bool = False, *,
@@ -286,7 +388,7 @@ class Comm:
         retire = None
         if self._ledger is not None:
             retire = functools.partial(self._ledger.done, self._ledger.enter(region, work))
-        handle = Handle(work, stats, on_done=on_done, region=region, retire=retire)
+        handle = Handle(work, stats, on_done=on_done, region=region, retire=retire, cuda_timed=self._cuda)
         if not async_op:
             handle.wait()
         return handle

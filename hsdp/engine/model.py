@@ -48,6 +48,11 @@ class ShardedModel(nn.Module):
         the average over every rank's batch, the update DDP would make.
       * Initial parameters and buffers are broadcast from rank 0, so replicas start identical whatever
         seed each rank used.
+      * Device: shards, gradients, optimizer state and buffers live on the mesh's device (``mesh.device``:
+        the GPU of ``LOCAL_RANK`` under NCCL, the CPU under gloo) whatever device the module was built on.
+        A CPU-built model is moved at wrap shard by shard (each rank copies only its own chunks; with
+        several ranks rank 0's values pass through the GPU one unit at a time), so the full model never
+        lands on one GPU; buffers are moved whole. See ``hsdp/engine/sharding.py``.
       * Meta-device construction: a model built under ``with torch.device("meta"):`` is wrapped without
         allocating or broadcasting anything; its shards stay on meta until ``hsdp.materialize(model)``
         (each rank initialises only its shards, one module at full size at a time),

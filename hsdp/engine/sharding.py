@@ -1,9 +1,18 @@
 """How a module becomes units: ``ShardedModel``'s construction.
 
 Unit modules are chosen (``wrap.py``) and each parameter is assigned to the innermost one; every check
-runs before the first collective; parameters (one flat broadcast per unit) and buffers are broadcast from
-rank 0; each unit's flat shard buffer is built; already-wrapped submodules hand their units to the new
-root; and one ``HSDPState`` hooks them all.
+runs before the first collective; unit module by unit module, its parameters are broadcast from rank 0
+(one flat broadcast per dtype) and its units' flat shard buffers are built; buffers are moved to the
+mesh's device and broadcast; already-wrapped submodules hand their units to the new root; and one
+``HSDPState`` hooks them all.
+
+[Note: the device at wrap] Everything hsdp allocates lives on ``mesh.device`` (the rank's GPU under NCCL,
+the CPU under gloo), whatever device the module was built on. A parameter elsewhere (a model built on the
+CPU under NCCL) is moved shard by shard: the unit's flat shard buffer is allocated on the mesh's device and
+each rank copies only its own chunks into it, so the full model never lands on the GPU. With more than one
+rank, rank 0's values travel through a broadcast staged on the mesh's device, one unit module at a time
+(peak extra memory: one unit module's parameters, as on the CPU). Buffers are small and replicated: they
+are moved whole. Meta parameters and buffers stay on meta (``hsdp.materialize`` allocates them).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import ReplicaHop, can_scatter
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
+from hsdp.engine.runtime.buffers import move_buffers
 from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.replica_slice import SliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -39,16 +49,6 @@ def _nested_roots(module: nn.Module) -> list[nn.Module]:
 
     visit(module)
     return out
-
-
-def _validate_unit(owner: nn.Module, assigned: list[ParamAssignment]) -> None:
-    devices = {a.param.device for a in assigned}
-    if len(devices) > 1:
-        detail = ", ".join(f"{a.slots[0].fqn}: {a.param.device}" for a in assigned)
-        raise ValueError(
-            f"parameters of one unit ({type(owner).__name__}) must share a device, found {detail}: "
-            f"call model.to(device) before wrapping"
-        )
 
 
 def _dtype_groups(assigned: list[ParamAssignment]) -> list[list[ParamAssignment]]:
@@ -113,23 +113,25 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
     for a in assignments:
         by_owner[id(a.owner)].append(a)
     # Every check above and here runs before the first collective below.
-    _check_meta(assignments)
-    for m in unit_modules:
-        _validate_unit(m, by_owner[id(m)])
+    _check_meta(assignments)  # devices need no check: every non-meta parameter goes to the mesh's device
 
     comm = Comm(mesh)
-    # One flat broadcast per unit (and one for the buffers): peak extra memory is one unit, not the model.
-    for m in unit_modules:
-        _broadcast_from_rank0(comm, [a.param for a in by_owner[id(m)]])
-    _broadcast_from_rank0(comm, _own_buffers(module, nested))
-    if options.mixed_precision.buffer_dtype is not None:
-        _cast_buffers(module, nested, options.mixed_precision.buffer_dtype)
     prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
     units = []
+    # One unit module at a time (see [Note: the device at wrap]): peak extra memory is one unit module's
+    # parameters, not the model's.
     for m in unit_modules:
-        for i, group in enumerate(_dtype_groups(by_owner[id(m)])):
+        assigned = by_owner[id(m)]
+        values = _broadcast_from_rank0(comm, [a.param for a in assigned], mesh.device)
+        value_of = {id(a.param): v for a, v in zip(assigned, values, strict=True)}
+        for i, group in enumerate(_dtype_groups(assigned)):
             key = _unit_key(prefixes[id(m)].rstrip("."), i, group[0].param.dtype)
-            units.append(_build_unit(m, group, comm, mesh, options, key))
+            units.append(_build_unit(m, group, [value_of[id(a.param)] for a in group], comm, mesh, options, key))
+    skip = {id(b) for n in nested for b in n.buffers()}
+    move_buffers(module, mesh.device, skip)
+    _broadcast_from_rank0(comm, _own_buffers(module, skip), mesh.device)
+    if options.mixed_precision.buffer_dtype is not None:
+        _cast_buffers(module, skip, options.mixed_precision.buffer_dtype)
     for child in nested:
         child_state: HSDPState = child._hsdp_state
         child_state.remove_hooks()
@@ -161,38 +163,62 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
         )
 
 
-def _own_buffers(module: nn.Module, nested: list[nn.Module]) -> list[torch.Tensor]:
-    skip = {id(b) for n in nested for b in n.buffers()}
+def _own_buffers(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:
+    """The buffers the new root owns: all but those of nested wrappers (ids in ``skip``)."""
     return [b for b in module.buffers() if id(b) not in skip]
 
 
-def _cast_buffers(module: nn.Module, nested: list[nn.Module], dtype: torch.dtype) -> None:
-    skip = {id(b) for n in nested for b in n.buffers()}
+def _cast_buffers(module: nn.Module, skip: set[int], dtype: torch.dtype) -> None:
     for m in module.modules():
         for name, b in m._buffers.items():
             if b is not None and b.is_floating_point() and id(b) not in skip:
                 m._buffers[name] = b.to(dtype)
 
 
-def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor]) -> None:
-    """Replicas start identical: one flat broadcast per (device, dtype) of ``tensors``. Meta tensors hold no
-    values: they are skipped (``hsdp.materialize`` initialises them identically on every rank)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
+def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Replicas start identical: rank 0's value of each of ``tensors``, one flat broadcast per dtype staged
+    on ``device`` (the mesh's). A tensor on ``device`` is overwritten in place and returned; one elsewhere
+    (a CPU-built model on a GPU mesh) is left as it was and its value returned as a view into the staged
+    buffer, from which the caller copies its chunk. Meta tensors hold no values: they are skipped and
+    returned as they are (``hsdp.materialize`` initialises them identically on every rank). A world of one
+    sends nothing and returns ``tensors``."""
+    out = list(tensors)
+    if comm.size("world") == 1:
+        return out
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
         if not t.is_meta:
-            groups.setdefault((t.device, t.dtype), []).append(t)
+            groups.setdefault(t.dtype, []).append(i)
     with torch.no_grad():
-        for tensors in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        for dtype, indices in groups.items():
+            flat, views = _staged([tensors[i] for i in indices], dtype, device)
+            if comm.mesh.rank == 0:  # the other ranks' values are overwritten: not worth a host-to-device copy
+                for i, view in zip(indices, views, strict=True):
+                    view.copy_(tensors[i].detach())
             comm.broadcast(flat, 0, "world")
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for i, view in zip(indices, views, strict=True):
+                if tensors[i].device == device:
+                    tensors[i].copy_(view)
+                else:
+                    out[i] = view
+    return out
 
 
-def _build_unit(module: nn.Module, assigned: list[ParamAssignment], comm: Comm, mesh: HSDPMesh,
-                options: UnitOptions, key: str) -> ShardUnit:
+def _staged(tensors: list[torch.Tensor], dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An uninitialised flat buffer for ``tensors`` on ``device`` and a view of it shaped like each."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return flat, views
+
+
+def _build_unit(module: nn.Module, assigned: list[ParamAssignment], values: list[torch.Tensor], comm: Comm,
+                mesh: HSDPMesh, options: UnitOptions, key: str) -> ShardUnit:
+    """One unit of ``assigned`` (one dtype); ``values`` are rank 0's full values of the parameters (any
+    device): each rank copies its chunks of them into the unit's flat shard buffer on the mesh's device."""
     policy = options.mixed_precision
     params = [
         ShardedParam(a.slots, a.param, ShardLayout(tuple(a.param.shape), mesh.sharding_degree, mesh.shard_rank),
@@ -203,7 +229,7 @@ def _build_unit(module: nn.Module, assigned: list[ParamAssignment], comm: Comm, 
         for p in params:
             p.slice = SliceLayout(p.layout, mesh.replicate_degree, mesh.replicate_rank)
     unit = ShardUnit(module, params, comm, options.reshard_after_forward, key, policy, options.replica_hop)
-    unit.load_full([a.param.detach() for a in assigned])
+    unit.load_full([v.detach() for v in values])
     for p in params:
         p.to_sharded()
     return unit

@@ -17,6 +17,8 @@ common case (transformers, whose buffers are constants such as masks and rotary 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
@@ -27,6 +29,21 @@ from hsdp.engine.collectives import Comm
 def updates_running_stats(module: nn.Module) -> bool:
     """Whether ``module`` holds a normalisation layer that updates its buffers in forward."""
     return any(isinstance(m, _NormBase) and m.track_running_stats for m in module.modules())
+
+
+def move_buffers(module: nn.Module, device: torch.device, skip: Collection[int] = ()) -> None:
+    """Put every buffer of ``module`` on ``device`` (the mesh's), at wrap time: buffers are replicated, so
+    each is moved whole. Meta buffers stay on meta (``hsdp.materialize`` fills them); ids in ``skip`` (a
+    nested wrapper's, moved when it was wrapped) are left alone. A buffer registered in several modules
+    stays one tensor."""
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # keeps the originals alive: ids stay unique
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is None or b.is_meta or id(b) in skip or b.device == device:
+                continue
+            if id(b) not in moved:
+                moved[id(b)] = (b, b.to(device))
+            m._buffers[name] = moved[id(b)][1]
 
 
 class BufferSync:

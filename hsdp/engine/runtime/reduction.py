@@ -2,8 +2,9 @@
 
 Stages: ``start`` issues the reduce-scatter (async) -> ``start_replica_hop`` waits for it and, on a sync
 step, starts the inter-node hop (async) -> ``finish`` waits and hands each sharded parameter its gradient.
-The runtime drives the stages so that one unit's inter-node hop overlaps the next unit's reduce-scatter
-and the backward of earlier units.
+On CUDA the runtime chains each hop right behind its own reduce-scatter (a wait on the hop stream, see
+``streams.py``); on CPUs, where a wait blocks the host, at the next unit's post_backward. Either way the hop
+overlaps the backward of earlier units, and the last units' hops overlap each other.
 
 Deferred sync (gradient accumulation): on a micro-batch that does not sync replicas, the reduce-scattered
 shard is added to the unit's fp32 ``partial`` and nothing crosses nodes; the sync micro-batch sends the
@@ -93,6 +94,7 @@ class Reduction:
         self.output = output  # 1D: this rank's reduced slot, then one flag per parameter
         self.sync_replicas = sync_replicas
         self._handle = handle
+        self._rs_input: torch.Tensor | None = None  # held until the reduce-scatter is waited (streams.py)
         self.stage = Stage.REDUCE_SCATTER
         # Set by finish: the reduced flags, and which parameters this reduction gave their first gradient.
         self.flags: torch.Tensor | None = None
@@ -120,15 +122,32 @@ class Reduction:
         grads.clear()
         inputs.clear()
         output = torch.empty(n_out, dtype=dtype, device=device)
-        handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
-                                     label=unit.name)
-        return cls(unit, params, output, handle, sync_replicas)
+        with unit.streams.on("reduce_scatter"):  # after the copy-in above, on the compute stream
+            handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
+                                         label=unit.name)
+        reduction = cls(unit, params, output, handle, sync_replicas)
+        if unit.streams.enabled:
+            # Held until the hop stream is ordered after the reduce-scatter (streams.py). Without streams the
+            # collective's own work holds it, and drops it as soon as it completes: hold nothing more.
+            reduction._rs_input = rs_input
+        return reduction
 
     def start_replica_hop(self) -> None:
+        """Wait for the reduce-scatter and start the inter-node hop. The wait blocks the host where the
+        device does not queue work (gloo on CPUs); on CUDA it only makes the hop stream wait."""
         if self.stage is not Stage.REDUCE_SCATTER:
             return
+        # On the hop stream, which waits for the reduce-scatter, not for the backward still running.
+        with self.unit.streams.on("replica_hop", after_compute=False):
+            self._start_replica_hop()
+
+    def _start_replica_hop(self) -> None:
         self._handle.wait()
-        self._handle = Handle()  # release the reduce-scatter input (a full unit of gradients) now
+        self._handle = Handle()
+        # Release the reduce-scatter input (a full unit of gradients) now, not at the end of backward.
+        if self._rs_input is not None:
+            self.unit.streams.release_after(self._rs_input, "replica_hop")
+            self._rs_input = None
         unit = self.unit
         if unit.partial is not None or not self.sync_replicas:
             # fp32 partial sums: low-precision accumulation across micro-batches loses accuracy.
@@ -169,6 +188,7 @@ class Reduction:
         """Wait for the collective in flight and drop its result (the backward that started it raised)."""
         self._handle.wait()
         self._handle = Handle()
+        self._rs_input = None
         self.output = self.output.new_empty(0)
         self.stage = Stage.DONE
 

@@ -5,8 +5,10 @@ Per unit and step:
                  hook the inputs for post_backward
   post_forward   hook the outputs for pre_backward; reshard unless ``reshard_after_forward=False``
   pre_backward   wait for the all-gather again if resharded, prefetch the unit whose backward is next
-  post_backward  after the unit's last use: reduce-scatter its gradients; the previous unit's inter-node
-                 hop starts now, overlapping this reduce-scatter and the backward of earlier units
+  post_backward  after the unit's last use: reduce-scatter its gradients; its inter-node hop is chained
+                 right behind on CUDA (the hop stream waits, see streams.py), and starts at the next unit's
+                 post_backward on CPUs (where a wait blocks the host); either way it overlaps the backward
+                 of earlier units
   end of backward (root callback): reduce what no post_backward reached, wait for every reduction,
                  reshard everything, reset the per-step bookkeeping.
 
@@ -45,6 +47,7 @@ from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.buffers import BufferSync
 from hsdp.engine.runtime.reduction import Reduction, drop_unused_grads, reduce_grads
 from hsdp.engine.runtime.slice_gather import SliceGathers
+from hsdp.engine.runtime.streams import Streams
 from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
 # Methods that run as hooks inside forward and backward; each is kept out of torch.compile graphs.
@@ -80,8 +83,10 @@ class HSDPState:
         self.comm = comm
         self.units = units  # pre-order: root unit first
         self.slice_gathers = SliceGathers()  # replica-sharded optimizer: the post-step all-gathers
+        self.streams = Streams(mesh.device)
         for unit in units:
             unit.slice_gathers = self.slice_gathers
+            unit.streams = self.streams
         self.buffers = BufferSync(units[0].module, comm, broadcast_buffers)
         # Gradient sync for the next backward: False/True as FSDP2's set_requires_gradient_sync and
         # set_requires_all_reduce (micro-batches of gradient accumulation).
@@ -89,6 +94,11 @@ class HSDPState:
         self.requires_all_reduce = True
         self.prefetch = True
         self._pending: list[Reduction] = []
+        # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
+        # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter, and
+        # gloo's reduce-scatter work reports completion only once waited (nothing to poll): there a hop starts
+        # at the next unit's post_backward, when its reduce-scatter has had that unit's backward to finish.
+        self._hops_queue_on_device = mesh.device.type != "cpu"
         self._callback_queued = False  # a backward started and its end-of-backward has not run yet
         # Registered post_backwards whose backward has neither run nor been freed: token -> unit. Each is
         # counted in its unit's ``pending_post_backward``; whichever of "ran" and "freed" comes first
@@ -278,17 +288,22 @@ class HSDPState:
         unit.used_in_grad_forward = False
         if reduction is None:
             return
-        # Pipeline: the previous unit's reduce-scatter ran during this unit's backward; its inter-node
-        # hop now overlaps with this unit's reduce-scatter and the backward of earlier units.
-        if self._pending:
-            self._pending[-1].start_replica_hop()
+        # Every earlier unit's hop starts now at the latest (at most one reduce-scatter without its hop):
+        # the previous unit's reduce-scatter ran during this unit's backward, so this rarely blocks.
+        for earlier in self._pending:
+            earlier.start_replica_hop()
         self._pending.append(reduction)
+        if self._hops_queue_on_device:
+            reduction.start_replica_hop()  # chained right behind its reduce-scatter: a wait on the hop stream
 
     def _finalize_backward(self) -> None:
         for unit in reversed(self.units):
             has_leftover = any(p.unsharded.grad is not None for p in unit.params)
             if unit.used_in_grad_forward or has_leftover:
                 self._reduce(unit)
+        # Every hop in flight before waiting for any: the last units' hops overlap each other.
+        for reduction in self._pending:
+            reduction.start_replica_hop()
         for reduction in self._pending:
             reduction.finish()
         drop_unused_grads(self._pending)  # the backward's one host read

@@ -17,6 +17,7 @@ from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.slice_gather import SliceGathers
+from hsdp.engine.runtime.streams import Streams
 
 
 class ShardedState(enum.Enum):
@@ -44,6 +45,9 @@ class ShardUnit:
         self.partial: torch.Tensor | None = None
         self._gather_handle: Handle | None = None
         self._gather_buffer: torch.Tensor | None = None
+        self._gather_input: torch.Tensor | None = None
+        # The side streams of the model's runtime (set by it; none on CPUs).
+        self.streams = Streams(torch.device("cpu"))
         # Replica-sharded optimizer: the model's queue of slice all-gathers (set by the runtime).
         self.slice_gathers: SliceGathers | None = None
         # Per-step bookkeeping, reset by the root at the end of backward.
@@ -66,14 +70,23 @@ class ShardUnit:
         return cls(module, [], comm, reshard_after_forward=False, policy=policy)
 
     def _build_sharded_flat(self) -> torch.Tensor:
-        # 1D: this rank's padded chunks of every parameter, in order; padding stays zero.
+        # 1D: this rank's padded chunks of every parameter, in order; padding stays zero. On the mesh's
+        # device whatever device the module was built on (see [Note: the device at wrap] in sharding.py);
+        # meta stays meta until hsdp.materialize.
+        device = self.comm.mesh.device
         if not self.params:
-            return torch.empty(0, device=self.comm.mesh.device)
+            return torch.empty(0, device=device)
         p0 = self.params[0]
-        flat = torch.zeros(self.slot_numel, dtype=p0.dtype, device=p0.device)
+        if p0.device.type == "meta":
+            device = p0.device
+        flat = torch.zeros(self.slot_numel, dtype=p0.dtype, device=device)
         offset = 0
         for p in self.params:
-            p.bind_sharded(flat[offset: offset + p.layout.padded_numel], self.comm.mesh.device_mesh)
+            view = flat[offset: offset + p.layout.padded_numel]
+            if p.device == device:
+                p.bind_sharded(view, self.comm.mesh.device_mesh)
+            else:  # built elsewhere (a CPU model on a GPU mesh): its unsharded face moves to the device too
+                p.rebind(view, self.comm.mesh.device_mesh, p.compute_dtype)
             offset += p.layout.padded_numel
         return flat
 
@@ -124,11 +137,18 @@ class ShardUnit:
                              f"path), or model.to_empty(device=...) and initialise them, before the forward")
         s = self.sharding_degree
         dtype = self.params[0].compute_dtype
-        # Mixed precision: the one cast of the step happens here, on the shard (copy-in); fp32 otherwise.
-        source = self.sharded_flat if dtype == self.sharded_flat.dtype else self.sharded_flat.to(dtype)
-        self._gather_buffer = torch.empty(s * self.slot_numel, dtype=dtype, device=source.device)
-        self._gather_handle = self.comm.all_gather(self._gather_buffer, source, "shard", async_op=async_op,
-                                                  label=self.name)
+        device = self.sharded_flat.device
+        # Allocated on the compute stream and held until it waited for the gather (streams.py).
+        self._gather_buffer = torch.empty(s * self.slot_numel, dtype=dtype, device=device)
+        copy_in = dtype != self.sharded_flat.dtype or self.streams.enabled
+        self._gather_input = torch.empty_like(self.sharded_flat, dtype=dtype) if copy_in else self.sharded_flat
+        with self.streams.on("all_gather"):
+            # Copy-in: the one cast of the step under mixed precision, and on a device a private copy, so that
+            # the gather never reads the live shard; on CPUs without a cast it reads the shard in place.
+            if copy_in:
+                self._gather_input.copy_(self.sharded_flat)
+            self._gather_handle = self.comm.all_gather(self._gather_buffer, self._gather_input, "shard",
+                                                      async_op=async_op, label=self.name)
         self.state = ShardedState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -148,7 +168,7 @@ class ShardUnit:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
             torch.split_with_sizes_copy(gathered, [p.layout.padded_numel for p in self.params], dim=1,
                                         out=outs)
-        self._gather_buffer = self._gather_handle = None
+        self._gather_buffer = self._gather_handle = self._gather_input = None
         for p in self.params:
             p.to_unsharded()
         self.state = ShardedState.UNSHARDED
