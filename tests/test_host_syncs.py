@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 from harness import run_distributed
 from models import ParityNet, batch, loss_fn
@@ -57,8 +58,67 @@ def _steps(rank: int, world: int) -> dict:
     return out
 
 
-def test_forward_and_backward_read_one_tensor_on_the_host() -> None:
-    for r in run_distributed(_steps, 2):
+def _gathered_ahead(model: hsdp.ShardedModel) -> list[int]:
+    """Per unit pre_forward of the next forward: how many units other than the root are gathered or in flight."""
+    from hsdp.engine.runtime.unit import ShardedState
+
+    state = model._hsdp_state
+    counts: list[int] = []
+
+    def count(*_: object) -> None:
+        counts.append(sum(u.state is not ShardedState.SHARDED for u in state.units[1:]))
+
+    hooks = [u.module.register_forward_pre_hook(count) for u in state.units[1:]]
+    x, _ = batch(0, 0)
+    model(x)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def _prefetch_depths(rank: int) -> dict:
+    """The same two steps at prefetch depth 0, 1 and 3: the units gathered ahead, and the parameters."""
+    out = {}
+    for depth in (0, 1, 3):
+        torch.manual_seed(0)
+        model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
+        model.set_prefetch(depth)
+        opt = hsdp.ShardedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(2):  # the first step records the order the second prefetches in
+            x, y = batch(step, rank)
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            ahead = _gathered_ahead(model)
+        out[depth] = {"ahead": ahead, "units": len(model._hsdp_state.units) - 1, "params": params}
+    return out
+
+
+def _all(rank: int, world: int) -> dict:
+    return {"reads": _steps(rank, world), "prefetch": _prefetch_depths(rank)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_all, 2)
+
+
+def test_prefetch_depth_gathers_that_many_units_ahead_and_changes_no_result(results: list[dict]) -> None:
+    got = results[0]["prefetch"]
+    assert got[1]["units"] == 3, "three block units: depths 0, 1 and 3 then differ"
+    # At a unit's pre_forward (after hsdp's): the unit itself plus the units gathered ahead of it.
+    assert [max(got[d]["ahead"]) for d in (0, 1, 3)] == [1, 2, 3], {d: got[d]["ahead"] for d in got}
+    for depth in (0, 3):
+        for name, value in got[1]["params"].items():
+            torch.testing.assert_close(got[depth]["params"][name], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="set_prefetch"):
+        hsdp.ShardedModel.set_prefetch(None, -1)  # type: ignore[arg-type]
+
+
+def test_forward_and_backward_read_one_tensor_on_the_host(results: list[dict]) -> None:
+    for r in (r["reads"] for r in results):
         for mode, got in r.items():
             # The one read: the flags of every unit at once, at the end of backward.
             assert all(reads == ["tolist"] for reads in got["reads"]), (mode, got["reads"])

@@ -150,9 +150,17 @@ class ShardedModel(nn.Module):
         finally:
             self._hsdp_state.requires_all_reduce = previous
 
-    def set_prefetch(self, enabled: bool) -> None:
-        """Issue the next unit's all-gather while the current one computes (default on)."""
-        self._hsdp_state.prefetch = enabled
+    def set_prefetch(self, depth: bool | int) -> None:
+        """How many units ahead to all-gather while the current one computes, in forward and in backward:
+        ``True``/``1`` (the default) the next unit, ``False``/``0`` none (each unit gathers when it is
+        reached, exposing every all-gather), ``n`` the next ``n``. Deeper prefetch hides slower all-gathers
+        (a slow shard group, or tiny units whose compute is shorter than their gather) at the cost of
+        memory: up to ``1 + n`` units are unsharded at once, besides the root. Same value on every rank."""
+        if isinstance(depth, bool):
+            depth = int(depth)
+        if not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"set_prefetch takes True, False or a number of units >= 0, got {depth!r}")
+        self._hsdp_state.prefetch = depth
 
     @property
     def shards_optimizer_across_replicas(self) -> bool:

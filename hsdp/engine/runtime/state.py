@@ -13,8 +13,9 @@ Per unit and step:
                  reshard everything, reset the per-step bookkeeping.
 
 Prefetch order comes from the previous step: forward follows the order of pre_forward calls, backward the
-reverse order of post_forward calls (the root wraps everything, so its backward comes first). At most two
-units other than the root are unsharded at any time.
+reverse order of post_forward calls (the root wraps everything, so its backward comes first). Prefetch depth
+``d`` (``ShardedModel.set_prefetch``, default 1): at most ``1 + d`` units other than the root are unsharded
+at any time.
 
 torch.compile: the hooks run eagerly (``torch.compiler.disable``, as FSDP2 marks its hooks): they swap
 parameters, resize storages and issue collectives, none of which belongs in a graph. Compiling the whole
@@ -92,7 +93,7 @@ class HSDPState:
         # set_requires_all_reduce (micro-batches of gradient accumulation).
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
-        self.prefetch = True
+        self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
         # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter, and
@@ -212,11 +213,13 @@ class HSDPState:
         return args, kwargs
 
     def _prefetch_after(self, unit: ShardUnit, order: list[ShardUnit]) -> None:
-        if not self.prefetch or unit not in order:
+        depth = int(self.prefetch)
+        if depth <= 0 or unit not in order:
             return
         i = order.index(unit)
-        if i + 1 < len(order) and order[i + 1].state is ShardedState.SHARDED:
-            order[i + 1].unshard(async_op=True)
+        for ahead in order[i + 1: i + 1 + depth]:
+            if ahead.state is ShardedState.SHARDED:
+                ahead.unshard(async_op=True)
 
     @staticmethod
     def _cast_inputs(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
