@@ -99,12 +99,13 @@ def backends() -> dict[str, bool]:
 
 def default_mesh(environ: dict[str, str]) -> dict[str, Any]:
     """The replicate x shard mesh ``init_mesh()`` (no arguments) would build under these variables,
-    from :func:`hsdp.engine.mesh.default_sharding_degree`; ``error`` holds what init_mesh would raise."""
+    from :func:`hsdp.engine.mesh.default_sharding_degree`; ``error`` holds what init_mesh would raise, and
+    ``not_a_rank`` says why there is no mesh to show outside a launcher (the normal case, not an error)."""
     from hsdp.engine.mesh import default_sharding_degree, node_crossing_warning
 
     if "WORLD_SIZE" not in environ:
-        return {"error": "WORLD_SIZE is not set: this process is not a rank (run hsdp env under torchrun or "
-                         "hsdp launch to see a rank's mesh)"}
+        return {"not_a_rank": "WORLD_SIZE is not set (run hsdp env under torchrun or hsdp launch to see the "
+                              "mesh a rank would build)"}
     try:
         world = int(environ["WORLD_SIZE"])
         with warnings.catch_warnings(record=True) as caught:
