@@ -95,6 +95,9 @@ class Reduction:
         self.sync_replicas = sync_replicas
         self._handle = handle
         self._rs_input: torch.Tensor | None = None  # held until the reduce-scatter is waited (streams.py)
+        # CUDA: the ends of the reduce-scatter and of the hop on their streams (streams.py, Streams.record).
+        self._scattered: torch.cuda.Event | None = None
+        self._hopped: torch.cuda.Event | None = None
         self.stage = Stage.REDUCE_SCATTER
         # Set by finish: the reduced flags, and which parameters this reduction gave their first gradient.
         self.flags: torch.Tensor | None = None
@@ -125,7 +128,9 @@ class Reduction:
         with unit.streams.on("reduce_scatter"):  # after the copy-in above, on the compute stream
             handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
                                          label=unit.name)
+            scattered = unit.streams.record("reduce_scatter")
         reduction = cls(unit, params, output, handle, sync_replicas)
+        reduction._scattered = scattered
         if unit.streams.enabled:
             # Held until the hop stream is ordered after the reduce-scatter (streams.py). Without streams the
             # collective's own work holds it, and drops it as soon as it completes: hold nothing more.
@@ -142,12 +147,20 @@ class Reduction:
             self._start_replica_hop()
 
     def _start_replica_hop(self) -> None:
+        streams, reduced = self.unit.streams, self.output
         self._handle.wait()
         self._handle = Handle()
+        streams.wait(self._scattered)
         # Release the reduce-scatter input (a full unit of gradients) now, not at the end of backward.
         if self._rs_input is not None:
-            self.unit.streams.release_after(self._rs_input, "replica_hop")
+            streams.release_after(self._rs_input, "replica_hop")
             self._rs_input = None
+        self._hop()
+        self._hopped = streams.record("replica_hop")
+        if self.output is not reduced:  # replaced (a partial sum, a cast, a packing): read by the hop stream
+            streams.release_after(reduced, "replica_hop")
+
+    def _hop(self) -> None:
         unit = self.unit
         if unit.partial is not None or not self.sync_replicas:
             # fp32 partial sums: low-precision accumulation across micro-batches loses accuracy.
@@ -188,6 +201,8 @@ class Reduction:
         """Wait for the collective in flight and drop its result (the backward that started it raised)."""
         self._handle.wait()
         self._handle = Handle()
+        self.unit.streams.wait(self._scattered)
+        self.unit.streams.wait(self._hopped)
         self._rs_input = None
         self.output = self.output.new_empty(0)
         self.stage = Stage.DONE
@@ -200,6 +215,7 @@ class Reduction:
         if self.stage is Stage.DONE:
             return
         self._handle.wait()
+        self.unit.streams.wait(self._hopped)
         n = len(self.params)
         slices = _slices(self.params)
         if slices is None:

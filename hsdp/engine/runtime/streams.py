@@ -60,6 +60,20 @@ class Streams:
         with torch.cuda.stream(stream):
             yield
 
+    def record(self, name: str) -> torch.cuda.Event | None:
+        """An event at the end of the work issued so far on side stream ``name`` (``None`` without CUDA).
+        Waiting for a collective's handle orders a stream after the collective only; this also covers the
+        kernels the side stream ran around it (a copy-in, a cast, or the whole collective on a group of one,
+        which ``Comm`` does as a local copy)."""
+        if not self.enabled:
+            return None
+        return self._streams[name].record_event()
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Make the current stream wait for ``event`` (from :meth:`record`); a no-op for ``None``."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
     def release_after(self, tensor: torch.Tensor, name: str) -> None:
         """``tensor`` (allocated on the compute stream) is about to be dropped while side stream ``name`` is
         ordered after its last use but the compute stream is not: keep the allocator from reusing its block

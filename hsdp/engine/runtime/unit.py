@@ -46,6 +46,7 @@ class ShardUnit:
         self._gather_handle: Handle | None = None
         self._gather_buffer: torch.Tensor | None = None
         self._gather_input: torch.Tensor | None = None
+        self._gathered: torch.cuda.Event | None = None  # the end of the copy-in and gather on their stream
         # The side streams of the model's runtime (set by it; none on CPUs).
         self.streams = Streams(torch.device("cpu"))
         # Replica-sharded optimizer: the model's queue of slice all-gathers (set by the runtime).
@@ -149,6 +150,7 @@ class ShardUnit:
                 self._gather_input.copy_(self.sharded_flat)
             self._gather_handle = self.comm.all_gather(self._gather_buffer, self._gather_input, "shard",
                                                       async_op=async_op, label=self.name)
+            self._gathered = self.streams.record("all_gather")
         self.state = ShardedState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -159,6 +161,7 @@ class ShardUnit:
             return
         assert self._gather_handle is not None and self._gather_buffer is not None
         self._gather_handle.wait()
+        self.streams.wait(self._gathered)
         for p in self.params:
             p.alloc_unsharded()
         gathered = self._gather_buffer.view(self.sharding_degree, self.slot_numel)
@@ -168,7 +171,7 @@ class ShardUnit:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
             torch.split_with_sizes_copy(gathered, [p.layout.padded_numel for p in self.params], dim=1,
                                         out=outs)
-        self._gather_buffer = self._gather_handle = self._gather_input = None
+        self._gather_buffer = self._gather_handle = self._gather_input = self._gathered = None
         for p in self.params:
             p.to_unsharded()
         self.state = ShardedState.UNSHARDED
