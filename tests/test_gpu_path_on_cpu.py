@@ -1,6 +1,12 @@
-"""No host reads of tensors in forward and backward but one (the step's "has gradient" flags, read once after
-every reduction): on a GPU each would stall the CPU's run-ahead of the device. Counted on CPU by patching the
-ways a tensor's value reaches Python; parameters unused on every rank still end with ``grad = None``."""
+"""The GPU path's runtime, checked on CPU (one spawn for all):
+
+* no host reads of tensors in forward and backward but one (the step's "has gradient" flags, read once after
+  every reduction): on a GPU each would stall the CPU's run-ahead of the device. Counted by patching the ways
+  a tensor's value reaches Python; parameters unused on every rank still end with ``grad = None``;
+* prefetch depth: how many units are gathered ahead, and that it changes no result;
+* the stream discipline: with a logging stand-in for the CUDA streams, every event a side stream records is
+  waited for by the stream that consumes its result, and the side-stream code paths compute the same
+  parameters."""
 
 from __future__ import annotations
 
@@ -96,8 +102,74 @@ def _prefetch_depths(rank: int) -> dict:
     return out
 
 
+def _stream_discipline(rank: int) -> dict:
+    """The CUDA stream plumbing, run on CPU with a fake ``Streams`` that logs instead of ordering: which stream
+    waited for each event a side stream recorded, and the parameters (the side-stream code paths, copy-in
+    included, must compute what the plain path does: compared with ``_prefetch_depths``' depth 1)."""
+    from hsdp.engine.runtime import state as runtime_state
+    from hsdp.engine.runtime.streams import Streams
+
+    recorded: list[tuple[str, int]] = []
+    waits: dict[tuple[str, int], list[str]] = {}
+
+    class LoggingStreams(Streams):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
+            self.enabled = True  # take every side-stream branch of the runtime
+            self._current = ["compute"]
+
+        @contextlib.contextmanager
+        def on(self, name: str, after_compute: bool = True) -> Iterator[None]:
+            self._current.append(name)
+            try:
+                yield
+            finally:
+                self._current.pop()
+
+        def record(self, name: str) -> tuple[str, int]:  # type: ignore[override]
+            assert self._current[-1] == name, (self._current, name)
+            recorded.append((name, len(recorded)))
+            return recorded[-1]
+
+        def wait(self, event: object) -> None:
+            if event is not None:
+                waits.setdefault(event, []).append(self._current[-1])  # type: ignore[arg-type]
+
+        def release_after(self, tensor: torch.Tensor, name: str) -> None:
+            pass
+
+    real = runtime_state.Streams
+    runtime_state.Streams = LoggingStreams  # type: ignore[misc]
+    try:
+        torch.manual_seed(0)
+        model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
+    finally:
+        runtime_state.Streams = real  # type: ignore[misc]
+    opt = hsdp.ShardedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(2):
+        x, y = batch(step, rank)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"recorded": recorded, "waits": waits,
+            "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+
+
 def _all(rank: int, world: int) -> dict:
-    return {"reads": _steps(rank, world), "prefetch": _prefetch_depths(rank)}
+    return {"reads": _steps(rank, world), "prefetch": _prefetch_depths(rank), "streams": _stream_discipline(rank)}
+
+
+def test_every_side_stream_event_is_waited_by_its_consumer_stream(results: list[dict]) -> None:
+    """What a GPU cannot be trusted to show by luck: each all-gather's end is waited by the compute stream
+    before the copy-out, each reduce-scatter's by the hop stream, each hop's by the compute stream at the end
+    of backward; and the side-stream paths compute the same parameters."""
+    got = results[0]["streams"]
+    consumer = {"all_gather": "compute", "reduce_scatter": "replica_hop", "replica_hop": "compute"}
+    assert {name for name, _ in got["recorded"]} == set(consumer)
+    for event in got["recorded"]:
+        assert got["waits"].get(event) == [consumer[event[0]]], (event, got["waits"].get(event))
+    for name, value in results[0]["prefetch"][1]["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
