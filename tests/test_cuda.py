@@ -34,17 +34,9 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[hsdp.HSDPMesh]:
-    """A 1 x 1 mesh over a one-rank NCCL group (FileStore rendezvous: no ports), destroyed afterwards."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("nccl") / "store"), 1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))  # init_mesh sets this rank's device from it
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-        try:
-            # No fault watchdog: it would install a parent-death handler on the pytest process itself.
-            yield hsdp.init_mesh(1, fault_policy=None)
-        finally:
-            dist.destroy_process_group()
+def mesh(nccl_mesh: hsdp.HSDPMesh) -> hsdp.HSDPMesh:
+    """The 1 x 1 NCCL mesh of ``conftest.py``."""
+    return nccl_mesh
 
 
 def _device() -> torch.device:

@@ -9,35 +9,21 @@ group count as ``n`` ranks (:func:`_posing_as`): the collective is then a real N
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import hsdp
-from hsdp.engine.collectives import _MAX_PENDING_EVENTS, Comm
+from hsdp.engine.collectives import Comm
+from hsdp.engine.comm_stats import _MAX_PENDING_EVENTS
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
                        reason="needs a CUDA device and NCCL"),
 ]
-
-
-@pytest.fixture(scope="module")
-def nccl_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[hsdp.HSDPMesh]:
-    """A 1 x 1 mesh over a one-rank NCCL process group (FileStore rendezvous: no ports), destroyed after."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("nccl") / "store"), 1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))  # init_mesh picks the device from it
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-        try:
-            yield hsdp.init_mesh(1, fault_policy=None)  # no watchdog in the pytest process itself
-        finally:
-            dist.destroy_process_group()
 
 
 def _posing_as(mesh: hsdp.HSDPMesh, n: int) -> Comm:

@@ -14,7 +14,8 @@ from harness import run_distributed
 from models import ParityNet, batch, loss_fn
 
 import hsdp
-from hsdp.engine.collectives import Comm, divide_factors, split_average
+from hsdp.engine.averaging import divide_factors, split_average
+from hsdp.engine.collectives import Comm
 
 TINY = 2.0**-23  # twice fp16's smallest subnormal: divided by 4 it rounds to 0
 

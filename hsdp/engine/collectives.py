@@ -12,100 +12,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from hsdp.engine.averaging import split_average
+from hsdp.engine.comm_stats import CommStats, OpStats, recorded_event
 from hsdp.engine.mesh import HSDPMesh
 
 GROUPS = ("shard", "replicate", "world")
-
-
-@dataclass
-class OpStats:
-    """Totals for one (group, op) pair. ``wire_bytes`` is what one rank sends under a ring algorithm.
-
-    ``seconds``: from issue to completed wait, overlapped with compute or not. On CPUs (gloo) it is host
-    time. On a CUDA mesh the host does not block in a wait (the current stream waits instead), so host time
-    would only measure issue-to-enqueue: there ``seconds`` spans a CUDA event recorded on the current stream
-    at issue and one recorded after the wait, i.e. issue to completion on the stream timeline. The event
-    pairs are resolved lazily, when ``seconds`` or :meth:`as_dict` is read (or :meth:`CommStats.as_dict`):
-    that read blocks the host until the booked collectives are done, so read stats between steps, never
-    inside forward or backward.
-    ``waited``: the part the host spent blocked in the wait. Where a wait blocks the host (gloo, CPU tensors)
-    that is the *exposed* communication, the time the rank could not compute; on CUDA with NCCL the host
-    never blocks and it stays near zero: the profiler trace shows the GPU's side.
-    """
-
-    calls: int = 0
-    bytes: int = 0
-    wire_bytes: int = 0
-    waited: float = 0.0
-    _seconds: float = field(default=0.0, repr=False)
-    _events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
-
-    @property
-    def seconds(self) -> float:
-        self.resolve()
-        return self._seconds
-
-    def book(self, seconds: float) -> None:
-        """Add host-timed seconds (CPU meshes)."""
-        self._seconds += seconds
-
-    def book_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-        """Add the span between two CUDA events, resolved when read. Pairs the device has already passed
-        are resolved now without blocking (``query``), so stats that are never read hold a bounded list."""
-        self._events.append((start, end))
-        if len(self._events) > _MAX_PENDING_EVENTS:
-            while self._events and self._events[0][0].query() and self._events[0][1].query():
-                first, last = self._events.pop(0)
-                self._seconds += first.elapsed_time(last) / 1000.0
-
-    def resolve(self) -> None:
-        """Turn pending CUDA event pairs into seconds: blocks the host until their collectives are done."""
-        for start, end in self._events:
-            end.synchronize()  # returns at once for pairs the device has already passed
-            self._seconds += start.elapsed_time(end) / 1000.0  # milliseconds
-        self._events.clear()
-
-    def as_dict(self) -> dict[str, float]:
-        return {"calls": self.calls, "bytes": self.bytes, "wire_bytes": self.wire_bytes,
-                "seconds": round(self.seconds, 6), "waited": round(self.waited, 6)}
-
-
-# Unread CUDA event pairs kept per stats row before the completed ones are folded into seconds.
-_MAX_PENDING_EVENTS = 256
-
-
-@dataclass
-class CommStats:
-    """Per ``(group, op)`` totals since the last :meth:`reset`."""
-
-    ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
-
-    def record(self, group: str, op: str, nbytes: int, wire: int) -> OpStats:
-        s = self.ops[(group, op)]
-        s.calls += 1
-        s.bytes += nbytes
-        s.wire_bytes += wire
-        return s
-
-    def calls(self, group: str, op: str) -> int:
-        return self.ops[(group, op)].calls if (group, op) in self.ops else 0
-
-    def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
-        out: dict[str, dict[str, dict[str, float]]] = {}
-        for (g, op), s in sorted(self.ops.items()):
-            out.setdefault(g, {})[op] = s.as_dict()
-        return out
-
-    def reset(self) -> None:
-        self.ops.clear()
 
 
 class Handle:
@@ -129,7 +46,7 @@ class Handle:
         # runtime issues collectives only from hooks that run eagerly, so only user code tracing a Comm
         # call directly loses its seconds.
         self._start = None if torch.compiler.is_compiling() else time.perf_counter()
-        self._start_event = _recorded_event() if cuda_timed and stats is not None and self._start is not None \
+        self._start_event = recorded_event() if cuda_timed and stats is not None and self._start is not None \
             else None
         self._on_done = on_done
         self.done = work is None and on_done is None and not self._after
@@ -157,7 +74,7 @@ class Handle:
         if self._stats is not None and self._start_event is not None:
             # After the wait: the current stream now waits for the collective, so this event completes
             # only once it has. No host synchronisation here: the pair is resolved when the stats are read.
-            self._stats.book_events(self._start_event, _recorded_event())
+            self._stats.book_events(self._start_event, recorded_event())
             self._start_event = None
         elif self._stats is not None and self._start is not None:
             self._stats.book(time.perf_counter() - self._start)
@@ -169,46 +86,6 @@ class Handle:
         if self._on_done is not None:
             on_done, self._on_done = self._on_done, None
             on_done()
-
-
-def _recorded_event() -> torch.cuda.Event:
-    """A timing CUDA event recorded on the current stream (non-blocking)."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def divide_factors(n: int) -> tuple[float, float]:
-    """``(pre, post)`` with ``pre * post == n``: an fp16 average over ``n`` ranks divides each input by
-    ``pre``, sums, and divides the sum by ``post``.
-
-    Summing first overflows (fp16 tops out at 65504: four ranks' gradients of 20000 already do) and dividing
-    by ``n`` first flushes small gradients to zero (below 2**-24, fp16's smallest subnormal); splitting
-    the division about ``sqrt(n)`` halves both exposures. ``pre`` is the smallest power of two at least
-    ``sqrt(n)``, so the pre-division is exact outside the subnormal range (it need not divide ``n``) and
-    the sum of ``n`` pre-divided inputs stays within ``sqrt(n)`` times the largest one; ``post = n / pre``
-    (at most ``sqrt(n)``) is one rounding of the result.
-    """
-    if n < 1:
-        raise ValueError(f"an average needs at least one rank, got {n}")
-    pre = 1
-    while pre * pre < n:
-        pre *= 2
-    return float(pre), n / pre
-
-
-def split_average(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, n: int) -> tuple[dist.ReduceOp.RedOpType,
-                                                                                         float]:
-    """The op to issue on ``tensor`` and the divisor to apply to the result. An fp16 ``AVG`` becomes a
-    ``SUM`` of ``tensor`` pre-divided *in place* by :func:`divide_factors`' ``pre``, to be post-divided by
-    ``post``; every other op and dtype is issued as asked (bf16 and fp32 have fp32's range: the backend's
-    own average is safe and saves a kernel)."""
-    if op != dist.ReduceOp.AVG or tensor.dtype != torch.float16:
-        return op, 1.0
-    pre, post = divide_factors(n)
-    if pre != 1:
-        tensor.div_(pre)
-    return dist.ReduceOp.SUM, post
 
 
 def _divide(output: torch.Tensor, divisor: float) -> None:
