@@ -2,6 +2,7 @@
 
 In HSDP every rank (not every node) consumes a distinct batch: sharding splits the parameters, not the
 data. The data-parallel rank of a process is its global rank; the data-parallel size is the world size.
+With tensor parallelism the T ranks of one tensor-parallel group read the same batch: R x S readers.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ def data_parallel_rank(mesh: HSDPMesh | None = None) -> int:
 
 
 def data_parallel_size(mesh: HSDPMesh | None = None) -> int:
-    """How many ranks read distinct data: the world size (``1`` without a process group)."""
+    """How many ranks read distinct data: the world size, R x S under tensor parallelism (``1`` without a
+    process group)."""
     if mesh is not None:
-        return mesh.world_size
+        return mesh.data_parallel_size
     return dist.get_world_size() if dist.is_initialized() else 1
 
 

@@ -8,8 +8,10 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 from hsdp.engine.model import ShardedModel
+from hsdp.engine.runtime.layout import ShardLayout
 
 NonFinite = Literal["warn", "skip", "error"]
 
@@ -36,9 +38,12 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     # is sliced across replicas): count it once.
     first = model.mesh.shard_rank == 0 and (not sliced or model.mesh.replicate_rank == 0)
     counted = [p for p in model.sharded_params() if not p.layout.replicated or first]
-    grads = [g for g in (p.grad_local for p in counted) if g is not None]
+    # Tensor parallelism: a TP-split gradient's parts are summed over the tp group too; a TP-replicated one
+    # is whole on every tp rank and counted once.
+    split = [g for g in (p.grad_local for p in counted if _tp_split(p.layout)) if g is not None]
+    grads = [g for g in (p.grad_local for p in counted if not _tp_split(p.layout)) if g is not None]
     with model.comm.phase("hsdp.clip_grad_norm_"):
-        total = _total_norm(model, grads, float(norm_type), "world" if sliced else "shard")
+        total = _total_norm(model, grads, split, float(norm_type), "world" if sliced else "shard")
     if not torch.isfinite(total):
         _handle_nonfinite(model, total, on_nonfinite)
         return total
@@ -49,19 +54,32 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     return total
 
 
-def _total_norm(model: ShardedModel, grads: list[torch.Tensor], p: float, group: str) -> torch.Tensor:
+def _tp_split(layout: ShardLayout) -> bool:
+    return layout.tp is not None and isinstance(layout.tp.placement, Shard)
+
+
+def _total_norm(model: ShardedModel, grads: list[torch.Tensor], split: list[torch.Tensor], p: float,
+                group: str) -> torch.Tensor:
+    """The norm over ``group`` of ``grads`` and over ``group`` and the tp group of ``split`` (TP-split)."""
     device = model.mesh.device
     comm = model.comm
     if math.isinf(p):
-        local = torch.stack([g.detach().abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
+        every = grads + split
+        local = torch.stack([g.detach().abs().max() for g in every if g.numel()] or [torch.zeros((), device=device)])
         total = local.max().float().reshape(1)
         comm.all_reduce(total, group, op=dist.ReduceOp.MAX, label="grad norm")
+        comm.all_reduce(total, "tp", op=dist.ReduceOp.MAX, label="grad norm")
         return total[0]
-    local = torch.zeros(1, device=device, dtype=torch.float32)
-    for g in grads:
-        local += torch.linalg.vector_norm(g.detach(), p, dtype=torch.float32) ** p
-    comm.all_reduce(local, group, op=dist.ReduceOp.SUM, label="grad norm")
-    return local[0] ** (1.0 / p)
+    sums = torch.zeros(2, device=device, dtype=torch.float32)  # [TP-replicated or no TP, TP-split]
+    for i, part in enumerate((grads, split)):
+        for g in part:
+            sums[i] += torch.linalg.vector_norm(g.detach(), p, dtype=torch.float32) ** p
+    comm.all_reduce(sums, group, op=dist.ReduceOp.SUM, label="grad norm")
+    if split or comm.size("tp") > 1:  # every tp rank takes part, with or without split gradients of its own
+        tp_part = sums[1:].clone()
+        comm.all_reduce(tp_part, "tp", op=dist.ReduceOp.SUM, label="grad norm")
+        return (sums[0] + tp_part[0]) ** (1.0 / p)
+    return (sums[0] + sums[1]) ** (1.0 / p)
 
 
 def _handle_nonfinite(model: ShardedModel, total: torch.Tensor, on_nonfinite: NonFinite) -> None:

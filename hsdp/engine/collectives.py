@@ -3,7 +3,8 @@
 Routing every collective through :class:`Comm` is what lets hsdp count bytes per hop, time them, compress
 the inter-node hop, and verify in tests that all-gather and reduce-scatter never leave the shard group.
 
-Groups are named by their role: ``"shard"`` (intra-node), ``"replicate"`` (inter-node) and ``"world"``.
+Groups are named by their role: ``"shard"`` (intra-node), ``"replicate"`` (inter-node), ``"world"``, and on a
+3-D mesh ``"tp"`` (tensor parallelism, intra-node; hsdp uses it only for small control values such as norms).
 A group of one rank costs nothing: the collective degenerates to a local copy or a no-op.
 """
 
@@ -22,7 +23,7 @@ from hsdp.engine.averaging import split_average
 from hsdp.engine.comm_stats import CommStats, OpStats, recorded_event
 from hsdp.engine.mesh import HSDPMesh
 
-GROUPS = ("shard", "replicate", "world")
+GROUPS = ("shard", "replicate", "world", "tp")
 
 
 class Handle:
@@ -112,9 +113,10 @@ class Comm:
     def __init__(self, mesh: HSDPMesh) -> None:
         self.mesh = mesh
         self.stats = CommStats()
-        self._groups = {"shard": mesh.shard_group, "replicate": mesh.replicate_group, "world": None}
+        self._groups = {"shard": mesh.shard_group, "replicate": mesh.replicate_group, "world": None,
+                        "tp": mesh.tp_group}
         self._sizes = {"shard": mesh.sharding_degree, "replicate": mesh.replicate_degree,
-                       "world": mesh.world_size}
+                       "world": mesh.world_size, "tp": mesh.tp_degree}
         # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
         self._watchdog = mesh.watchdog
         self._gloo = dist.get_backend() == "gloo"  # inter-node reduce-scatter as all-to-all + sum (reduce_scatter)

@@ -1,9 +1,14 @@
-"""The replicate x shard process mesh: which ranks shard together and which replicate.
+"""The replicate x shard (x tp) process mesh: which ranks shard together, which replicate, which split layers.
 
 Rank layout: with world size W and sharding degree S, replica ``r`` is the row of consecutive ranks
 ``[r*S, (r+1)*S)``. torchrun numbers the ranks of one node consecutively, so with ``S`` equal to the ranks
 per node every shard group stays inside a node (fast links) and every replicate group spans the nodes
 (one rank per node, slow links).
+
+With tensor parallelism of degree T the mesh is 3-D, ``(R, S, T)`` row-major: the T ranks of one tensor-
+parallel group are adjacent (the fastest links, TP's activation traffic is on the critical path), shard
+groups stride over them inside the node, and replicate groups span the nodes. The T ranks of one group read
+the same batch: the data-parallel size is R x S.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from hsdp.engine.faults.launcher import watch_launcher
 from hsdp.engine.faults.watchdog import FaultPolicy, Watchdog, start_watchdog
 
 MESH_DIM_NAMES = ("replicate", "shard")
+TP_MESH_DIM_NAMES = ("replicate", "shard", "tp")
 # Read when sharding_degree is None; set per candidate layout by `hsdp tune`.
 SHARDING_DEGREE_ENV = "HSDP_SHARDING_DEGREE"
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -53,6 +59,27 @@ def validate_degree(world_size: int, sharding_degree: int) -> None:
         )
 
 
+def validate_tp_degree(world_size: int, sharding_degree: int, tp_degree: int, ranks_per_node: int,
+                       allow_cross_node_shards: bool = False) -> None:
+    """Raise ``ValueError`` naming the fix when ``(sharding_degree, tp_degree)`` cannot tile ``world_size``
+    with tensor-parallel groups inside a node (TP's activation traffic needs the fast links) and, unless
+    ``allow_cross_node_shards``, with shard groups inside a node too (``S x T <= ranks per node``)."""
+    if not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1:
+        raise ValueError(f"tensor_parallel_degree must be an int >= 1, got {tp_degree!r}")
+    if ranks_per_node % tp_degree:
+        fits = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
+        raise ValueError(f"tensor_parallel_degree={tp_degree} does not divide the {ranks_per_node} ranks per node: "
+                         f"a tensor-parallel group must lie inside one node; choose one of {fits}")
+    if world_size % tp_degree:
+        raise ValueError(f"world size {world_size} is not divisible by tensor_parallel_degree={tp_degree}")
+    validate_degree(world_size // tp_degree, sharding_degree)
+    if sharding_degree * tp_degree > ranks_per_node and not allow_cross_node_shards:
+        fit = max(1, ranks_per_node // tp_degree)
+        raise ValueError(f"sharding_degree={sharding_degree} x tensor_parallel_degree={tp_degree} is more than the "
+                         f"{ranks_per_node} ranks per node, so shard groups would cross the slow links: use "
+                         f"sharding_degree={fit}, or pass allow_cross_node_shards=True to init_mesh if you mean it")
+
+
 def rank_grid(world_size: int, sharding_degree: int) -> list[list[int]]:
     """Global ranks as ``R`` rows (replicas) of ``S`` consecutive ranks (one shard group each)."""
     validate_degree(world_size, sharding_degree)
@@ -65,20 +92,26 @@ def grid_position(rank: int, sharding_degree: int) -> tuple[int, int]:
     return divmod(rank, sharding_degree)
 
 
-def default_sharding_degree(world_size: int, env: Mapping[str, str] | None = None) -> int:
-    """``$HSDP_SHARDING_DEGREE`` when set (how ``hsdp tune`` tries each layout without editing the script),
-    else ranks per node: torchrun's ``LOCAL_WORLD_SIZE``, else the local GPU count, else the world."""
+def ranks_per_node(world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE``, else the local GPU count, else the world (at most the world)."""
     env = os.environ if env is None else env
-    if env.get(SHARDING_DEGREE_ENV):
-        return _degree_from_env(env[SHARDING_DEGREE_ENV], world_size)
     if "LOCAL_WORLD_SIZE" in env:
         local = int(env["LOCAL_WORLD_SIZE"])
     elif torch.cuda.is_available():
         local = torch.cuda.device_count()
     else:
         local = world_size
-    # A node can hold fewer ranks than it has GPUs; never exceed the world or break divisibility.
-    local = max(1, min(local, world_size))
+    # A node can hold fewer ranks than it has GPUs; never exceed the world.
+    return max(1, min(local, world_size))
+
+
+def default_sharding_degree(world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """``$HSDP_SHARDING_DEGREE`` when set (how ``hsdp tune`` tries each layout without editing the script),
+    else ranks per node: torchrun's ``LOCAL_WORLD_SIZE``, else the local GPU count, else the world."""
+    env = os.environ if env is None else env
+    if env.get(SHARDING_DEGREE_ENV):
+        return _degree_from_env(env[SHARDING_DEGREE_ENV], world_size)
+    local = ranks_per_node(world_size, env)
     if world_size % local:
         warnings.warn(f"{local} ranks per node do not divide the world size {world_size}: falling back to "
                       f"sharding_degree=1 (plain replication); pass sharding_degree= to choose", stacklevel=3)
@@ -133,11 +166,14 @@ def _degree_from_env(text: str, world_size: int) -> int:
 # ---------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HSDPMesh:
-    """A 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` and the groups hsdp communicates in.
+    """A ``DeviceMesh`` with dims ``("replicate", "shard")``, or ``("replicate", "shard", "tp")`` with tensor
+    parallelism, and the groups hsdp communicates in.
 
     ``shard_group`` holds the ranks that split each parameter (all-gather and reduce-scatter run there);
     ``replicate_group`` holds the ranks that own the same shard on other nodes (the gradient all-reduce
-    runs there).
+    runs there); ``tp_group`` (3-D only) holds the ranks that split each layer (torch's tensor parallelism,
+    ``parallelize_module`` on ``device_mesh["tp"]``); hsdp itself never communicates in it except to finish
+    a tensor-parallel gradient.
     """
 
     device_mesh: DeviceMesh
@@ -160,12 +196,31 @@ class HSDPMesh:
         return self.device_mesh.get_group("replicate")
 
     @property
+    def has_tp(self) -> bool:
+        """Whether the mesh has a ``"tp"`` dim (3-D), even of size 1."""
+        return self.device_mesh.ndim == 3
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group (``None`` on a 2-D mesh)."""
+        return self.device_mesh.get_group("tp") if self.has_tp else None
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D ``"tp"`` sub-mesh to give ``parallelize_module`` (``None`` on a 2-D mesh)."""
+        return self.device_mesh["tp"] if self.has_tp else None
+
+    @property
     def sharding_degree(self) -> int:
         return self.device_mesh.size(1)
 
     @property
     def replicate_degree(self) -> int:
         return self.device_mesh.size(0)
+
+    @property
+    def tp_degree(self) -> int:
+        return self.device_mesh.size(2) if self.has_tp else 1
 
     @property
     def shard_rank(self) -> int:
@@ -176,33 +231,45 @@ class HSDPMesh:
         return self.device_mesh.get_local_rank("replicate")
 
     @property
+    def tp_rank(self) -> int:
+        return self.device_mesh.get_local_rank("tp") if self.has_tp else 0
+
+    @property
     def rank(self) -> int:
         return dist.get_rank()
 
     @property
     def world_size(self) -> int:
+        return self.replicate_degree * self.sharding_degree * self.tp_degree
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks reading distinct data: R x S (the T ranks of a tensor-parallel group read the same batch)."""
         return self.replicate_degree * self.sharding_degree
 
     @property
     def data_parallel_rank(self) -> int:
-        """Every rank reads distinct data: shards split parameters, not the batch."""
+        """Shards split parameters, not the batch: every (replica, shard) position reads distinct data."""
         return self.replicate_rank * self.sharding_degree + self.shard_rank
 
     def __repr__(self) -> str:
+        tp = f", tp={self.tp_degree}" if self.has_tp else ""
         return (
-            f"HSDPMesh(replicate={self.replicate_degree}, shard={self.sharding_degree}, "
+            f"HSDPMesh(replicate={self.replicate_degree}, shard={self.sharding_degree}{tp}, "
             f"rank={self.rank}, device={self.device})"
         )
 
 
 def mesh_from_device_mesh(device_mesh: DeviceMesh) -> HSDPMesh:
-    """Accept a user's 2-D ``DeviceMesh``; its dim names must be ``("replicate", "shard")``."""
+    """Accept a user's 2-D ``DeviceMesh`` named ``("replicate", "shard")`` or 3-D one named ``("replicate",
+    "shard", "tp")``."""
     names = tuple(device_mesh.mesh_dim_names or ())
-    if device_mesh.ndim != 2 or names != MESH_DIM_NAMES:
+    if names not in (MESH_DIM_NAMES, TP_MESH_DIM_NAMES) or device_mesh.ndim != len(names):
         raise ValueError(
-            f"expected a 2-D DeviceMesh with mesh_dim_names={MESH_DIM_NAMES}, got ndim={device_mesh.ndim} "
-            f"and names={names or None}: build it with init_device_mesh(device_type, (R, S), "
-            f"mesh_dim_names=('replicate', 'shard'))"
+            f"expected a DeviceMesh with mesh_dim_names={MESH_DIM_NAMES} (or {TP_MESH_DIM_NAMES} with tensor "
+            f"parallelism), got ndim={device_mesh.ndim} and names={names or None}: build it with "
+            f"init_device_mesh(device_type, (R, S), mesh_dim_names=('replicate', 'shard')) or "
+            f"(R, S, T) with ('replicate', 'shard', 'tp'), or use hsdp.init_mesh"
         )
     return HSDPMesh(device_mesh)
 
@@ -222,16 +289,23 @@ def _init_process_group(timeout: timedelta) -> None:
 def init_mesh(
     sharding_degree: int | None = None,
     *,
+    tensor_parallel_degree: int | None = None,
+    allow_cross_node_shards: bool = False,
     device_mesh: DeviceMesh | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     fault_policy: FaultPolicy | None = DEFAULT_FAULT_POLICY,
 ) -> HSDPMesh:
-    """Build the replicate x shard mesh, initialising the default process group when needed.
+    """Build the replicate x shard mesh (x tp with ``tensor_parallel_degree``), initialising the default
+    process group when needed.
 
     ``sharding_degree`` defaults to ``$HSDP_SHARDING_DEGREE`` when set (``hsdp tune`` sets it per candidate
-    layout), else to the ranks per node, which keeps all-gather and reduce-scatter on the fast intra-node
-    links. An explicit argument always wins over the variable. ``1`` is plain replication (DDP semantics);
-    the world size is full sharding.
+    layout), else to the ranks per node (divided by ``tensor_parallel_degree``), which keeps all-gather and
+    reduce-scatter on the fast intra-node links. An explicit argument always wins over the variable. ``1`` is
+    plain replication (DDP semantics); the world size is full sharding.
+    ``tensor_parallel_degree=T`` (``None``: no tp dim) builds a 3-D mesh ``("replicate", "shard", "tp")`` with
+    the T ranks of a tensor-parallel group adjacent; T must divide the ranks per node, and S x T may exceed
+    them only with ``allow_cross_node_shards=True``. Parallelize the model's layers on ``mesh.tp_mesh`` with
+    ``torch.distributed.tensor.parallel.parallelize_module`` (e.g. ``hsdp.tp_plans``) before wrapping it.
     Every check runs before any collective, so a bad value fails on every rank instead of hanging. A degree
     whose shard groups straddle nodes (torchrun's ``LOCAL_WORLD_SIZE`` ranks per node) warns, naming the
     override (:func:`node_crossing_warning`).
@@ -240,6 +314,9 @@ def init_mesh(
     if device_mesh is not None:
         mesh = mesh_from_device_mesh(device_mesh)
         check_degree_agrees(sharding_degree, mesh)
+        if tensor_parallel_degree is not None and tensor_parallel_degree != mesh.tp_degree:
+            raise ValueError(f"tensor_parallel_degree={tensor_parallel_degree} disagrees with the DeviceMesh's "
+                             f"tp dim ({mesh.tp_degree}): pass only one of them")
         if fault_policy is None:
             return mesh
         watchdog = start_watchdog(fault_policy)
@@ -247,23 +324,41 @@ def init_mesh(
         return HSDPMesh(mesh.device_mesh, watchdog)
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
-        if sharding_degree is not None and world_size is not None:
-            validate_degree(world_size, sharding_degree)
+        if world_size is not None and (sharding_degree is not None or tensor_parallel_degree is not None):
+            mesh_shape(world_size, sharding_degree, tensor_parallel_degree, allow_cross_node_shards)
         _init_process_group(timeout)
-    world_size = dist.get_world_size()
-    degree = default_sharding_degree(world_size) if sharding_degree is None else sharding_degree
-    validate_degree(world_size, degree)
-    crossing = node_crossing_warning(world_size, degree, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if crossing:  # a warning, not an error: it runs, only slower than the same degree aligned to nodes
-        warnings.warn(crossing, stacklevel=2)
+    shape = mesh_shape(dist.get_world_size(), sharding_degree, tensor_parallel_degree, allow_cross_node_shards)
     device_type = device_type_for(str(dist.get_backend()), torch.cuda.is_available())
     if device_type == "cuda" and "LOCAL_RANK" in os.environ:
         # Also when the caller created the process group: each rank's collectives and tensors on its own GPU.
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     watch_launcher(watchdog)  # a rank whose launcher dies ends too (hsdp.engine.faults.launcher)
-    dm = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=MESH_DIM_NAMES)
-    return HSDPMesh(dm, watchdog)
+    names = MESH_DIM_NAMES if len(shape) == 2 else TP_MESH_DIM_NAMES
+    return HSDPMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), watchdog)
+
+
+def mesh_shape(world_size: int, sharding_degree: int | None, tp_degree: int | None,
+               allow_cross_node_shards: bool = False, env: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """``(R, S)``, or ``(R, S, T)`` when ``tp_degree`` is given, validated (``ValueError`` naming the fix);
+    warns when shard groups straddle nodes. Pure: the ranks per node come from ``env`` (default the process's)."""
+    env = os.environ if env is None else env
+    local = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    if tp_degree is None:
+        degree = default_sharding_degree(world_size, env) if sharding_degree is None else sharding_degree
+        validate_degree(world_size, degree)
+        crossing = node_crossing_warning(world_size, degree, local)
+        if crossing:  # a warning, not an error: it runs, only slower than the same degree aligned to nodes
+            warnings.warn(crossing, stacklevel=3)
+        return (world_size // degree, degree)
+    local = ranks_per_node(world_size, env)
+    validate_tp_degree(world_size, sharding_degree or 1, tp_degree, local, allow_cross_node_shards)
+    if sharding_degree is None:
+        from_env = env.get(SHARDING_DEGREE_ENV)
+        sharding_degree = _degree_from_env(from_env, world_size // tp_degree) if from_env \
+            else max(1, local // tp_degree)
+        validate_tp_degree(world_size, sharding_degree, tp_degree, local, allow_cross_node_shards)
+    return (world_size // (sharding_degree * tp_degree), sharding_degree, tp_degree)
 
 
 def check_degree_agrees(sharding_degree: int | None, mesh: HSDPMesh) -> None:

@@ -22,9 +22,10 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hsdp.engine.collectives import Comm
-from hsdp.engine.hops import ReplicaHop, can_scatter
+from hsdp.engine.hops import AllReduceHop, ReplicaHop, can_scatter
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
 from hsdp.engine.runtime.buffers import move_buffers
@@ -33,6 +34,7 @@ from hsdp.engine.runtime.replica_slice import SliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.state import HSDPState
 from hsdp.engine.runtime.unit import ShardUnit
+from hsdp.engine.tensor_parallel import check_tp_params, tp_split
 from hsdp.engine.wrap import ParamAssignment, WrapPolicy, assign_params, select_unit_modules
 
 
@@ -114,6 +116,8 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
         by_owner[id(a.owner)].append(a)
     # Every check above and here runs before the first collective below.
     _check_meta(assignments)  # devices need no check: every non-meta parameter goes to the mesh's device
+    check_tp_params([(a.slots[0].fqn, a.param) for a in assignments], mesh)
+    _check_tp_options(mesh, options, assignments)
 
     comm = Comm(mesh)
     prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
@@ -122,7 +126,7 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
     # parameters, not the model's.
     for m in unit_modules:
         assigned = by_owner[id(m)]
-        values = _broadcast_from_rank0(comm, [a.param for a in assigned], mesh.device)
+        values = _broadcast_params(comm, [a.param for a in assigned], mesh.device)
         value_of = {id(a.param): v for a, v in zip(assigned, values, strict=True)}
         for i, group in enumerate(_dtype_groups(assigned)):
             key = _unit_key(prefixes[id(m)].rstrip("."), i, group[0].param.dtype)
@@ -163,6 +167,37 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
         )
 
 
+def _check_tp_options(mesh: HSDPMesh, options: UnitOptions, assignments: list[ParamAssignment]) -> None:
+    """What tensor parallelism does not compose with yet, refused before any collective."""
+    if mesh.tp_degree == 1:
+        return
+    if options.shard_optimizer_across_replicas:
+        raise ValueError("shard_optimizer_across_replicas is not supported with tensor parallelism yet: turn it "
+                         "off, or use tensor_parallel_degree=1")
+    if not isinstance(options.replica_hop, AllReduceHop):
+        raise ValueError(f"{type(options.replica_hop).__name__} is not supported with tensor parallelism yet: use "
+                         f"hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes)")
+    if any(a.param.is_meta for a in assignments):
+        raise ValueError("a tensor-parallel model built on the meta device cannot be materialized by hsdp yet: build "
+                         "it on the CPU (or GPU), parallelize it, then wrap it")
+
+
+def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Rank 0's values of plain parameters (a world broadcast); tensor-parallel ones (DTensors) differ by tp
+    rank, so theirs come from the first rank of their own tp coordinate (replica 0, shard 0): one broadcast
+    across replicas, then one in the shard group. Returns TP-local values."""
+    out = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    tp = [i for i, p in enumerate(params) if isinstance(p, DTensor)]
+    plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+    for indices, groups in ((plain, ("world",)), (tp, ("replicate", "shard"))):
+        values = [out[i] for i in indices]
+        for group in groups:
+            values = _broadcast_from_rank0(comm, values, device, group)
+        for i, v in zip(indices, values, strict=True):
+            out[i] = v
+    return out
+
+
 def _own_buffers(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:
     """The buffers the new root owns: all but those of nested wrappers (ids in ``skip``)."""
     return [b for b in module.buffers() if id(b) not in skip]
@@ -175,7 +210,8 @@ def _cast_buffers(module: nn.Module, skip: set[int], dtype: torch.dtype) -> None
                 m._buffers[name] = b.to(dtype)
 
 
-def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor], device: torch.device,
+                          group: str = "world") -> list[torch.Tensor]:
     """Replicas start identical: rank 0's value of each of ``tensors``, one flat broadcast per dtype staged
     on ``device`` (the mesh's). A tensor on ``device`` is overwritten in place and returned; one elsewhere
     (a CPU-built model on a GPU mesh) is left as it was and its value returned as a view into the staged
@@ -183,7 +219,7 @@ def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor], device: torch
     returned as they are (``hsdp.materialize`` initialises them identically on every rank). A world of one
     sends nothing and returns ``tensors``."""
     out = list(tensors)
-    if comm.size("world") == 1:
+    if comm.size(group) == 1:
         return out
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -192,16 +228,21 @@ def _broadcast_from_rank0(comm: Comm, tensors: list[torch.Tensor], device: torch
     with torch.no_grad():
         for dtype, indices in groups.items():
             flat, views = _staged([tensors[i] for i in indices], dtype, device)
-            if comm.mesh.rank == 0:  # the other ranks' values are overwritten: not worth a host-to-device copy
+            if _group_rank(comm, group) == 0:  # the others' values are overwritten: not worth a copy to the device
                 for i, view in zip(indices, views, strict=True):
                     view.copy_(tensors[i].detach())
-            comm.broadcast(flat, 0, "world")
+            comm.broadcast(flat, 0, group)
             for i, view in zip(indices, views, strict=True):
                 if tensors[i].device == device:
                     tensors[i].copy_(view)
                 else:
                     out[i] = view
     return out
+
+
+def _group_rank(comm: Comm, group: str) -> int:
+    mesh = comm.mesh
+    return {"world": mesh.rank, "replicate": mesh.replicate_rank, "shard": mesh.shard_rank, "tp": mesh.tp_rank}[group]
 
 
 def _staged(tensors: list[torch.Tensor], dtype: torch.dtype,
@@ -215,16 +256,21 @@ def _staged(tensors: list[torch.Tensor], dtype: torch.dtype,
     return flat, views
 
 
+def _sharded_param(a: ParamAssignment, mesh: HSDPMesh, policy: MixedPrecision) -> ShardedParam:
+    """The sharded face of one parameter: of its TP-local tensor when tensor parallelism split it."""
+    tp = tp_split(a.param, mesh)
+    local_shape = tuple(a.param.to_local().shape) if isinstance(a.param, DTensor) else tuple(a.param.shape)
+    layout = ShardLayout(local_shape, mesh.sharding_degree, mesh.shard_rank, tp)
+    tp_mesh = mesh.tp_mesh if isinstance(a.param, DTensor) else None
+    return ShardedParam(a.slots, a.param, layout, policy.compute(a.param.dtype), tp_mesh)
+
+
 def _build_unit(module: nn.Module, assigned: list[ParamAssignment], values: list[torch.Tensor], comm: Comm,
                 mesh: HSDPMesh, options: UnitOptions, key: str) -> ShardUnit:
     """One unit of ``assigned`` (one dtype); ``values`` are rank 0's full values of the parameters (any
     device): each rank copies its chunks of them into the unit's flat shard buffer on the mesh's device."""
     policy = options.mixed_precision
-    params = [
-        ShardedParam(a.slots, a.param, ShardLayout(tuple(a.param.shape), mesh.sharding_degree, mesh.shard_rank),
-                     policy.compute(a.param.dtype))
-        for a in assigned
-    ]
+    params = [_sharded_param(a, mesh, policy) for a in assigned]
     if options.shard_optimizer_across_replicas and mesh.replicate_degree > 1:  # R = 1: nothing to split
         for p in params:
             p.slice = SliceLayout(p.layout, mesh.replicate_degree, mesh.replicate_rank)

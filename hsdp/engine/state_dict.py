@@ -11,8 +11,8 @@ from hsdp.engine.model import ShardedModel
 def full_state_dict(model: ShardedModel, *, cpu: bool = True) -> dict[str, torch.Tensor]:
     """The unwrapped model's state dict, original keys and shapes, on global rank 0; ``{}`` elsewhere.
 
-    A collective: every rank must call it. Only the ranks of replica 0 gather (their shard group holds
-    rank 0); other replicas return at once, so no inter-node bytes are spent.
+    A collective: every rank must call it. Only the ranks of replica 0 gather (their shard group, and tp group
+    under tensor parallelism, hold rank 0); other replicas return at once, so no inter-node bytes are spent.
     """
     if not isinstance(model, ShardedModel):
         raise ValueError("full_state_dict expects a ShardedModel; a plain module's state_dict() is already full")
@@ -28,7 +28,7 @@ def _gather_on_rank0(model: ShardedModel, cpu: bool) -> dict[str, torch.Tensor]:
     full: dict[int, torch.Tensor] = {}
     for unit in model.units:
         for p, tensor in zip(unit.params, unit.gathered_full(), strict=True):
-            full[id(p.sharded)] = tensor
+            full[id(p.sharded)] = p.full_tensor(tensor)  # under tensor parallelism: a tp all-gather too
     if mesh.rank != 0:
         return {}
     local = nn.Module.state_dict(model, keep_vars=True)  # original keys and order; sharded values

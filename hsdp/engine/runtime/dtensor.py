@@ -73,19 +73,41 @@ def _with_local(outer: DTensor, local: torch.Tensor) -> DTensor:
     return outer
 
 
+def tp_dtensor(local: torch.Tensor, tp_mesh: DeviceMesh, placement: Placement,
+               full_shape: tuple[int, ...]) -> DTensor:
+    """``local`` (a TP-local tensor) as the DTensor tensor parallelism computes with; no copy, no collective."""
+    return DTensor.from_local(local, tp_mesh, (placement,), run_check=False, shape=torch.Size(full_shape),
+                              stride=contiguous_stride(tuple(full_shape)))
+
+
+def tp_local(grad: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """A tensor-parallel parameter's gradient as its TP-local tensor in the parameter's own ``placement``.
+
+    A replicated parameter used on sequence-sharded activations (sequence parallel norms) gets a ``Partial``
+    gradient: redistributing it is DTensor's all-reduce in the tp group, the one collective hsdp lets torch
+    issue (TP's own communication, inside the node)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if tuple(grad.placements) != (placement,):
+        grad = grad.redistribute(placements=(placement,))
+    local = grad.to_local()
+    wait = getattr(local, "wait", None)  # an AsyncCollectiveTensor from the redistribute
+    return wait() if callable(wait) else local
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local chunk, a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def replicated_dtensor(local: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
-    """``local`` as a DTensor whole on every rank (placements ``(Replicate(), Replicate())``); no copy."""
-    return DTensor.from_local(local, device_mesh, (Replicate(), Replicate()), run_check=False)
+    """``local`` as a DTensor whole on every rank (``Replicate()`` on every mesh dim); no copy."""
+    return DTensor.from_local(local, device_mesh, (Replicate(),) * device_mesh.ndim, run_check=False)
 
 
 def is_hsdp_layout(value: DTensor, layout: ShardLayout) -> bool:
     """Whether ``value`` is already sharded the way ``layout`` says (its local tensor can be used as is)."""
-    return (tuple(value.placements) == layout.placements and tuple(value.shape) == layout.global_shape
+    return (tuple(value.placements) == layout.placements and tuple(value.shape) == layout.dtensor_shape
             and tuple(value.to_local().shape) == layout.local_shape)
 
 
@@ -97,8 +119,8 @@ def local_chunk(value: Any, layout: ShardLayout) -> Any:
         if is_hsdp_layout(value, layout):
             return value.to_local()
         value = value.full_tensor()
-    if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.global_shape:
-        return layout.chunk(value)
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.dtensor_shape:
+        return layout.chunk_of_full(value)
     return value
 
 
@@ -109,7 +131,7 @@ def as_sharded(value: Any, layout: ShardLayout, device_mesh: DeviceMesh) -> Any:
     local = local_chunk(value, layout)
     if local is value or not isinstance(local, torch.Tensor):
         return value
-    return to_sharded_dtensor(local, device_mesh, layout.global_shape, layout.placements)
+    return to_sharded_dtensor(local, device_mesh, layout.dtensor_shape, layout.placements)
 
 
 def as_sharded_state(value: Any, layout: ShardLayout, device_mesh: DeviceMesh, replicated: bool = False) -> Any:
@@ -130,6 +152,10 @@ def as_sharded_state(value: Any, layout: ShardLayout, device_mesh: DeviceMesh, r
     shape = tuple(value.shape)
     if replicated:
         return replicated_dtensor(value.clone(), device_mesh)
+    if layout.tp is not None:  # tensor parallelism: only states of the parameter's own shape are sharded
+        if shape != layout.dtensor_shape:
+            return value
+        return to_sharded_dtensor(layout.chunk_of_full(value).clone(), device_mesh, shape, layout.placements)
     if len(shape) != len(layout.global_shape) or shape[0] != layout.rows:
         return value
     own = ShardLayout(shape, layout.sharding_degree, layout.shard_rank)

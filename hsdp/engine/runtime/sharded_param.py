@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.engine.runtime.dtensor import local_of, sharded_parameter, to_sharded_dtensor
+from hsdp.engine.runtime.dtensor import local_of, sharded_parameter, to_sharded_dtensor, tp_dtensor, tp_local
 from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.replica_slice import SliceLayout
 
@@ -40,11 +40,15 @@ class ShardedParam:
     same layout over a view of the reduction output.
     ``unsharded`` has the original shape and takes part in autograd during forward and backward; its
     storage is a view into a padded buffer of ``S * padded_numel`` elements that is freed between uses.
-    It is a plain tensor: the module's own forward code never sees a DTensor.
+    It is a plain tensor: the module's own forward code never sees a DTensor, except under tensor
+    parallelism: a parameter that ``parallelize_module`` made a DTensor on the tp mesh (``tp_mesh`` given)
+    keeps that face, its TP-local tensor gathered by hsdp (the modules' TP hooks compute with it), and its
+    gradient is brought to the parameter's own tp placement (a ``Partial`` sum is all-reduced in the tp group
+    by DTensor) before hsdp reduces the TP-local part.
     """
 
     def __init__(self, slots: list[ParamSlot], original: nn.Parameter, layout: ShardLayout,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, tp_mesh: DeviceMesh | None = None) -> None:
         self.slots = slots
         self.fqn = slots[0].fqn
         self.layout = layout
@@ -54,6 +58,8 @@ class ShardedParam:
         self.dtype = original.dtype
         self.device = original.device
         self.compute_dtype = compute_dtype or original.dtype
+        # The tp sub-mesh when the module computes with a DTensor face (tensor-parallel parameter), else None.
+        self.tp_mesh = tp_mesh
         # Set when the optimizer state is sharded across replicas too: the rows of the chunk this replica
         # reduces and steps (``replica_slice.py``); ``None``: it steps the whole chunk.
         self.slice: SliceLayout | None = None
@@ -72,6 +78,9 @@ class ShardedParam:
             self.layout.sharding_degree * self.layout.padded_numel, dtype=compute_dtype, device=self.device
         )
         full = self.unsharded_padded[: math.prod(self.layout.global_shape)].view(self.layout.global_shape)
+        if self.tp_mesh is not None:
+            assert self.layout.tp is not None
+            full = tp_dtensor(full, self.tp_mesh, self.layout.tp.placement, self.layout.tp.full_shape)
         self.unsharded = nn.Parameter(full, requires_grad=requires_grad)
         self.free_unsharded()
 
@@ -84,7 +93,7 @@ class ShardedParam:
         """Make the sharded parameter a DTensor over a view of the unit's flat buffer slot."""
         self.device_mesh = device_mesh
         self.sharded_local = flat_view[: self.layout.local_numel].view(self.layout.local_shape)
-        self.sharded = sharded_parameter(self.sharded_local, device_mesh, self.layout.global_shape,
+        self.sharded = sharded_parameter(self.sharded_local, device_mesh, self.layout.dtensor_shape,
                                          self.requires_grad, self.layout.placements)
 
     def rebind(self, flat_view: torch.Tensor, device_mesh: DeviceMesh, compute_dtype: torch.dtype,
@@ -124,7 +133,7 @@ class ShardedParam:
 
     def to_dtensor(self, local: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like this rank's chunk, as a DTensor of the parameter's global shape."""
-        return to_sharded_dtensor(local, self.device_mesh, self.layout.global_shape, self.layout.placements)
+        return to_sharded_dtensor(local, self.device_mesh, self.layout.dtensor_shape, self.layout.placements)
 
     # -- what the optimizer steps: the chunk, or this replica's slice of it ------------------------------
     @property
@@ -140,7 +149,7 @@ class ShardedParam:
         """A tensor shaped like :attr:`opt_local` (a gradient, a moment) as a DTensor of the global shape."""
         if self.slice is None:
             return self.to_dtensor(local)
-        return to_sharded_dtensor(local, self.device_mesh, self.layout.global_shape, self.slice.placements)
+        return to_sharded_dtensor(local, self.device_mesh, self.layout.dtensor_shape, self.slice.placements)
 
     # -- the sharded gradient ----------------------------------------------------------------------------
     @property
@@ -170,7 +179,7 @@ class ShardedParam:
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Detach the unsharded gradient (plus any fp32 sum from unsynced micro-batches)."""
-        grad, self.unsharded.grad = self.unsharded.grad, None
+        grad, self.unsharded.grad = self._local_grad(), None
         if self.grad_acc is not None:
             acc, self.grad_acc = self.grad_acc, None
             grad = acc if grad is None else acc.add_(grad)
@@ -178,13 +187,30 @@ class ShardedParam:
 
     def accumulate_unsharded_grad(self) -> None:
         """Move the unsharded gradient into the fp32 sum (no communication this micro-batch)."""
-        grad, self.unsharded.grad = self.unsharded.grad, None
+        grad, self.unsharded.grad = self._local_grad(), None
         if grad is None:
             return
         if self.grad_acc is None:
             self.grad_acc = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
         else:
             self.grad_acc.add_(grad)
+
+    def _local_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient as the tensor hsdp reduces: itself, or under tensor parallelism the
+        TP-local part of the parameter's own tp placement."""
+        grad = self.unsharded.grad
+        if grad is None or self.tp_mesh is None:
+            return grad
+        assert self.layout.tp is not None
+        return tp_local(grad, self.layout.tp.placement)
+
+    def full_tensor(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full parameter from its all-gathered (TP-local) value: under tensor parallelism an all-gather in
+        the tp group (DTensor's), else ``gathered`` itself."""
+        if self.tp_mesh is None:
+            return gathered
+        assert self.layout.tp is not None
+        return tp_dtensor(gathered, self.tp_mesh, self.layout.tp.placement, self.layout.tp.full_shape).full_tensor()
 
     def free_unsharded(self) -> None:
         self.unsharded_padded.untyped_storage().resize_(0)
