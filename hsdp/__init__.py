@@ -49,6 +49,11 @@ _EXPORTS = {
     "load_pretrained": "hsdp.engine.init",
     "materialize": "hsdp.engine.init",
 }
+# Public submodules (``hsdp.tp_plans.gpt_plan``), imported on first use like the names above; not in
+# __all__, which lists the classes and functions.
+_SUBMODULES = {
+    "tp_plans": "hsdp.models.tp_plans",
+}
 
 if TYPE_CHECKING:
     from hsdp.checkpoint import (
@@ -74,19 +79,22 @@ if TYPE_CHECKING:
     from hsdp.engine.preemption import PreemptionGuard
     from hsdp.engine.replicas import ReplicaDivergence
     from hsdp.engine.state_dict import full_state_dict
+    from hsdp.models import tp_plans as tp_plans
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'hsdp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
 
 
 __version__ = "0.1.0"

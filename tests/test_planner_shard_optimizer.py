@@ -103,7 +103,8 @@ def test_plan_uses_the_option_when_it_lets_the_node_layout_fit(capsys: pytest.Ca
     # fastest with less inter-node traffic than the layouts whose shard groups span nodes.
     assert main([*H100_70B, "--json", "-"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["recommended"] == {"replicate": 64, "shard": 8, "shard_optimizer_across_replicas": True}
+    assert plan["recommended"] == {"replicate": 64, "shard": 8, "tensor_parallel": 1,
+                                   "shard_optimizer_across_replicas": True}
     s8 = next(e for e in plan["layouts"] if e["shard"] == 8)
     plain = next(e for e in plan["alternatives"] if e["shard"] == 8)
     assert s8["fits"] and not plain["fits"] and not plain["shard_optimizer_across_replicas"]
@@ -124,7 +125,8 @@ def test_ties_go_to_the_plainer_setting(capsys: pytest.CaptureFixture) -> None:
             "--micro-batches", "4"]
     assert main([*args, "--json", "-"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["recommended"] == {"replicate": 16, "shard": 8, "shard_optimizer_across_replicas": False}
+    assert plan["recommended"] == {"replicate": 16, "shard": 8, "tensor_parallel": 1,
+                                   "shard_optimizer_across_replicas": False}
     sliced = next(e for e in plan["alternatives"] if e["shard"] == 8)
     assert sliced["fits"] and sliced["step"]["inter_node_bytes"] > 1.4 * plan["layouts"][3]["step"]["inter_node_bytes"]
     assert any("would give model state" in r and "not used: slower here" in r for r in plan["reasons"])

@@ -186,7 +186,8 @@ def test_hsdp_plan_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) 
             "--shard-optimizer-across-replicas", "off"]
     assert main([*args, "--json", "-"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["recommended"] == {"replicate": 16, "shard": 8, "shard_optimizer_across_replicas": False}
+    assert plan["recommended"] == {"replicate": 16, "shard": 8, "tensor_parallel": 1,
+                                   "shard_optimizer_across_replicas": False}
     assert len(plan["layouts"]) == 8
     assert main([*args, "--plot", str(tmp_path / "p.png")]) == 0
     assert "Recommended" in capsys.readouterr().out and (tmp_path / "p.png").stat().st_size > 0
@@ -238,7 +239,8 @@ def test_hsdp_plan_breaks_ties_toward_the_smallest_shard_degree(capsys: pytest.C
     fitting = [e for e in plan["layouts"] if e["fits"]]
     fastest = min(fitting, key=lambda e: e["step"]["step_s"])
     assert [e["shard"] for e in fitting] == [32, 64, 128, 256, 512] and fastest["shard"] == 64
-    assert plan["recommended"] == {"replicate": 16, "shard": 32, "shard_optimizer_across_replicas": False}  # not 1x512
+    assert plan["recommended"] == {"replicate": 16, "shard": 32, "tensor_parallel": 1,
+                                   "shard_optimizer_across_replicas": False}  # not 1x512
     assert main([*H100_70B, *off, "--activation-checkpointing"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # undo the terminal's line wrapping
     assert "Recommended: 16x32 (S=32" in text and "8x64 (S=64, HSDP, shard > node) is 0.02% faster" in text

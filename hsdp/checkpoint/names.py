@@ -66,7 +66,7 @@ def sharded_param_of(path: tuple, shape: tuple[int, ...], params: dict[str, Shar
     if len(path) < 3 or path[0] != OPTIM or path[1] not in PER_PARAM:
         return None
     p = params.get(str(path[2]))
-    if p is None or not shape or tuple(shape) != p.layout.global_shape:
+    if p is None or not shape or tuple(shape) != p.layout.dtensor_shape:
         return None
     return p
 

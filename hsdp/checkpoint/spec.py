@@ -155,7 +155,7 @@ def _check_state(where: str, saved: list[Entry], optimizer: ShardedOptimizer, pa
         # (Adafactor's row and column variances) has other shapes, resharded by ShardedOptimizer itself.
         if e.is_tensor and e.shape and elementwise and sharded_param_of(e.path, e.shape, params) is None:
             raise ValueError(f"checkpoint {where}: optimizer state {e.key} has shape {e.shape}, the parameter "
-                             f"{params[name].layout.global_shape}: the checkpoint is of another model")
+                             f"{params[name].layout.dtensor_shape}: the checkpoint is of another model")
         state.setdefault(params[name].fqn, set()).add(str(e.path[3]))
     for fqn, names in live_state_names(optimizer).items():
         if fqn in state and state[fqn] != names:

@@ -58,7 +58,7 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
             out.add(t["key"], torch.empty(shape, dtype=dtype, device=device))
         else:
             local = torch.empty(p.layout.local_shape, dtype=dtype, device=device)
-            out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, shape))
+            out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, shape, p.layout.placements))
     return out
 
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import AllReduceHop, ReplicaHop, can_scatter
@@ -183,13 +183,14 @@ def _check_tp_options(mesh: HSDPMesh, options: UnitOptions, assignments: list[Pa
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Rank 0's values of plain parameters (a world broadcast); tensor-parallel ones (DTensors) differ by tp
-    rank, so theirs come from the first rank of their own tp coordinate (replica 0, shard 0): one broadcast
-    across replicas, then one in the shard group. Returns TP-local values."""
+    """Replicas start identical: rank 0's values of whole parameters (plain, or ``Replicate()`` on the tp mesh),
+    a world broadcast; a tensor-parallel piece (``Shard(d)`` on the tp mesh) differs by tp rank, so it comes
+    from the first rank of its own tp coordinate (replica 0, shard 0): one broadcast across replicas, then
+    one in the shard group. Returns TP-local values."""
     out = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-    tp = [i for i, p in enumerate(params) if isinstance(p, DTensor)]
-    plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
-    for indices, groups in ((plain, ("world",)), (tp, ("replicate", "shard"))):
+    split = [i for i, p in enumerate(params) if isinstance(p, DTensor) and isinstance(p.placements[0], Shard)]
+    whole = [i for i in range(len(params)) if i not in set(split)]
+    for indices, groups in ((whole, ("world",)), (split, ("replicate", "shard"))):
         values = [out[i] for i in indices]
         for group in groups:
             values = _broadcast_from_rank0(comm, values, device, group)

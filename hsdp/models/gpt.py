@@ -57,24 +57,35 @@ def preset(name: str) -> GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``.
+
+    ``q``, ``k`` and ``v`` are separate ``n_embd -> n_embd`` projections rather than one packed ``3 * n_embd``
+    matrix, so a column-wise tensor-parallel split of each gives every rank whole heads of all three (a split
+    of the packed rows would hand rank 0 all of q and half of k). The head count is read from the
+    projection's output width (``head_dim`` is fixed), so the same forward runs unsharded and with q/k/v
+    column-parallel and ``proj`` row-parallel, each rank then computing its local heads
+    (:func:`hsdp.models.tp_plans.gpt_plan`). The function, parameter count and initialization are those of
+    the packed form: ``q``, ``k``, ``v`` are its three row blocks.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        # (B, T, C) -> (B, H, T, C/H): heads become a batch dimension for the attention kernel.
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # (B, T, H*D) -> (B, H, T, D): heads become a batch dimension for the attention kernel. H is -1: the
+        # local head count, all heads unsharded, H / T under tensor parallelism.
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_drop(self.proj(y))
 
 

@@ -58,9 +58,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``plan`` on ``subparsers``."""
     p = subparsers.add_parser("plan", help="predict memory and step time of every shard degree; recommend one",
-                              description="Estimate every (replicate, shard) layout of a cluster and recommend "
-                                          "the fastest that fits, with reasons (layouts within 1% are tied; "
-                                          "ties go to the least inter-node traffic).",
+                              description="Estimate every (replicate, shard, tensor parallel) layout of a cluster "
+                                          "and recommend the fastest that fits, with reasons (layouts within 1% "
+                                          "are tied; ties go to the least inter-node traffic).",
                               epilog=PLAN_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="a model size or preset, e.g. 7b, 70b, gpt2-124m")
     p.add_argument("--layers", type=int, default=None, help="a custom decoder instead: blocks (with --hidden)")
@@ -88,6 +88,9 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="memory kept free")
     p.add_argument("--degrees", default=None, help="comma list of shard degrees (default: every divisor)")
+    p.add_argument("--tp", default="1",
+                   help="tensor parallel degree T: a number forces it (default 1: no tensor parallelism); auto "
+                        "considers every divisor of --gpus-per-node, with S x T inside a node, and picks T with S")
     p.add_argument("--plot", metavar="FILE", help="write memory and step time against shard degree (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': stdout, no table)")
     p.set_defaults(func=run_plan)
@@ -109,6 +112,16 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
 def options_from_args(args: argparse.Namespace) -> TrainOptions:
     return TrainOptions(precision(args.precision), args.micro_batches, not args.no_reshard_after_forward,
                         args.inter_node_dtype, args.sync, activation_checkpointing=args.activation_checkpointing)
+
+
+def parse_tp(text: str, gpus_per_node: int) -> list[int]:
+    """``--tp``: ``auto`` (every divisor of the ranks per node) or one degree."""
+    if text == "auto":
+        return [t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0]
+    try:
+        return [int(text)]
+    except ValueError:
+        raise ValueError(f"--tp {text!r}: give auto or an integer, e.g. --tp 2") from None
 
 
 def parse_degrees(text: str | None) -> list[int] | None:
@@ -143,7 +156,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     model, profile = model_from_args(args)
     return make_plan(model, cluster_from_args(args), options_from_args(args), profile,
                      degrees=parse_degrees(args.degrees), headroom=args.headroom,
-                     shard_optimizer=args.shard_optimizer_across_replicas)
+                     shard_optimizer=args.shard_optimizer_across_replicas,
+                     # A metrics file has no hidden size: auto then stays at T=1, a forced T says why not.
+                     tensor_parallel=parse_tp(args.tp, args.gpus_per_node) if model.hidden or args.tp != "auto"
+                     else [1])
 
 
 def run_plan(args: argparse.Namespace) -> int:

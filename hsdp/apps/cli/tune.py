@@ -40,7 +40,9 @@ def add_tune(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``tune`` on ``subparsers``."""
     p = subparsers.add_parser("tune", help="measure each shard degree, calibrate the cost model, recommend",
                               description="Run a few steps of each candidate layout, fit the cost model's "
-                                          "constants to the measurements and print predicted vs measured.",
+                                          "constants to the measurements and print predicted vs measured. "
+                                          "Candidates keep T=1 (no tensor parallelism: the script would need a "
+                                          "TP plan); hsdp plan --tp auto estimates T > 1.",
                               epilog=TUNE_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--nodes", type=int, default=2, help="nodes (emulated: one namespace each)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")

@@ -41,20 +41,22 @@ class GroupLinks:
     crossing_fraction: float = 0.0
 
 
-def groups(world_size: int, shard: int, kind: str) -> list[list[int]]:
-    """Ranks of every group of ``kind``: shard groups are consecutive ranks, replicate groups strided."""
-    replicate = world_size // shard
+def groups(world_size: int, shard: int, kind: str, tp: int = 1) -> list[list[int]]:
+    """Ranks of every group of ``kind`` on the (replicate, shard, tp) grid, rank ``(r x S + s) x T + t``:
+    TP groups are ``T`` adjacent ranks, shard groups ranks ``T`` apart, replicate groups ``S x T`` apart
+    (with ``tp=1``: consecutive shard groups, strided replicate groups)."""
+    replicate = world_size // (shard * tp)
     if kind == "shard":
-        return [[r * shard + i for i in range(shard)] for r in range(replicate)]
+        return [[(r * shard + i) * tp + t for i in range(shard)] for r in range(replicate) for t in range(tp)]
     if kind == "replicate":
-        return [[j + r * shard for r in range(replicate)] for j in range(shard)]
+        return [[(r * shard + j) * tp + t for r in range(replicate)] for j in range(shard) for t in range(tp)]
     raise ValueError(f"group kind {kind!r}: use 'shard' or 'replicate'")
 
 
-def group_links(cluster: ClusterSpec, shard: int, kind: str) -> GroupLinks:
+def group_links(cluster: ClusterSpec, shard: int, kind: str, tp: int = 1) -> GroupLinks:
     """Count the ring edges of ``kind``'s groups that stay in a node and that leave one."""
     g = cluster.gpus_per_node
-    members = groups(cluster.world_size, shard, kind)
+    members = groups(cluster.world_size, shard, kind, tp)
     size = len(members[0])
     out_edges = [0] * cluster.nodes
     has_intra = False

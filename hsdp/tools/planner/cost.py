@@ -24,6 +24,11 @@ When both kinds of group cross nodes (a shard group spans nodes *and* R > 1), th
 each node's link: a collective that needs the link starts only once the other group's transfer has left
 it (bandwidth shared in aggregate, the order simplified). CPU time the collectives take from compute on
 CPU-only ranks is the cluster's ``host_s_per_*_byte``, which ``hsdp tune`` calibrates.
+
+With tensor parallel degree ``T > 1`` the schedule runs on the TP-local model (block FLOPs and parameters
+/ T, :mod:`hsdp.tools.planner.tensor_parallel`), the groups are those of the ``R x S x T`` grid, and each
+unit's TP collectives are added to its forward and backward on the training thread: they sit between the
+matmuls, so overlap hides none of them (``StepEstimate.tp_comm_s``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ from hsdp.tools.planner.comm import (
 from hsdp.tools.planner.memory import full_elements, stepped_elements
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, UnitSpec
 from hsdp.tools.planner.options import TrainOptions
+from hsdp.tools.planner.tensor_parallel import (
+    check_layout,
+    local_model,
+    local_profile,
+    tp_collective_s,
+    tp_collectives,
+    tp_rank_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class UnitCost:
     hop: Transfer
     reduces: bool = True
     refresh: Transfer = Transfer()  # replica-sharded optimizer: the post-step all-gather across replicas
+    tp_forward: float = 0.0  # TP collectives inside the forward: on the training thread, never overlapped
+    tp_backward: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +85,8 @@ class StepEstimate:
     """One optimizer step on one rank. ``exposed_comm_s`` is what overlap did not hide: ``step_s`` minus
     compute and optimizer. Bytes are per step: ``inter_node_bytes`` sent by the busiest node to other
     nodes (what a link counter shows), ``rank_wire_bytes`` sent by one rank over any link and
-    ``rank_inter_bytes`` the part of it that leaves the node (an average rank)."""
+    ``rank_inter_bytes`` the part of it that leaves the node (an average rank). ``tp_comm_s``: the
+    tensor-parallel collectives' seconds, part of ``exposed_comm_s`` (0 at T = 1)."""
 
     step_s: float
     compute_s: float
@@ -81,6 +97,7 @@ class StepEstimate:
     rank_wire_bytes: float
     rank_inter_bytes: float
     collectives: int
+    tp_comm_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -101,8 +118,13 @@ def _compute_split(model: ModelSpec, cluster: ClusterSpec, profile: ComputeProfi
     return [(f / cluster.compute_rate, 2 * f / cluster.compute_rate) for f in flops]
 
 
-def _hop(links: GroupLinks, cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions) -> tuple[str, float]:
-    replicas = cluster.world_size // shard
+def _replicas(cluster: ClusterSpec, shard: int, tp: int) -> int:
+    return cluster.world_size // (shard * tp)
+
+
+def _hop(links: GroupLinks, cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions,
+         tp: int = 1) -> tuple[str, float]:
+    replicas = _replicas(cluster, shard, tp)
     if options.shards_optimizer(replicas):
         # R slices padded alike, each followed by the flags (every replica needs them).
         packed = replicas * (u.slice_slot(shard, replicas) + u.tensors)
@@ -117,9 +139,10 @@ def _transfer(links: GroupLinks, cluster: ClusterSpec, op: str, nbytes: float) -
     return Transfer(collective_seconds(links, cluster, op, nbytes), link_seconds(links, cluster, op, nbytes))
 
 
-def _refresh(cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions) -> tuple[str, float] | None:
+def _refresh(cluster: ClusterSpec, u: UnitSpec, shard: int, options: TrainOptions,
+             tp: int = 1) -> tuple[str, float] | None:
     """The all-gather across replicas of the stepped slices, in the parameter dtype (None: no such step)."""
-    replicas = cluster.world_size // shard
+    replicas = _replicas(cluster, shard, tp)
     if not options.shards_optimizer(replicas) or not u.tensors:
         return None
     return "all_gather", replicas * u.slice_slot(shard, replicas) * options.precision.param_bytes
@@ -130,9 +153,20 @@ def _scatter_bytes(u: UnitSpec, shard: int, reduce_bytes: int) -> float:
 
 
 def unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
-               profile: ComputeProfile | None = None) -> list[UnitCost]:
-    links = _Links(group_links(cluster, shard, "shard"), group_links(cluster, shard, "replicate"))
+               profile: ComputeProfile | None = None, tp: int = 1) -> list[UnitCost]:
+    """Each unit's compute and collectives per micro-batch, on the TP-local model when ``tp > 1``."""
+    if tp > 1:
+        check_layout(cluster, shard, tp)
+        model, profile = local_model(model, tp), local_profile(profile, model, tp)
+    return _unit_costs(model, cluster, shard, options, profile, tp)
+
+
+def _unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
+                profile: ComputeProfile | None, tp: int) -> list[UnitCost]:
+    """``model`` is already TP-local."""
+    links = _Links(group_links(cluster, shard, "shard", tp), group_links(cluster, shard, "replicate", tp))
     p = options.precision
+    tp_s = tp_collective_s(model, cluster, options, tp)
     out = []
     for u, (fwd, bwd) in zip(model.units, _compute_split(model, cluster, profile), strict=True):
         if options.activation_checkpointing and u is not model.root:
@@ -141,10 +175,12 @@ def unit_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, options: Trai
         gather = _transfer(links.shard, cluster, "all_gather", full_elements(u, shard) * p.compute_bytes) \
             if u.numel else Transfer()
         scatter = _transfer(links.shard, cluster, "reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes))
-        hop = _transfer(links.replicate, cluster, *_hop(links.replicate, cluster, u, shard, options))
-        refresh = _refresh(cluster, u, shard, options)
+        hop = _transfer(links.replicate, cluster, *_hop(links.replicate, cluster, u, shard, options, tp))
+        refresh = _refresh(cluster, u, shard, options, tp)
+        tp_fwd, tp_bwd = tp_collectives(model, options, u) if tp > 1 else (0, 0)
         out.append(UnitCost(fwd, bwd, gather, scatter, hop, u.tensors > 0,
-                            _transfer(links.replicate, cluster, *refresh) if refresh else Transfer()))
+                            _transfer(links.replicate, cluster, *refresh) if refresh else Transfer(),
+                            tp_fwd * tp_s, tp_bwd * tp_s))
     return out
 
 
@@ -189,8 +225,8 @@ def _forward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions,
         tl.wait(gathered[i])
         if options.prefetch and i + 1 < len(costs):
             gathered[i + 1] = gather(i + 1)
-        tl.cpu += costs[i].forward
-    tl.cpu += costs[0].forward  # the root's head and loss, after the blocks
+        tl.cpu += costs[i].forward + costs[i].tp_forward
+    tl.cpu += costs[0].forward + costs[0].tp_forward  # the root's head and loss, after the blocks
 
 
 @dataclass
@@ -206,7 +242,7 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
     gathered: dict[int, float] = {}
     if regather and options.prefetch and order:
         gathered[order[0]] = tl.issue("shard", costs[order[0]].all_gather)
-    tl.cpu += costs[0].backward
+    tl.cpu += costs[0].backward + costs[0].tp_backward
     pending: list[_Reduction] = []
     sync = options.syncs_replicas(micro_batch)
 
@@ -229,7 +265,7 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
             tl.wait(gathered[i])
             if options.prefetch and j + 1 < len(order):
                 gathered[order[j + 1]] = tl.issue("shard", costs[order[j + 1]].all_gather)
-        tl.cpu += costs[i].backward
+        tl.cpu += costs[i].backward + costs[i].tp_backward
         if options.reduces_shards(micro_batch):
             reduce(i)
     if options.reduces_shards(micro_batch):
@@ -248,9 +284,9 @@ class _Traffic:
     calls: int
 
 
-def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions) -> _Traffic:
-    """Bytes and collective calls of one optimizer step."""
-    sl, rl = group_links(cluster, shard, "shard"), group_links(cluster, shard, "replicate")
+def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions, tp: int = 1) -> _Traffic:
+    """Bytes and collective calls of one optimizer step (``model`` TP-local)."""
+    sl, rl = group_links(cluster, shard, "shard", tp), group_links(cluster, shard, "replicate", tp)
     p, k = options.precision, options.micro_batches
     node = intra = inter = 0.0
     calls = 0
@@ -260,8 +296,8 @@ def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainO
         gathers = k * (1 + (options.reshard_after_forward and u is not model.root)) if u.numel else 0
         ops = [("all_gather", full_elements(u, shard) * p.compute_bytes, gathers, sl),
                ("reduce_scatter", _scatter_bytes(u, shard, p.reduce_bytes), reduces if u.tensors else 0, sl),
-               (*_hop(rl, cluster, u, shard, options), syncs if u.tensors else 0, rl)]
-        refresh = _refresh(cluster, u, shard, options)
+               (*_hop(rl, cluster, u, shard, options, tp), syncs if u.tensors else 0, rl)]
+        refresh = _refresh(cluster, u, shard, options, tp)
         if refresh:
             ops.append((*refresh, 1, rl))  # once per optimizer step
         for op, nbytes, count, links in ops:
@@ -269,13 +305,22 @@ def _traffic(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainO
                 node += count * node_bytes(links, cluster, op, nbytes)
                 a, b = rank_split_bytes(links, cluster, op, nbytes)
                 intra, inter, calls = intra + count * a, inter + count * b, calls + count
+        if tp > 1:  # inside the node, every micro-batch
+            n = k * sum(tp_collectives(model, options, u))
+            intra, calls = intra + n * tp_rank_bytes(model, cluster, options, tp), calls + n
     return _Traffic(node, intra, inter, calls)
 
 
 def estimate_step(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
-                  profile: ComputeProfile | None = None) -> StepEstimate:
-    """Seconds and bytes of one optimizer step with sharding degree ``shard`` (a divisor of the world)."""
-    costs = unit_costs(model, cluster, shard, options, profile)
+                  profile: ComputeProfile | None = None, tp: int = 1) -> StepEstimate:
+    """Seconds and bytes of one optimizer step with sharding degree ``shard`` (a divisor of the world) and
+    tensor parallel degree ``tp`` (``ValueError`` naming the fix when ``(shard, tp)`` is not a layout of
+    ``cluster``). ``options.micro_batches`` are per data-parallel rank, each of ``model.micro_batch``
+    sequences, read by all ``tp`` ranks of the TP group."""
+    if tp > 1:
+        check_layout(cluster, shard, tp)
+        model, profile = local_model(model, tp), local_profile(profile, model, tp)
+    costs = _unit_costs(model, cluster, shard, options, profile, tp)
     tl = _Timeline()
     # Steady state: the previous step's refresh all-gathers start when this step does, in forward order.
     refreshed = {i: tl.issue("replicate", c.refresh) for i, c in enumerate(costs) if c.refresh.seconds}
@@ -283,12 +328,13 @@ def estimate_step(model: ModelSpec, cluster: ClusterSpec, shard: int, options: T
         _forward(tl, costs, options, refreshed if m == 0 else None)
         _backward(tl, costs, options, m)
     per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
-    replicas = cluster.world_size // shard
+    replicas = _replicas(cluster, shard, tp)
     optimizer = per_element * sum(stepped_elements(u, shard, replicas, options) for u in model.units)
     compute = options.micro_batches * sum(c.forward + c.backward for c in costs)
-    t = _traffic(model, cluster, shard, options)
+    tp_s = options.micro_batches * sum(c.tp_forward + c.tp_backward for c in costs)
+    t = _traffic(model, cluster, shard, options, tp)
     # Host time per byte sent is spent on the same cores as compute: added, never overlapped.
     host = cluster.host_s_per_intra_byte * t.rank_intra + cluster.host_s_per_inter_byte * t.rank_inter
     step = tl.cpu + optimizer + host
-    return StepEstimate(step, compute, optimizer, max(0.0, step - compute - optimizer), tl.busy, t.node,
-                        t.rank_intra + t.rank_inter, t.rank_inter, t.calls)
+    return StepEstimate(step, compute, optimizer, max(0.0, step - compute - optimizer), tl.busy + tp_s, t.node,
+                        t.rank_intra + t.rank_inter, t.rank_inter, t.calls, tp_s)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, UnitSpec
 from hsdp.tools.planner.options import TrainOptions
+from hsdp.tools.planner.tensor_parallel import local_model, local_profile
 
 OPTIMIZER_STEP_BYTES = 4  # AdamW keeps `step` as a float32 scalar tensor per parameter
 PREFETCHED_UNITS = 2  # the runtime's limit of non-root units gathered at once
@@ -148,9 +149,13 @@ def activation_memory(model: ModelSpec, options: TrainOptions, profile: ComputeP
 
 
 def estimate_memory(model: ModelSpec, shard: int, options: TrainOptions,
-                    profile: ComputeProfile | None = None, replicate: int = 1) -> MemoryEstimate:
+                    profile: ComputeProfile | None = None, replicate: int = 1, tp: int = 1) -> MemoryEstimate:
     """Peak bytes per rank for sharding degree ``shard``; the replicate degree ``replicate`` matters only
-    with ``options.shard_optimizer_across_replicas``."""
+    with ``options.shard_optimizer_across_replicas``. With tensor parallel degree ``tp`` every formula
+    above applies to the TP-local model (:func:`hsdp.tools.planner.tensor_parallel.local_model`: block
+    state, gathered blocks and activations / T, the root whole unless it is TP'd)."""
+    if tp > 1:
+        model, profile = local_model(model, tp), local_profile(profile, model, tp)
     params, grads, optimizer, master = state_memory(model, shard, options, replicate)
     return MemoryEstimate(params, grads, optimizer, master, unsharded_memory(model, shard, options, replicate),
                           accumulation_memory(model, shard, options), activation_memory(model, options, profile),

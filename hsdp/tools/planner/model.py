@@ -64,6 +64,12 @@ class ModelSpec:
     shapes from the standard per-layer count with memory-efficient attention; ``checkpoint_elements`` what
     stays when each unit's forward is recomputed in backward (its input). Both are estimates: a measured
     profile (:class:`ComputeProfile`) overrides them.
+
+    For tensor parallelism (:mod:`hsdp.tools.planner.tensor_parallel`): ``hidden`` is the width of the
+    activations between blocks, what TP's collectives move (0: unknown, and TP cannot be estimated);
+    ``root_activation_elements`` the part of both activation counts that belongs to the root unit
+    (embeddings, final norm, logits), which stays whole on every TP rank unless ``tensor_parallel_root``
+    (vocabulary-parallel embedding and head, as torchtitan's Llama plan) splits the root too.
     """
 
     name: str
@@ -73,6 +79,9 @@ class ModelSpec:
     activation_elements: float = 0.0
     checkpoint_elements: float = 0.0
     description: str = ""
+    hidden: int = 0
+    root_activation_elements: float = 0.0
+    tensor_parallel_root: bool = False
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -200,14 +209,15 @@ def transformer(name: str, t: TransformerShape, seq_len: int, micro_batch: int =
     root_act = tokens * (3 * t.hidden + 2 * t.vocab)
     units = (root, *[UnitSpec(f"block{i}", block.shapes, block.forward_flops_per_token) for i in range(t.layers)])
     return ModelSpec(name, units, seq_len, micro_batch, per_block * t.layers + root_act,
-                     tokens * t.hidden * t.layers + root_act, description)
+                     tokens * t.hidden * t.layers + root_act, description, hidden=t.hidden,
+                     root_activation_elements=root_act)
 
 
 def uniform(name: str, params: float, units: int, seq_len: int = 1, micro_batch: int = 1,
             root_fraction: float = 0.0, width: int = 1024) -> ModelSpec:
     """A model of ``units`` equal blocks plus a root holding ``root_fraction`` of ``params``: for unit tests
     of the closed forms and for models known only by size. Rows are ``width`` elements, so padding is
-    negligible unless the counts are tiny."""
+    negligible unless the counts are tiny; ``width`` is also the hidden size tensor parallelism moves."""
     if units < 1 or params <= 0 or not 0 <= root_fraction < 1:
         raise ValueError(f"uniform model needs units >= 1, params > 0, root_fraction in [0, 1); got "
                          f"units={units}, params={params}, root_fraction={root_fraction}")
@@ -215,4 +225,4 @@ def uniform(name: str, params: float, units: int, seq_len: int = 1, micro_batch:
     block_rows = round(params * (1 - root_fraction) / units / width)
     root = UnitSpec("root", ((root_rows, width),) if root_rows else (), 2.0 * root_rows * width)
     blocks = tuple(UnitSpec(f"block{i}", ((block_rows, width),), 2.0 * block_rows * width) for i in range(units))
-    return ModelSpec(name, (root, *blocks), seq_len, micro_batch)
+    return ModelSpec(name, (root, *blocks), seq_len, micro_batch, hidden=width)

@@ -127,21 +127,31 @@ class TrainOptions:
 
 @dataclass(frozen=True)
 class Layout:
-    """``replicate`` x ``shard`` ranks: the mesh ``init_mesh(sharding_degree=shard)`` builds."""
+    """``replicate`` x ``shard`` x ``tp`` ranks: the mesh ``init_mesh(sharding_degree=shard,
+    tensor_parallel_degree=tp)`` builds (TP ranks adjacent, inside a node)."""
 
     replicate: int
     shard: int
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
+        return self.replicate * self.shard * self.tp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different batches, ``R x S``: the ``T`` ranks of a TP group read the same one."""
         return self.replicate * self.shard
 
     @property
     def label(self) -> str:
-        return f"{self.replicate}x{self.shard}"
+        """``16x8`` (R x S), or ``16x4x2`` (R x S x T) with tensor parallelism."""
+        return f"{self.replicate}x{self.shard}" + (f"x{self.tp}" if self.tp > 1 else "")
 
     def kind(self, gpus_per_node: int) -> str:
-        """Plain words for the layout: DDP, HSDP (shard group vs node), full shard."""
+        """Plain words for the layout: DDP, HSDP (shard group vs node), full shard; ``+ TP`` with T > 1."""
+        if self.tp > 1:
+            return self._tp_kind(gpus_per_node)
         if self.shard == 1:
             return "DDP"
         if self.replicate == 1:
@@ -149,3 +159,10 @@ class Layout:
         if self.shard == gpus_per_node:
             return "HSDP, shard = node"
         return "HSDP, shard < node" if self.shard < gpus_per_node else "HSDP, shard > node"
+
+    def _tp_kind(self, gpus_per_node: int) -> str:
+        if self.shard == 1:
+            return "DDP + TP"
+        if self.replicate == 1:
+            return "full shard + TP"
+        return "HSDP + TP, S x T " + ("= node" if self.shard * self.tp == gpus_per_node else "< node")

@@ -18,6 +18,14 @@ The table shows each layout with the option when it fits only with it or is more
 it (and the recommended variant). So the option is recommended when it lets a faster layout fit (typically
 a smaller shard degree, whose traffic stays inside nodes) or makes one faster (the optimizer step covers
 1/R of the elements).
+
+With tensor parallelism (``tensor_parallel``: the TP degrees to consider, :mod:`hsdp.tools.planner.tensor_parallel`)
+the layouts are ``R x S x T``: every shard degree at ``T = 1``, and at ``T > 1`` (a divisor of the ranks per
+node) every ``S`` with ``S x T`` inside the node. The plan holds the global batch of ``T = 1`` (``micro_batch
+x micro_batches x world`` sequences per step): a data-parallel rank of a ``T > 1`` layout stands for ``T``
+GPUs, so it runs ``T x`` the micro-batches (each of the same size, its activations split ``T`` ways), and step
+times compare directly. Ties prefer, after the least inter-node traffic, the smaller ``T`` (the plainer
+setting: no TP plan to write).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from hsdp.tools.planner.cost import StepEstimate, estimate_step
 from hsdp.tools.planner.memory import MemoryEstimate, estimate_memory
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec
 from hsdp.tools.planner.options import Layout, TrainOptions
+from hsdp.tools.planner.plan_tp import tp_reason
+from hsdp.tools.planner.tensor_parallel import check_layout, shard_degrees
 from hsdp.tools.quantities import format_bytes, format_count, format_rate, format_seconds
 
 TIE = 0.01
@@ -48,6 +58,8 @@ class LayoutEstimate:
     fits: bool
     tokens_per_s: float
     shard_optimizer: bool = False  # shard_optimizer_across_replicas in effect (R > 1)
+    micro_batches: int = 1  # per data-parallel rank and step: T x the plan's at T > 1 (global batch held)
+    global_batch: int = 0  # sequences per optimizer step over all R x S data-parallel ranks
 
     @property
     def optimizer_shards(self) -> int:
@@ -55,7 +67,8 @@ class LayoutEstimate:
         return self.layout.world_size if self.shard_optimizer else self.layout.shard
 
     def as_dict(self) -> dict[str, object]:
-        return {"replicate": self.layout.replicate, "shard": self.layout.shard, "kind": self.kind,
+        return {"replicate": self.layout.replicate, "shard": self.layout.shard, "tensor_parallel": self.layout.tp,
+                "kind": self.kind, "micro_batches": self.micro_batches, "global_batch": self.global_batch,
                 "shard_optimizer_across_replicas": self.shard_optimizer, "fits": self.fits,
                 "tokens_per_s": self.tokens_per_s, "memory_bytes": self.memory.as_dict(), "step": self.step.as_dict()}
 
@@ -75,14 +88,14 @@ class Plan:
     reasons: tuple[str, ...]
     alternatives: tuple[LayoutEstimate, ...] = ()
 
-    def layout(self, shard: int, shard_optimizer: bool | None = None) -> LayoutEstimate:
-        """The estimate of degree ``shard`` the plan uses, or its variant with/without the optimizer
-        sharded across replicas (``shard_optimizer``)."""
+    def layout(self, shard: int, shard_optimizer: bool | None = None, tp: int = 1) -> LayoutEstimate:
+        """The estimate of degree ``shard`` (with TP degree ``tp``) the plan uses, or its variant with/without
+        the optimizer sharded across replicas (``shard_optimizer``)."""
         for e in (*self.layouts, *self.alternatives):
-            if e.layout.shard == shard and shard_optimizer in (None, e.shard_optimizer):
+            if (e.layout.shard, e.layout.tp) == (shard, tp) and shard_optimizer in (None, e.shard_optimizer):
                 return e
-        raise ValueError(f"shard degree {shard} is not in this plan: choose one of "
-                         f"{[e.layout.shard for e in self.layouts]}")
+        raise ValueError(f"shard degree {shard} with T={tp} is not in this plan: choose one of "
+                         f"{[(e.layout.shard, e.layout.tp) for e in self.layouts]} (S, T)")
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -95,7 +108,7 @@ class Plan:
             "memory_limit_bytes": None if math.isinf(self.memory_limit) else self.memory_limit,
             "recommended": None if self.best is None else {
                 "replicate": self.best.layout.replicate, "shard": self.best.layout.shard,
-                "shard_optimizer_across_replicas": self.best.shard_optimizer},
+                "tensor_parallel": self.best.layout.tp, "shard_optimizer_across_replicas": self.best.shard_optimizer},
             "reasons": list(self.reasons),
             "layouts": [e.as_dict() for e in self.layouts],
             "alternatives": [e.as_dict() for e in self.alternatives],
@@ -103,13 +116,19 @@ class Plan:
 
 
 def estimate_layout(model: ModelSpec, cluster: ClusterSpec, shard: int, options: TrainOptions,
-                    profile: ComputeProfile | None = None, memory_limit: float = math.inf) -> LayoutEstimate:
-    layout = Layout(cluster.world_size // shard, shard)
-    memory = estimate_memory(model, shard, options, profile, layout.replicate)
-    step = estimate_step(model, cluster, shard, options, profile)
-    tokens = model.tokens * options.micro_batches * cluster.world_size
+                    profile: ComputeProfile | None = None, memory_limit: float = math.inf,
+                    tp: int = 1) -> LayoutEstimate:
+    """One ``R x S x T`` layout at the global batch of ``options`` at ``T = 1``: with ``tp > 1`` each
+    data-parallel rank runs ``tp x options.micro_batches`` micro-batches (see the module docstring)."""
+    check_layout(cluster, shard, tp)
+    layout = Layout(cluster.world_size // (shard * tp), shard, tp)
+    run = options if tp == 1 else replace(options, micro_batches=options.micro_batches * tp)
+    memory = estimate_memory(model, shard, run, profile, layout.replicate, tp)
+    step = estimate_step(model, cluster, shard, run, profile, tp)
+    sequences = model.micro_batch * run.micro_batches * layout.data_parallel_size
     return LayoutEstimate(layout, layout.kind(cluster.gpus_per_node), memory, step, memory.total <= memory_limit,
-                          tokens / step.step_s, options.shards_optimizer(layout.replicate))
+                          sequences * model.seq_len / step.step_s, options.shards_optimizer(layout.replicate),
+                          run.micro_batches, sequences)
 
 
 SHARD_OPTIMIZER_MODES = ("auto", "on", "off")
@@ -139,20 +158,23 @@ def _choose(estimates: Sequence[LayoutEstimate]) -> LayoutEstimate | None:
         return None
     fastest = min(e.step.step_s for e in fitting)
     ties = [e for e in fitting if e.step.step_s <= fastest * (1 + TIE)]
-    # Least traffic first (robust to a slow link; on one node all are 0), then least memory.
-    # Then the plainer setting (optimizer not sharded across replicas).
-    return min(ties, key=lambda e: (e.step.inter_node_bytes, e.shard_optimizer, e.memory.total, e.step.step_s))
+    # Least traffic first (robust to a slow link; on one node all are 0), then the plainer settings (less
+    # TP, optimizer not sharded across replicas), then least memory.
+    return min(ties, key=lambda e: (e.step.inter_node_bytes, e.layout.tp, e.shard_optimizer, e.memory.total,
+                                    e.step.step_s))
 
 
 def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, profile: ComputeProfile | None = None,
               degrees: Sequence[int] | None = None, headroom: float = DEFAULT_HEADROOM,
-              shard_optimizer: str | None = None) -> Plan:
+              shard_optimizer: str | None = None, tensor_parallel: Sequence[int] | None = None) -> Plan:
     """Estimate ``degrees`` (default: every divisor of the world size) and recommend one.
 
     ``shard_optimizer``: ``"auto"`` estimates every layout with R > 1 with and without
     ``shard_optimizer_across_replicas`` and uses the option where it pays (see the module docstring);
     ``"on"``/``"off"`` force it. Default: ``"on"`` when ``options.shard_optimizer_across_replicas``, else
-    ``"auto"``. ``ValueError`` when a degree does not divide the world size, ``headroom`` is outside [0, 1)
+    ``"auto"``. ``tensor_parallel``: the TP degrees to consider (default ``(1,)``: no TP; each ``T > 1``
+    with every ``S`` of ``degrees`` that keeps ``S x T`` inside a node). ``ValueError`` when a degree does not
+    divide the world size, a TP degree does not divide the ranks per node, ``headroom`` is outside [0, 1)
     or ``"on"`` meets the int8 hop.
     """
     world = cluster.world_size
@@ -169,9 +191,9 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
     limit = cluster.gpu_memory * (1 - headroom)
     used: list[LayoutEstimate] = []
     others: list[LayoutEstimate] = []
-    for d in sorted(chosen):
-        variants = [estimate_layout(model, cluster, d, v, profile, limit)
-                    for v in _variants(options, world // d, mode)]
+    for d, t in _grid(cluster, chosen, tensor_parallel or (1,)):
+        variants = [estimate_layout(model, cluster, d, v, profile, limit, t)
+                    for v in _variants(options, world // (d * t), mode)]
         pick = variants[0] if len(variants) == 1 else _use(*variants)
         used.append(pick)
         others += [v for v in variants if v is not pick]
@@ -179,6 +201,21 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
     estimates, alternatives = _show(best, used, others)
     reasons = explain(estimates, best, cluster, model, options, limit, alternatives)
     return Plan(model, cluster, options, limit, estimates, best, tuple(reasons), alternatives)
+
+
+def _grid(cluster: ClusterSpec, degrees: Sequence[int], tps: Sequence[int]) -> list[tuple[int, int]]:
+    """(S, T) pairs to estimate, T = 1 first: each S of ``degrees`` that ``T`` allows (``ValueError`` for a T
+    that does not divide the ranks per node, or for a single T that allows none of them)."""
+    pairs = []
+    for t in sorted(set(tps)):
+        check_layout(cluster, 1, t)
+        valid = shard_degrees(cluster, t)
+        ok = sorted(d for d in set(degrees) if d in valid)
+        if not ok and len(set(tps)) == 1:
+            raise ValueError(f"no shard degree of {sorted(set(degrees))} keeps S x T inside a node at T={t}: "
+                             f"choose S from {valid}")
+        pairs += [(d, t) for d in ok]
+    return pairs
 
 
 def _show(best: LayoutEstimate | None, used: list[LayoutEstimate],
@@ -191,9 +228,14 @@ def _show(best: LayoutEstimate | None, used: list[LayoutEstimate],
             tuple(used[i] if e is best else e for e in others))
 
 
+def _degrees(e: LayoutEstimate) -> str:
+    """``S=8``, or ``S=4, T=2`` with tensor parallelism."""
+    return f"S={e.layout.shard}" + (f", T={e.layout.tp}" if e.layout.tp > 1 else "")
+
+
 def _name(e: LayoutEstimate) -> str:
     sliced = ", optimizer sharded across replicas" if e.shard_optimizer else ""
-    return f"{e.layout.label} (S={e.layout.shard}, {e.kind}{sliced})"
+    return f"{e.layout.label} ({_degrees(e)}, {e.kind}{sliced})"
 
 
 def _gb(n: float) -> str:
@@ -226,7 +268,9 @@ def _memory_reason(best: LayoutEstimate, limit: float, model: ModelSpec, options
     limit_text = "no memory limit" if math.isinf(limit) else f"{format_bytes(limit)} usable"
     acts = f"activations {format_bytes(m.activations)}" if m.activations else "activations not estimated"
     params = format_count(model.params)
-    if best.shard_optimizer:
+    if best.layout.tp > 1:
+        split = _tp_state_split(best, model, options)
+    elif best.shard_optimizer:
         kept = options.precision.param_bytes
         split = (f"{kept} B x {params} params / S={best.layout.shard} + {per - kept} B x {params} / "
                  f"(R x S)={best.optimizer_shards}")
@@ -235,6 +279,20 @@ def _memory_reason(best: LayoutEstimate, limit: float, model: ModelSpec, options
     refresh = f", after the step the all-gathers across replicas {format_bytes(m.refresh)}" if m.refresh else ""
     return (f"Memory: {format_bytes(m.total)} per GPU of {limit_text}: model state {format_bytes(m.state)} "
             f"({split}), {acts}, gathered units {format_bytes(m.unsharded)}{refresh}.")
+
+
+def _tp_state_split(best: LayoutEstimate, model: ModelSpec, options: TrainOptions) -> str:
+    """``16 B x 68.5B block params / (S x T)=8 + 16 B x 524M root params / S=4`` (and with the optimizer
+    sharded across replicas, the parameter bytes and the rest apart)."""
+    s, t, r = best.layout.shard, best.layout.tp, best.layout.replicate
+    per, kept = options.precision.state_bytes_per_param, options.precision.param_bytes
+    root = model.root.numel
+    parts = [(model.params - root, "block", s * t, "(S x T)"),
+             (root, "root", *((s * t, "(S x T)") if model.tensor_parallel_root else (s, "S")))]
+    if not best.shard_optimizer:
+        return " + ".join(f"{per} B x {format_count(n)} {what} params / {den}={d}" for n, what, d, den in parts)
+    return " + ".join(f"{kept} B x {format_count(n)} {what} params / {den}={d} + {per - kept} B x "
+                      f"{format_count(n)} / (R x {den})={d * r}" for n, what, d, den in parts)
 
 
 def _shard_optimizer_reason(best: LayoutEstimate, alternatives: Sequence[LayoutEstimate],
@@ -289,7 +347,7 @@ def _rejected_reason(estimates: Sequence[LayoutEstimate], limit: float) -> str |
     over = [e for e in estimates if not e.fits]
     if not over:
         return None
-    names = ", ".join(f"S={e.layout.shard} ({format_bytes(e.memory.total)})" for e in over)
+    names = ", ".join(f"{_degrees(e)} ({format_bytes(e.memory.total)})" for e in over)
     return f"Does not fit in {format_bytes(limit)}: {names}."
 
 
@@ -321,10 +379,11 @@ def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, option
         return None
     gains = []
     for dtype in ("bf16", "int8") if not best.shard_optimizer else ("bf16",):  # int8 cannot reduce-scatter
-        variant = replace(options, replicate_dtype=dtype, shard_optimizer_across_replicas=best.shard_optimizer)
+        variant = replace(options, replicate_dtype=dtype, shard_optimizer_across_replicas=best.shard_optimizer,
+                          micro_batches=best.micro_batches)
         if variant.replicate_bytes >= options.replicate_bytes and dtype != "int8":
             continue
-        step = estimate_step(model, cluster, best.layout.shard, variant).step_s
+        step = estimate_step(model, cluster, best.layout.shard, variant, tp=best.layout.tp).step_s
         if step < 0.95 * s.step_s:
             gains.append(f"--inter-node-dtype {dtype} ({step / s.step_s - 1:+.0%} step time)")
     if not gains:
@@ -332,9 +391,11 @@ def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, option
     return f"Communication is {s.exposed_comm_s / s.step_s:.0%} of the step; consider {' or '.join(gains)}."
 
 
-def _memory_fixes(model: ModelSpec, options: TrainOptions) -> str:
+def _memory_fixes(model: ModelSpec, options: TrainOptions, tried_tp: bool) -> str:
     """What shrinks memory per GPU, naming only the flags that are not already at their smallest setting."""
     fixes = ["add nodes (a larger shard degree splits the model state further)"]
+    if not tried_tp and model.hidden:
+        fixes.append("try tensor parallelism (--tp auto: blocks and their activations split inside the node)")
     if not options.activation_checkpointing:
         fixes.append("use --activation-checkpointing")
     if model.micro_batch > 1:
@@ -350,14 +411,16 @@ def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cl
             model: ModelSpec, options: TrainOptions, limit: float,
             alternatives: Sequence[LayoutEstimate] = ()) -> list[str]:
     """The recommendation's reasons, one sentence each."""
+    tried_tp = any(e.layout.tp > 1 for e in estimates)
     if best is None:
         smallest = min(estimates, key=lambda e: e.memory.total)
         return [f"No layout fits: the smallest, {_name(smallest)}, needs {format_bytes(smallest.memory.total)} per "
-                f"GPU against {format_bytes(limit)} usable; {_memory_fixes(model, options)}."]
+                f"GPU against {format_bytes(limit)} usable; {_memory_fixes(model, options, tried_tp)}."]
     lines = [_recommended_reason([*estimates, *alternatives], best, cluster),
              _memory_reason(best, limit, model, options),
              _traffic_reason(best, cluster)]
-    lines += [x for x in (_shard_optimizer_reason(best, alternatives, limit),) if x]
+    lines += [x for x in (tp_reason(best, [*estimates, *alternatives], model),
+                          _shard_optimizer_reason(best, alternatives, limit)) if x]
     lines += [x for x in (_runner_up_reason(estimates, best), _rejected_reason(estimates, limit),
                           _advice(best, model, cluster, options)) if x]
     return lines

@@ -57,7 +57,7 @@ def _memory_panel(ax: Any, plan: Plan, xs: list[int]) -> None:
              for e in plan.layouts]
     top = max([*totals, 0.0 if math.isinf(plan.memory_limit) else plan.memory_limit]) / scale
     ax.set_ylim(10 ** math.floor(math.log10(max(min(first), 1.0) / scale)), top * 30)  # room for the legend
-    ax.set(title=f"peak memory per GPU ({unit}, log scale)", xlabel="shard degree S")
+    ax.set(title=f"peak memory per GPU ({unit}, log scale)", xlabel=_xlabel(plan))
 
 
 def _time_panel(ax: Any, plan: Plan, xs: list[int], report: TuneReport | None) -> None:
@@ -73,12 +73,19 @@ def _time_panel(ax: Any, plan: Plan, xs: list[int], report: TuneReport | None) -
         best = plan.layouts.index(plan.best)
         ax.annotate("recommended", (best, plan.best.step.step_s), xytext=(0, 6), textcoords="offset points",
                     ha="center", va="bottom", fontsize=8)
-    ax.set(title="step time (s)", xlabel="shard degree S")
+    ax.set(title="step time (s)", xlabel=_xlabel(plan))
     ax.set_ylim(0, ax.get_ylim()[1] * 1.4)  # room for the legend
 
 
+def _xlabel(plan: Plan) -> str:
+    return "shard degree S" + (" (S/T: with tensor parallel degree T)" if any(e.layout.tp > 1 for e in plan.layouts)
+                               else "")
+
+
 def _shard_ticks(ax: Any, layouts: tuple[LayoutEstimate, ...], best: LayoutEstimate | None) -> None:
-    ax.set_xticks(range(len(layouts)), [str(e.layout.shard) for e in layouts])
+    # "4/2": S=4 with T=2 (tensor parallelism); a plain "8" is S=8 at T=1.
+    ax.set_xticks(range(len(layouts)), [str(e.layout.shard) + (f"/{e.layout.tp}" if e.layout.tp > 1 else "")
+                                        for e in layouts])
     for label, e in zip(ax.get_xticklabels(), layouts):
         label.set_color("black" if e.fits else _OVER_TICK)
         if e is best:

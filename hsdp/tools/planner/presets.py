@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hsdp.tools.planner.model import ModelSpec, TransformerShape, transformer
 from hsdp.tools.quantities import parse_bandwidth
@@ -146,6 +146,5 @@ def model_preset(name: str, seq_len: int | None = None, micro_batch: int = 1) ->
         raise ValueError(f"unknown model {name!r}: use one of {model_names()}")
     shape, default_seq = shapes[key]
     spec = transformer(key, shape, seq_len or default_seq, micro_batch)
-    return ModelSpec(spec.name, spec.units, spec.seq_len, spec.micro_batch, spec.activation_elements,
-                     spec.checkpoint_elements, f"{spec.params / 1e9:.3g}B params, {shape.layers} layers, "
-                     f"hidden {shape.hidden}")
+    return replace(spec, description=f"{spec.params / 1e9:.3g}B params, {shape.layers} layers, "
+                                     f"hidden {shape.hidden}")

@@ -21,13 +21,15 @@ from hsdp.tools.results import results_run
 
 PLAN_COLUMNS = ("layout", "kind", "optimizer state", "state/GPU", "peak/GPU", "fits", "step", "compute",
                 "exposed comm", "inter-node GB/node/step", "tokens/s")
+# With tensor parallelism in the plan: T, micro-batches per data-parallel rank, TP collectives per step.
+TP_COLUMNS = ("T", "micro-batches", "TP comm")
 TUNE_COLUMNS = ("S", "optimizer state", "measured s", "runs", "nominal s", "calibrated s", "error", "held-out s",
                 "held-out error", "inter-node MB/node/step measured", "predicted", "state bytes measured", "predicted")
 
 
-def _console() -> Console:
+def _console(width: int = 170) -> Console:
     # Piped into a file or a log, rich would wrap at 80 columns: the tables are wider than that.
-    return Console() if sys.stdout.isatty() else Console(width=170)
+    return Console() if sys.stdout.isatty() else Console(width=width)
 
 
 def _plan_row(e: LayoutEstimate, best: LayoutEstimate | None) -> list[str]:
@@ -43,18 +45,34 @@ def optimizer_split(e: LayoutEstimate) -> str:
     return f"1/{e.optimizer_shards}" + (" (R x S)" if e.shard_optimizer else "")
 
 
+def has_tp(plan: Plan) -> bool:
+    """Whether the plan considered T > 1 (its table then shows the TP columns)."""
+    return any(e.layout.tp > 1 for e in plan.layouts)
+
+
+def plan_columns(plan: Plan) -> tuple[str, ...]:
+    return PLAN_COLUMNS[:1] + TP_COLUMNS + PLAN_COLUMNS[1:] if has_tp(plan) else PLAN_COLUMNS
+
+
 def plan_rows(plan: Plan) -> list[list[str]]:
-    return [_plan_row(e, plan.best) for e in plan.layouts]
+    rows = [_plan_row(e, plan.best) for e in plan.layouts]
+    if not has_tp(plan):
+        return rows
+    return [[r[0], str(e.layout.tp), str(e.micro_batches),
+             format_seconds(e.step.tp_comm_s) if e.layout.tp > 1 else "-", *r[1:]]
+            for r, e in zip(rows, plan.layouts, strict=True)]
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     """The layout table (``*`` marks the recommendation), then the reasons."""
-    console = console or _console()
+    console = console or _console(200 if has_tp(plan) else 170)  # the TP columns need room
     limit = "no limit" if math.isinf(plan.memory_limit) else f"{format_bytes(plan.memory_limit)} usable per GPU"
     table = Table(title=f"{plan.model.name} ({plan.model.params / 1e9:.3g}B params) on {plan.cluster.describe()}; "
                         f"{limit}")
-    for i, col in enumerate(PLAN_COLUMNS):
-        table.add_column(col, justify="left" if i < 3 else "right")
+    columns = plan_columns(plan)
+    left = {"layout", "kind", "optimizer state"}
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
     for row in plan_rows(plan):
         table.add_row(*row)
     console.print(table)

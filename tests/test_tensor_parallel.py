@@ -1,0 +1,228 @@
+"""HSDP + tensor parallelism on a 3-D mesh (2 replicas x 2 shards x 2 TP, gloo): parity with one plain process
+for hsdp's GPT and a Hugging Face Llama, and checkpoints across layouts and into FSDP2 + TP. One spawn of 8
+ranks runs every case (spawning is the slow part on 2 cores); the references run in the test process."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from checkpoint_helpers import full, optim_state, same
+from harness import run_distributed
+from torch import nn
+
+import hsdp
+from hsdp.checkpoint.resolve import candidates
+from hsdp.models.gpt import GPT, GPTConfig
+
+R, S, T = 2, 2, 2
+# ROWS sequences per global batch: 2 per data-parallel rank. AdamW normalises each gradient element, so an
+# element whose gradient is rounding noise moves by up to LR in a direction the reduction order decides: LR
+# stays small enough that such noise moves a parameter less than TOL, while any real error moves it by ~LR.
+STEPS, LR, SEQ, ROWS = 3, 1e-3, 8, 8
+GPT_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+TOL = 1e-5
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPT_CFG) if kind == "gpt" else _llama()
+
+
+def _logits(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)[0] if kind == "gpt" else model(input_ids=x).logits
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + step)
+    ids = torch.randint(0, 64, (ROWS, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _train(kind: str, model: nn.Module, opt: torch.optim.Optimizer, dp_rank: int, dp_size: int,
+           clip: Any) -> list[float]:
+    """STEPS steps of AdamW with gradient clipping on each data-parallel rank's rows of the global batch;
+    returns the global loss of each step (the mean over the data-parallel ranks' losses)."""
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        rows = slice(dp_rank * ROWS // dp_size, (dp_rank + 1) * ROWS // dp_size)
+        loss = _loss(_logits(kind, model, x[rows]), y[rows])
+        loss.backward()
+        clip(model)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if dp_size > 1:
+            torch.distributed.all_reduce(mean)  # every rank's loss; TP ranks of one DP rank agree
+            mean /= dp_size * T
+        losses.append(mean.item())
+    return losses
+
+
+def _plain_clip(model: nn.Module) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = _train(kind, model, opt, 0, 1, _plain_clip)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The 8 ranks.
+# ---------------------------------------------------------------------------------------------------------
+def _tp_model(kind: str, mesh: hsdp.HSDPMesh) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer]:
+    model = _build(kind)
+    plan = hsdp.tp_plans.gpt_plan if kind == "gpt" else hsdp.tp_plans.llama_plan
+    plan(model, mesh.tp_mesh)
+    model = hsdp.ShardedModel(model, mesh=mesh)
+    return model, hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR))
+
+
+def _parity(kind: str, mesh: hsdp.HSDPMesh, clip: Any) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer, dict]:
+    model, opt = _tp_model(kind, mesh)
+    losses = _train(kind, model, opt, mesh.data_parallel_rank, mesh.data_parallel_size, clip)
+    # TP ranks of one replica hold different pieces of the same parameter; replicas identical pieces.
+    layouts = {name: (tuple(p.placements), tuple(p.to_local().shape)) for name, p in model.named_parameters()}
+    return model, opt, {"losses": losses, "params": {k: full(v) for k, v in model.state_dict().items()},
+                        "layouts": layouts}
+
+
+def _gpt_plain(mesh: hsdp.HSDPMesh) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer]:
+    model = hsdp.ShardedModel(_build("gpt"), mesh=mesh)
+    return model, hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR))
+
+
+def _fsdp2_tp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dm = init_device_mesh("cpu", (R, S, T), mesh_dim_names=("replicate", "shard", "tp"))
+    model = _build("gpt")
+    hsdp.tp_plans.gpt_plan(model, dm["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=dm["replicate", "shard"])
+    fully_shard(model, mesh=dm["replicate", "shard"])
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _checkpoints(rank: int, model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer, work: str) -> dict:
+    """(2,2,2) -> (2,4,1), (4,2,1), FSDP2 + TP, each compared with what was saved; then back into (2,2,2)
+    from FSDP2 + TP and from (2,4,1)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    saved = {"model": {k: full(v) for k, v in model.state_dict().items()}, "optim": optim_state(opt.state_dict())}
+    hsdp.save_checkpoint(os.path.join(work, "tp"), model, opt, extra={"step": 3})
+    out: dict[str, Any] = {}
+    for name, degree in (("2x4", 4), ("4x2", 2)):
+        plain, popt = _gpt_plain(hsdp.init_mesh(degree, fault_policy=None))
+        hsdp.load_checkpoint(os.path.join(work, "tp"), plain, popt)
+        out[name] = (same({k: full(v) for k, v in plain.state_dict().items()}, saved["model"])
+                     and same(optim_state(popt.state_dict())["state"], saved["optim"]["state"]))
+        if degree == 4:
+            hsdp.save_checkpoint(os.path.join(work, "2x4"), plain, popt, extra={"step": 3})
+    net, nopt = _fsdp2_tp()
+    msd, osd = get_state_dict(net, nopt)
+    step_dir = candidates(os.path.join(work, "tp"))[0].path
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=step_dir)  # the FSDP2 recipe, unchanged
+    set_state_dict(net, nopt, model_state_dict=msd, optim_state_dict=osd)
+    msd, osd = get_state_dict(net, nopt)
+    out["fsdp2_tp"] = same(full(msd), saved["model"]) and same(optim_state(osd)["state"], saved["optim"]["state"])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(work, "fsdp2"))
+    for source in ("fsdp2", "2x4"):
+        back, bopt = _tp_model("gpt", hsdp.init_mesh(S, tensor_parallel_degree=T, fault_policy=None))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an FSDP2 checkpoint has no hsdp manifest
+            hsdp.load_checkpoint(os.path.join(work, source), back, bopt)
+        out[f"{source}_back"] = (same({k: full(v) for k, v in back.state_dict().items()}, saved["model"])
+                                 and same(optim_state(bopt.state_dict())["state"], saved["optim"]["state"]))
+    return out
+
+
+def _world8(rank: int, world: int, work: str) -> dict:
+    mesh = hsdp.init_mesh(S, tensor_parallel_degree=T, fault_policy=None)
+    out: dict[str, Any] = {"work": work, "mesh": (mesh.replicate_degree, mesh.sharding_degree, mesh.tp_degree),
+                           "dp": (mesh.data_parallel_rank, mesh.data_parallel_size), "tp_rank": mesh.tp_rank}
+    model, opt, out["gpt"] = _parity("gpt", mesh, _plain_clip)  # torch's own clip on the DTensor gradients
+    out["llama"] = _parity("llama", mesh, lambda m: hsdp.clip_grad_norm_(m, 0.5))[2]
+    out["ckpt"] = _checkpoints(rank, model, opt, work)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    work = str(tmp_path_factory.mktemp("tp"))
+    return run_distributed(_world8, R * S * T, work, timeout=400)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tests.
+# ---------------------------------------------------------------------------------------------------------
+def test_mesh_is_replicate_shard_tp_with_tp_ranks_adjacent(world8: list[dict]) -> None:
+    assert {r["mesh"] for r in world8} == {(R, S, T)}
+    assert [r["tp_rank"] for r in world8] == [0, 1] * 4
+    # The two TP ranks of a data-parallel rank read the same rows: 4 readers, not 8.
+    assert [r["dp"] for r in world8] == [(d, 4) for d in (0, 0, 1, 1, 2, 2, 3, 3)]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_hsdp_with_tensor_parallel_matches_one_process(world8: list[dict], kind: str) -> None:
+    ref_losses, ref_params = _reference(kind)
+    for r in world8:
+        got = r[kind]
+        assert got["losses"] == pytest.approx(ref_losses, abs=TOL, rel=TOL)
+        assert got["params"].keys() == ref_params.keys()
+        for name, value in ref_params.items():
+            if name.endswith("attn.k.bias"):
+                # Its true gradient is zero (softmax ignores a per-query constant): AdamW turns rounding noise
+                # of order 1e-11, different in every layout, into steps of order 1e-5.
+                continue
+            torch.testing.assert_close(got["params"][name], value, atol=TOL, rtol=TOL,
+                                       msg=lambda m, name=name: f"{kind} {name}: {m}")
+
+
+def test_tensor_parallel_parameters_are_3d_dtensors(world8: list[dict]) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layouts = world8[0]["gpt"]["layouts"]
+    q = layouts["blocks.0.attn.q.weight"]  # column-parallel: TP rows, then hsdp's rows of those
+    assert q[0] == (Replicate(), _StridedShard(0, split_factor=T), Shard(0))
+    assert q[1] == (GPT_CFG.n_embd // (T * S), GPT_CFG.n_embd)
+    proj = layouts["blocks.0.attn.proj.weight"]  # row-parallel: TP columns, hsdp's rows
+    assert proj[0] == (Replicate(), Shard(0), Shard(1)) and proj[1] == (GPT_CFG.n_embd // S, GPT_CFG.n_embd // T)
+    assert layouts["tok_emb.weight"][0] == (Replicate(), Shard(0), Replicate())  # plain: replicated over TP
+
+
+@pytest.mark.parametrize("layout", ["2x4", "4x2", "fsdp2_tp", "fsdp2_back", "2x4_back"])
+def test_checkpoints_move_between_tensor_parallel_and_other_layouts(world8: list[dict], layout: str) -> None:
+    assert all(r["ckpt"][layout] for r in world8), [r["ckpt"] for r in world8]
+
+
+def test_tensor_parallel_checkpoint_loads_into_one_plain_process(world8: list[dict], tmp_path) -> None:
+    """(2,2,2) -> (1,1,1): the consolidated weights load strictly into a plain GPT, equal to the trained ones."""
+    out = str(tmp_path / "gpt.safetensors")
+    hsdp.export_safetensors(os.path.join(world8[0]["work"], "tp"), out)
+    model = GPT(GPT_CFG)
+    model.load_state_dict(hsdp.checkpoint.load_safetensors(out))
+    assert same({k: v.detach() for k, v in model.state_dict().items()}, world8[0]["gpt"]["params"])
