@@ -100,11 +100,13 @@ def _tp_model(kind: str, mesh: hsdp.HSDPMesh) -> tuple[hsdp.ShardedModel, hsdp.S
 
 def _parity(kind: str, mesh: hsdp.HSDPMesh, clip: Any) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer, dict]:
     model, opt = _tp_model(kind, mesh)
+    model.reset_comm_stats()
     losses = _train(kind, model, opt, mesh.data_parallel_rank, mesh.data_parallel_size, clip)
+    hop = model.comm_stats().get("replicate", {})
     # TP ranks of one replica hold different pieces of the same parameter; replicas identical pieces.
     layouts = {name: (tuple(p.placements), tuple(p.to_local().shape)) for name, p in model.named_parameters()}
     return model, opt, {"losses": losses, "params": {k: full(v) for k, v in model.state_dict().items()},
-                        "layouts": layouts}
+                        "layouts": layouts, "hop_wire_bytes": sum(op["wire_bytes"] for op in hop.values()) / STEPS}
 
 
 def _gpt_plain(mesh: hsdp.HSDPMesh) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer]:
@@ -212,6 +214,17 @@ def test_tensor_parallel_parameters_are_3d_dtensors(world8: list[dict]) -> None:
     proj = layouts["blocks.0.attn.proj.weight"]  # row-parallel: TP columns, hsdp's rows
     assert proj[0] == (Replicate(), Shard(0), Shard(1)) and proj[1] == (GPT_CFG.n_embd // S, GPT_CFG.n_embd // T)
     assert layouts["tok_emb.weight"][0] == (Replicate(), Shard(0), Replicate())  # plain: replicated over TP
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_inter_node_bytes_stay_at_the_floor_with_tensor_parallel(world8: list[dict], kind: str) -> None:
+    """A node (its S x T ranks) sends 2(R-1)/R x P x 4 bytes per step: the TP-split parameters once (each rank
+    its TP piece's shard), the plain ones (embeddings, head, norms: the same on every tp rank) split over the tp
+    ranks too rather than sent T times. Slack: padding and the one-element "has gradient" flags."""
+    n_params = sum(v.numel() for k, v in _reference(kind)[1].items() if "lm_head" not in k or kind != "gpt")
+    floor = 2 * (R - 1) / R * n_params * 4
+    node = sum(r[kind]["hop_wire_bytes"] for r in world8[: S * T])
+    assert floor <= node <= 1.02 * floor, (node / floor, node, floor)
 
 
 @pytest.mark.parametrize("layout", ["2x4", "4x2", "fsdp2_tp", "fsdp2_back", "2x4_back"])

@@ -135,6 +135,28 @@ class Int8ErrorFeedbackHop:
         self.residuals.update(state)
 
 
+def start_split_over_tp(hop: ReplicaHop, buffer: torch.Tensor, comm: Comm, key: str) -> Handle:
+    """``hop.start`` for a unit whose parameters are replicated across the tensor-parallel group (plain
+    parameters of a tensor-parallel model: embeddings, head, norms): its reduced shard is the same on the T
+    ranks of a node's tp group, so each sends only a 1/T piece across nodes and the tp group all-gathers the
+    pieces inside the node. Inter-node bytes stay at the floor instead of T times it; the price is one
+    intra-node all-gather of the shard. Needs a hop without per-rank state (``AllReduceHop``)."""
+    t, n = comm.size("tp"), buffer.numel()
+    piece = -(-n // t)
+    padded = buffer if n == t * piece else buffer.new_zeros(t * piece)
+    if padded is not buffer:
+        padded[:n].copy_(buffer)
+    mine = padded[comm.mesh.tp_rank * piece: (comm.mesh.tp_rank + 1) * piece]
+    handle = hop.start(mine, 0, comm, key)
+
+    def gather() -> None:
+        comm.all_gather(padded, mine.clone(), "tp", label=f"{_label(key)} tp pieces")
+        if padded is not buffer:
+            buffer.copy_(padded[:n])
+
+    return handle.then(gather)
+
+
 def can_scatter(hop: Any) -> bool:
     """Whether ``hop`` can reduce-scatter across replicas (needed by ``shard_optimizer_across_replicas``)."""
     return callable(getattr(hop, "start_scatter", None))

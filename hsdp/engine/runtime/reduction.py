@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Handle
+from hsdp.engine.hops import start_split_over_tp
 from hsdp.engine.runtime.replica_slice import SliceLayout, pack_chunks, packed_numel
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
@@ -177,7 +178,9 @@ class Reduction:
         hop_dtype = unit.policy.reduce(self.params[0].dtype)  # a sync after fp32 partial sums: back to it
         if self.output.dtype != hop_dtype:
             self.output = self.output.to(hop_dtype)
-        if _slices(self.params) is None:
+        if _slices(self.params) is None and unit.tp_replicated:
+            self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
+        elif _slices(self.params) is None:
             self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
         else:
             self._handle = self._start_scatter()

@@ -11,6 +11,7 @@ import enum
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from hsdp.engine.collectives import Comm, Handle
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
@@ -64,6 +65,14 @@ class ShardUnit:
     @property
     def sharding_degree(self) -> int:
         return self.comm.size("shard")
+
+    @property
+    def tp_replicated(self) -> bool:
+        """Whether every parameter is whole on each rank of a tensor-parallel group of more than one rank (a
+        tensor-parallel model's plain parameters): the replica hop can then split its bytes over the tp ranks
+        (``hops.start_split_over_tp``)."""
+        return self.comm.size("tp") > 1 and bool(self.params) and all(
+            p.layout.tp is not None and not isinstance(p.layout.tp.placement, Shard) for p in self.params)
 
     @classmethod
     def empty(cls, module: nn.Module, comm: Comm, policy: MixedPrecision = FULL_PRECISION) -> ShardUnit:
