@@ -96,3 +96,52 @@ def test_device_type_follows_the_backend_and_the_gpus() -> None:
         assert device_type_for(backend, cuda_available=True) == "cuda", backend
         assert device_type_for(backend, cuda_available=False) == "cpu", backend
     assert device_type_for("gloo", cuda_available=True) == "cpu"  # an explicit gloo keeps CPU tensors
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor parallelism: the (R, S, T) shape and its validation (pure).
+# ---------------------------------------------------------------------------------------------------------
+def test_mesh_shape_with_tensor_parallelism() -> None:
+    from hsdp.engine.mesh import mesh_shape
+
+    node4 = {"LOCAL_WORLD_SIZE": "4"}
+    assert mesh_shape(8, 2, 2, env=node4) == (2, 2, 2)
+    assert mesh_shape(8, None, 2, env=node4) == (2, 2, 2)  # default S: ranks per node / T
+    assert mesh_shape(8, None, 4, env=node4) == (2, 1, 4)
+    assert mesh_shape(8, None, None, env=node4) == (2, 4)  # no tp dim: today's 2-D mesh
+    assert mesh_shape(8, 4, 2, allow_cross_node_shards=True, env=node4) == (1, 4, 2)
+
+
+@pytest.mark.parametrize("s,t,fix", [(2, 3, r"does not divide the 4 ranks per node: .*choose one of \[1, 2, 4\]"),
+                                     (4, 2, "use sharding_degree=2, or pass allow_cross_node_shards=True"),
+                                     (2, 0, "tensor_parallel_degree must be an int >= 1"),
+                                     (3, 2, "not divisible by sharding_degree=3")])
+def test_bad_tensor_parallel_degrees_name_the_fix(s: int, t: int, fix: str) -> None:
+    from hsdp.engine.mesh import mesh_shape
+
+    with pytest.raises(ValueError, match=fix):
+        mesh_shape(8, s, t, env={"LOCAL_WORLD_SIZE": "4"})
+
+
+def test_tp_layout_is_chunks_of_the_tp_piece_uneven_included() -> None:
+    """A rank holds torch.chunk over S of its torch.chunk over T (even and uneven row counts), which is what
+    DTensor's (_StridedShard(0, T), Shard(0)) placements describe (DCP round trips across layouts in
+    test_tensor_parallel.py depend on the two agreeing)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hsdp.engine.runtime.layout import TPSplit
+
+    for rows in (8, 7, 5, 3):
+        full = torch.arange(rows * 2).view(rows, 2)
+        for t in range(2):
+            for s in range(2):
+                layout = ShardLayout(tuple(torch.chunk(full, 2)[t].shape), 2, s, TPSplit(Shard(0), (rows, 2), 2, t))
+                assert layout.placements == (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
+                piece = torch.chunk(full, 2)[t]
+                want = torch.chunk(piece, 2)[s] if s < len(torch.chunk(piece, 2)) else piece[:0]
+                assert torch.equal(layout.chunk_of_full(full), want)
+                assert layout.dtensor_shape == (rows, 2)
+    col = ShardLayout((4, 1), 2, 0, TPSplit(Shard(1), (4, 2), 2, 1))
+    assert col.placements == (Replicate(), Shard(0), Shard(1))
+    assert torch.equal(col.chunk_of_full(torch.arange(8).view(4, 2)), torch.tensor([[1], [3]]))

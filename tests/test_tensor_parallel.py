@@ -161,6 +161,31 @@ def _checkpoints(rank: int, model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer
     return out
 
 
+def _refusals(mesh: hsdp.HSDPMesh, work: str) -> dict[str, str]:
+    """What tensor parallelism does not compose with yet: each refused before any collective (every rank raises
+    the same ValueError, so nothing hangs). Returns each case's message."""
+    def message(fn: Any) -> str:
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    def parallelized() -> nn.Module:
+        model = _build("gpt")
+        return hsdp.tp_plans.gpt_plan(model, mesh.tp_mesh)
+
+    plain_mesh = hsdp.init_mesh(S, fault_policy=None)
+    wrapped = hsdp.ShardedModel(parallelized(), mesh=mesh)
+    return {
+        "sliced": message(lambda: hsdp.ShardedModel(parallelized(), mesh=mesh, shard_optimizer_across_replicas=True)),
+        "int8": message(lambda: hsdp.ShardedModel(parallelized(), mesh=mesh, replica_hop=hsdp.Int8ErrorFeedbackHop())),
+        "2d": message(lambda: hsdp.ShardedModel(parallelized(), mesh=plain_mesh)),
+        "adafactor": message(lambda: hsdp.ShardedOptimizer(wrapped, torch.optim.Adafactor(wrapped.parameters()))),
+        "pretrained": message(lambda: hsdp.load_pretrained(wrapped, os.path.join(work, "none.safetensors"))),
+    }
+
+
 def _world8(rank: int, world: int, work: str) -> dict:
     mesh = hsdp.init_mesh(S, tensor_parallel_degree=T, fault_policy=None)
     out: dict[str, Any] = {"work": work, "mesh": (mesh.replicate_degree, mesh.sharding_degree, mesh.tp_degree),
@@ -168,6 +193,7 @@ def _world8(rank: int, world: int, work: str) -> dict:
     model, opt, out["gpt"] = _parity("gpt", mesh, _plain_clip)  # torch's own clip on the DTensor gradients
     out["llama"] = _parity("llama", mesh, lambda m: hsdp.clip_grad_norm_(m, 0.5))[2]
     out["ckpt"] = _checkpoints(rank, model, opt, work)
+    out["refused"] = _refusals(mesh, work)
     return out
 
 
@@ -239,3 +265,13 @@ def test_tensor_parallel_checkpoint_loads_into_one_plain_process(world8: list[di
     model = GPT(GPT_CFG)
     model.load_state_dict(hsdp.checkpoint.load_safetensors(out))
     assert same({k: v.detach() for k, v in model.state_dict().items()}, world8[0]["gpt"]["params"])
+
+
+@pytest.mark.parametrize("case,fix", [("sliced", "shard_optimizer_across_replicas is not supported with tensor"),
+                                      ("int8", "use hsdp.AllReduceHop()"),
+                                      ("2d", "tensor_parallel_degree=T) and parallelize the model on mesh.tp_mesh"),
+                                      ("adafactor", "use an element-wise optimizer"),
+                                      ("pretrained", "before parallelize_module")])
+def test_what_tensor_parallelism_does_not_support_yet_is_refused_naming_the_fix(world8: list[dict], case: str,
+                                                                                 fix: str) -> None:
+    assert all(fix in r["refused"][case] for r in world8), world8[0]["refused"][case]

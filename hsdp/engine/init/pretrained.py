@@ -41,6 +41,9 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, key_map: KeyMa
     replica 0).
     """
     model = root_model(model, "load_pretrained")
+    if model.mesh.tp_degree > 1:
+        raise ValueError("load_pretrained does not support tensor parallelism yet: load the weights into the plain "
+                         "model (model.load_state_dict(safetensors.torch.load_file(path))) before parallelize_module")
     source = SafetensorsSource(path, key_map)
     plan = _match(model, source)
     plan.raise_problems(os.fspath(path))

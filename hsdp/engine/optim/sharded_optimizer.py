@@ -196,6 +196,11 @@ def _validate(model: Any, optimizer: Any) -> None:
     why = refusal(optimizer)
     if why is not None:
         raise ValueError(f"{type(optimizer).__name__} is not element-wise and cannot step dim-0 shards: {why}")
+    if model.mesh.tp_degree > 1 and _sharded_step(optimizer) is not None:
+        # Their sharded steps reduce over the shard group only; a tensor-parallel matrix is split over the tp
+        # group too, so row/column statistics (Adafactor) or the orthogonalization (Muon) would be of a piece.
+        raise ValueError(f"{type(optimizer).__name__} is not supported with tensor parallelism yet: use an "
+                         f"element-wise optimizer (AdamW, SGD, ...), or tensor_parallel_degree=1")
 
 
 def _base_name(optimizer: ShardedOptimizer) -> str:
