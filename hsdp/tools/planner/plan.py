@@ -134,10 +134,11 @@ def estimate_layout(model: ModelSpec, cluster: ClusterSpec, shard: int, options:
 SHARD_OPTIMIZER_MODES = ("auto", "on", "off")
 
 
-def _variants(options: TrainOptions, replicate: int, mode: str) -> list[TrainOptions]:
-    """The settings of ``shard_optimizer_across_replicas`` to estimate a layout with, plainest first."""
+def _variants(options: TrainOptions, replicate: int, mode: str, tp: int = 1) -> list[TrainOptions]:
+    """The settings of ``shard_optimizer_across_replicas`` to estimate a layout with, plainest first. The
+    engine does not combine it with tensor parallelism yet: ``T > 1`` layouts are estimated without it."""
     off = replace(options, shard_optimizer_across_replicas=False)
-    if mode == "off" or replicate == 1:
+    if mode == "off" or replicate == 1 or tp > 1:
         return [off]
     if mode == "on":
         return [replace(options, shard_optimizer_across_replicas=True)]  # refuses the int8 hop
@@ -192,8 +193,10 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
     used: list[LayoutEstimate] = []
     others: list[LayoutEstimate] = []
     for d, t in _grid(cluster, chosen, tensor_parallel or (1,)):
+        if t > 1 and options.replicate_dtype == "int8":
+            continue  # the engine refuses the int8 hop with tensor parallelism (not yet supported)
         variants = [estimate_layout(model, cluster, d, v, profile, limit, t)
-                    for v in _variants(options, world // (d * t), mode)]
+                    for v in _variants(options, world // (d * t), mode, t)]
         pick = variants[0] if len(variants) == 1 else _use(*variants)
         used.append(pick)
         others += [v for v in variants if v is not pick]
