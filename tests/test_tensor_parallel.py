@@ -158,6 +158,10 @@ def _checkpoints(rank: int, model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer
             hsdp.load_checkpoint(os.path.join(work, source), back, bopt)
         out[f"{source}_back"] = (same({k: full(v) for k, v in back.state_dict().items()}, saved["model"])
                                  and same(optim_state(bopt.state_dict())["state"], saved["optim"]["state"]))
+    # (1,1,1) -> (2,2,2): one process's full tensors (a plain state dict) into the tensor-parallel model.
+    back, _ = _tp_model("gpt", hsdp.init_mesh(S, tensor_parallel_degree=T, fault_policy=None))
+    back.load_state_dict(saved["model"])
+    out["plain_back"] = same({k: full(v) for k, v in back.state_dict().items()}, saved["model"])
     return out
 
 
@@ -194,6 +198,11 @@ def _world8(rank: int, world: int, work: str) -> dict:
     out["llama"] = _parity("llama", mesh, lambda m: hsdp.clip_grad_norm_(m, 0.5))[2]
     out["ckpt"] = _checkpoints(rank, model, opt, work)
     out["refused"] = _refusals(mesh, work)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    own = hsdp.init_mesh(device_mesh=init_device_mesh("cpu", (R, S, T), mesh_dim_names=("replicate", "shard", "tp")),
+                         fault_policy=None)
+    out["user_mesh"] = (own.replicate_degree, own.sharding_degree, own.tp_degree, own.tp_rank)
     return out
 
 
@@ -208,6 +217,7 @@ def world8(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------
 def test_mesh_is_replicate_shard_tp_with_tp_ranks_adjacent(world8: list[dict]) -> None:
     assert {r["mesh"] for r in world8} == {(R, S, T)}
+    assert [r["user_mesh"] for r in world8] == [(R, S, T, t) for t in (0, 1)] * 4  # a user's own 3-D DeviceMesh
     assert [r["tp_rank"] for r in world8] == [0, 1] * 4
     # The two TP ranks of a data-parallel rank read the same rows: 4 readers, not 8.
     assert [r["dp"] for r in world8] == [(d, 4) for d in (0, 0, 1, 1, 2, 2, 3, 3)]
@@ -253,7 +263,7 @@ def test_inter_node_bytes_stay_at_the_floor_with_tensor_parallel(world8: list[di
     assert floor <= node <= 1.02 * floor, (node / floor, node, floor)
 
 
-@pytest.mark.parametrize("layout", ["2x4", "4x2", "fsdp2_tp", "fsdp2_back", "2x4_back"])
+@pytest.mark.parametrize("layout", ["2x4", "4x2", "fsdp2_tp", "fsdp2_back", "2x4_back", "plain_back"])
 def test_checkpoints_move_between_tensor_parallel_and_other_layouts(world8: list[dict], layout: str) -> None:
     assert all(r["ckpt"][layout] for r in world8), [r["ckpt"] for r in world8]
 
