@@ -16,13 +16,14 @@ from hsdp.apps.train.command import layout_problem, main, overrides_from, split_
 from hsdp.apps.train.config import DataConfig, OptimConfig, RunConfig
 from hsdp.apps.train.config_io import apply_overrides, build_config, read_toml, resolve_config, to_toml
 from hsdp.apps.train.corpus import char_tokens, detect_format, load_corpus, read_corpus_bytes
-from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, sample
+from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, pad_sequence_to, sample
 from hsdp.apps.train.metrics import CSV_NAME, MetricsWriter, comm_totals, read_metrics
 from hsdp.apps.train.optimizer import lr_at
 from hsdp.apps.train.progress import format_eta
 from hsdp.apps.train.rank_warnings import rank_ranges
 from hsdp.apps.train.rundir import start_problem
 from hsdp.engine.collectives import profiler_region
+from hsdp.models import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,6 +71,16 @@ def test_overrides_are_typed_and_applied_in_order() -> None:
     (["parallel.replica_hop=fp8"], r"parallel\.replica_hop = 'fp8'"),
     (["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"],
      r"parallel\.shard_optimizer_across_replicas = True: needs a hop that can reduce-scatter.*'bf16' or 'fp32'"),
+    (["parallel.tensor_parallel=0"], r"parallel\.tensor_parallel = 0: must be at least 1"),
+    (["parallel.tensor_parallel=2", "parallel.shard_optimizer_across_replicas=true"],
+     r"parallel\.tensor_parallel = 2: does not combine with parallel\.shard_optimizer_across_replicas.*turn that off"),
+    (["parallel.tensor_parallel=2", "parallel.replica_hop=int8"],
+     r"parallel\.tensor_parallel = 2: does not combine with parallel\.replica_hop = 'int8'.*'bf16' or 'fp32'"),
+    (["parallel.tensor_parallel=2", "model.kind=hf-gpt2"],
+     r"parallel\.tensor_parallel = 2: Hugging Face GPT-2 has no tensor-parallel plan.*set model\.kind = 'gpt'"),
+    (["parallel.tensor_parallel=3"], r"parallel\.tensor_parallel = 3: .*must divide n_head=4.*model\.preset = 'tiny'"),
+    (["parallel.tensor_parallel=2", "model.block_size=63"],
+     r"parallel\.tensor_parallel = 2: sequence parallel .* context is 63 tokens.*multiple of 2"),
 ])
 def test_bad_values_name_the_field(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -291,3 +302,41 @@ def test_a_mesh_the_started_ranks_cannot_form_is_one_error_before_spawning(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hsdp train: error: world size 4 is not divisible by sharding_degree=3" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_tensor_parallel_is_read_and_its_layout_checked_before_spawning() -> None:
+    cfg = resolve_config(None, ["parallel.tensor_parallel=2", "parallel.nproc_per_node=4"])
+    assert cfg.parallel.tensor_parallel == 2 and RunConfig().parallel.tensor_parallel == 1
+    assert layout_problem(cfg) is None  # sharding_degree 0: 4 / 2 = 2 shards of 2 TP ranks per node
+    for degree in (1, 2):
+        assert layout_problem(resolve_config(None, ["parallel.tensor_parallel=2", "parallel.nproc_per_node=4",
+                                                    f"parallel.sharding_degree={degree}"])) is None
+    problems = {
+        ("parallel.tensor_parallel=4",): "parallel.tensor_parallel = 4 does not divide parallel.nproc_per_node = 2",
+        ("parallel.tensor_parallel=2", "parallel.sharding_degree=2"):
+            "parallel.sharding_degree = 2 x parallel.tensor_parallel = 2 is more than the 2 ranks per node",
+        ("parallel.tensor_parallel=2", "parallel.nproc_per_node=6", "parallel.sharding_degree=2"):
+            "does not divide the 3 tensor-parallel groups of a node",
+    }
+    for overrides, message in problems.items():
+        problem = layout_problem(resolve_config(None, list(overrides)))
+        assert problem is not None and message in problem, problem
+
+
+def test_padded_sequences_give_the_unpadded_logits() -> None:
+    # Sequence parallel needs lengths divisible by T; the end-of-run sample pads them (causal: exact).
+    torch.manual_seed(0)
+    lm = LANGUAGE_MODELS["gpt"]
+    model = lm.build(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    lengths: list[int] = []
+
+    def logits(idx: torch.Tensor) -> torch.Tensor:
+        lengths.append(idx.size(1))
+        return lm.logits(model, idx)
+
+    padded = pad_sequence_to(logits, 4)
+    assert pad_sequence_to(logits, 1) is logits
+    for t in (1, 3, 4, 5):
+        idx = torch.randint(0, 32, (2, t))
+        assert torch.allclose(padded(idx), lm.logits(model, idx), atol=1e-6)
+    assert lengths == [4, 4, 4, 8]

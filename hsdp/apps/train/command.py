@@ -118,12 +118,36 @@ def layout_problem(config: RunConfig) -> str | None:
     from hsdp.engine.mesh import validate_degree
 
     nodes, per_node, degree = config.parallel.nodes, config.parallel.nproc_per_node, config.parallel.sharding_degree
+    if config.parallel.tensor_parallel > 1:
+        return tp_layout_problem(per_node, degree, config.parallel.tensor_parallel)
     if not degree:  # 0: the ranks per node, which always tiles the world
         return None
     try:
         validate_degree(nodes * per_node, degree)
     except ValueError as e:
         return f"{e} (the world is parallel.nodes x parallel.nproc_per_node = {nodes} x {per_node})"
+    return None
+
+
+def tp_layout_problem(per_node: int, degree: int, tp: int) -> str | None:
+    """Why ``parallel.tensor_parallel`` = ``tp`` cannot lay out nodes of ``per_node`` ranks with shard groups of
+    ``degree`` (0: ``per_node / tp``), naming the fields. Both kinds of group stay inside one node: a tensor-
+    parallel group (its activation traffic is on the critical path) of adjacent ranks, and a shard group of
+    ``degree`` such groups (every all-gather and reduce-scatter); only the replica hop crosses nodes."""
+    if per_node % tp:
+        fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        return (f"parallel.tensor_parallel = {tp} does not divide parallel.nproc_per_node = {per_node}: a "
+                f"tensor-parallel group must lie inside one node; choose one of {fits}")
+    groups = per_node // tp  # tensor-parallel groups per node: the most a shard group may hold
+    if degree and degree * tp > per_node:
+        return (f"parallel.sharding_degree = {degree} x parallel.tensor_parallel = {tp} is more than the "
+                f"{per_node} ranks per node (parallel.nproc_per_node), so shard groups would cross nodes: set "
+                f"parallel.sharding_degree to at most {groups} (0 means {groups})")
+    if degree and groups % degree:
+        fits = [d for d in range(1, groups + 1) if groups % d == 0]
+        return (f"parallel.sharding_degree = {degree} does not divide the {groups} tensor-parallel groups of a "
+                f"node (parallel.nproc_per_node / parallel.tensor_parallel = {per_node} / {tp}), so some shard "
+                f"group would cross nodes: choose one of {fits} (0 means {groups})")
     return None
 
 

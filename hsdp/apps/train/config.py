@@ -178,7 +178,12 @@ class ParallelConfig:
     ``shard_optimizer_across_replicas`` splits gradients and AdamW state over all R x S ranks (parameters
     stay split over S): optimizer state and step / R, the same inter-node bytes with an fp32 hop (with a
     bf16 hop the all-gather after the step stays fp32: 1.5x); not with the int8 hop, which cannot
-    reduce-scatter. No effect with one replica."""
+    reduce-scatter. No effect with one replica. ``tensor_parallel`` T > 1 also splits each block's layers over T
+    adjacent ranks of a node (Megatron-style, with sequence parallel norms: :mod:`hsdp.tp_plans`) on an R x S x T
+    mesh; the T ranks read the same batch (R x S data-parallel readers). T must divide ``nproc_per_node`` and
+    ``sharding_degree`` x T fit in a node (``sharding_degree`` 0 then means ``nproc_per_node`` / T); only for
+    hsdp's GPT (``model.kind = "gpt"``), with a context divisible by T, the ``fp32`` or ``bf16`` hop and
+    without ``shard_optimizer_across_replicas``."""
 
     SECTION: ClassVar[str] = "parallel"
     nodes: int = 2
@@ -188,11 +193,12 @@ class ParallelConfig:
     replica_hop: str = "fp32"
     reshard_after_forward: bool = True
     shard_optimizer_across_replicas: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop  # torch import deferred, as above
 
-        _at_least(self.SECTION, self, ("nodes", "nproc_per_node"), 1)
+        _at_least(self.SECTION, self, ("nodes", "nproc_per_node", "tensor_parallel"), 1)
         _at_least(self.SECTION, self, ("sharding_degree",), 0)
         _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
         _one_of(self.SECTION, "replica_hop", self.replica_hop, HOP_NAMES)
@@ -202,6 +208,20 @@ class ParallelConfig:
                   f"needs a hop that can reduce-scatter across replicas, and parallel.replica_hop = "
                   f"{self.replica_hop!r} cannot: set parallel.replica_hop to 'bf16' or 'fp32', or turn "
                   f"parallel.shard_optimizer_across_replicas off")
+        if self.tensor_parallel > 1:
+            self._check_tensor_parallel_options()
+
+    def _check_tensor_parallel_options(self) -> None:
+        # What the engine does not compose with tensor parallelism yet (ShardedModel refuses both alike).
+        if self.shard_optimizer_across_replicas:
+            _fail(self.SECTION, "tensor_parallel", self.tensor_parallel,
+                  "does not combine with parallel.shard_optimizer_across_replicas = true yet: turn that off, "
+                  "or set parallel.tensor_parallel = 1")
+        if self.replica_hop == "int8":
+            _fail(self.SECTION, "tensor_parallel", self.tensor_parallel,
+                  "does not combine with parallel.replica_hop = 'int8' (its per-rank error feedback cannot be "
+                  "split over the tensor-parallel ranks): set parallel.replica_hop to 'bf16' or 'fp32', or "
+                  "parallel.tensor_parallel = 1")
 
 
 @dataclass(frozen=True)
@@ -237,6 +257,28 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train.stop_after > self.train.steps:
             _fail("train", "stop_after", self.train.stop_after, f"exceeds train.steps = {self.train.steps}")
+        if self.parallel.tensor_parallel > 1:
+            self._check_tensor_parallel_model()
+
+    def _check_tensor_parallel_model(self) -> None:
+        """The model must have a tensor-parallel plan that splits its shape over T ranks, and sequence
+        parallel needs every batch's length (the context) divisible by T. The ranks per node are checked
+        where they are known: :func:`hsdp.apps.train.command.layout_problem` for the ranks ``hsdp train``
+        starts itself, ``hsdp.init_mesh`` under torchrun."""
+        from hsdp.apps.train.lm import LANGUAGE_MODELS
+        from hsdp.models import preset  # torch import deferred, as above
+
+        tp, model = self.parallel.tensor_parallel, self.model
+        problem = LANGUAGE_MODELS[model.kind].tp_problem(model.shape(preset(model.preset).vocab_size), tp)
+        if problem:
+            _fail("parallel", "tensor_parallel", tp, f"{problem} (model.kind = {model.kind!r}, model.preset = "
+                                                     f"{model.preset!r})")
+        block = model.block_size or preset(model.preset).block_size
+        if block % tp:
+            _fail("parallel", "tensor_parallel", tp,
+                  f"sequence parallel splits each sequence over the {tp} tensor-parallel ranks, but the context "
+                  f"is {block} tokens (model.block_size; 0 is the preset's): set model.block_size to a multiple "
+                  f"of {tp}, or a parallel.tensor_parallel dividing {block}")
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]

@@ -4,7 +4,9 @@
 Face ``GPT2LMHeadModel`` of the same shape with random weights (built from a config, nothing is
 downloaded; its tied ``wte``/``lm_head`` matrix stays one parameter under hsdp). Both see the same
 ``(x, y)`` batches, ``y`` being ``x`` shifted by one token, and the same loss: mean cross entropy.
-The kind is looked up once in :data:`LANGUAGE_MODELS`; nothing else in the job dispatches on it.
+The kind is looked up once in :data:`LANGUAGE_MODELS`; nothing else in the job dispatches on it, including
+whether it can be tensor-parallel (``parallel.tensor_parallel``): ``gpt`` has :func:`hsdp.tp_plans.gpt_plan`,
+``hf-gpt2`` has no plan and is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import functional as F
 
 from hsdp.engine.wrap import WrapPolicy
 from hsdp.models import GPT, GPTConfig, generate
+from hsdp.models.tp_plans import check_gpt_divisible, gpt_plan
 
 
 class LanguageModel(Protocol):
@@ -39,6 +43,16 @@ class LanguageModel(Protocol):
         """Mean next-token cross entropy of predicting ``y`` from ``x``."""
         ...
 
+    def tp_problem(self, shape: GPTConfig, tp: int) -> str | None:
+        """Why a model of ``shape`` cannot be split over ``tp`` tensor-parallel ranks (no plan for this kind,
+        or a width not divisible by ``tp``), naming the fix; ``None`` when it can. Pure: no process group."""
+        ...
+
+    def parallelize(self, model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+        """Tensor-parallelize ``model`` in place over the 1-D ``tp_mesh`` (sequence parallel: every batch's
+        length must be divisible by its size); only when :meth:`tp_problem` is ``None``."""
+        ...
+
 
 class HsdpGPT:
     """``model.kind = "gpt"``: hsdp's own GPT, whose forward computes the loss itself."""
@@ -53,6 +67,21 @@ class HsdpGPT:
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return model(x, y)[1]
+
+    def tp_problem(self, shape: GPTConfig, tp: int) -> str | None:
+        try:
+            check_gpt_divisible(shape, tp)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def parallelize(self, model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(model, GPT)
+        return gpt_plan(model, tp_mesh, sequence_parallel=True)
+
+
+_NO_GPT2_PLAN = ("Hugging Face GPT-2 has no tensor-parallel plan (hsdp.tp_plans has hsdp's GPT and Hugging Face "
+                 "Llama): set model.kind = 'gpt', or parallel.tensor_parallel = 1")
 
 
 class HuggingFaceGPT2:
@@ -81,6 +110,12 @@ class HuggingFaceGPT2:
         logits = self.logits(model, x)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
+    def tp_problem(self, shape: GPTConfig, tp: int) -> str | None:
+        return _NO_GPT2_PLAN
+
+    def parallelize(self, model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+        raise ValueError(_NO_GPT2_PLAN)
+
 
 LANGUAGE_MODELS: dict[str, LanguageModel] = {"gpt": HsdpGPT(), "hf-gpt2": HuggingFaceGPT2()}
 
@@ -94,6 +129,25 @@ def describe(model: nn.Module, block_size: int) -> str:
     """``"GPT, 215,232 parameters, context 64"``: the class (call it before wrapping renames the class),
     the distinct parameters and the context length."""
     return f"{type(model).__name__}, {parameter_count(model):,} parameters, context {block_size}"
+
+
+def pad_sequence_to(logits_fn: Callable[[torch.Tensor], torch.Tensor], multiple: int,
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``logits_fn`` for ids of any length under sequence parallel, which needs a multiple of the TP degree:
+    the ids are padded on the right (with their last id) and the padding's logits dropped. Exact for a
+    causal model: position ``i``'s logits never see positions after ``i``. The padded length stays within
+    the context when the context is a multiple of ``multiple`` (validated with ``parallel.tensor_parallel``)."""
+    if multiple == 1:
+        return logits_fn
+
+    def padded(idx: torch.Tensor) -> torch.Tensor:
+        t = idx.size(1)
+        extra = -t % multiple
+        if not extra:
+            return logits_fn(idx)
+        return logits_fn(torch.cat([idx, idx[:, -1:].expand(-1, extra)], dim=1))[:, :t]
+
+    return padded
 
 
 def sample(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], tokens: int, block_size: int,

@@ -6,10 +6,11 @@ to TensorBoard under ``tb/`` when the ``tensorboard`` package is installed, and 
 
   ``step`` (1-based), ``loss`` (training loss averaged over the step's micro-batches and all ranks),
   ``eval_loss`` (held-out loss, on evaluation steps only), ``lr``, ``grad_norm`` (before clipping),
-  ``tokens`` (processed by all ranks so far), ``step_s`` and ``tokens_per_s`` (this step, rank 0's
-  clock), ``shard_bytes`` / ``replicate_bytes`` (this rank's sent bytes in the intra-node shard group and
-  the inter-node replicate group: ``wire_bytes`` of ``model.comm_stats()``), ``shard_s`` /
-  ``replicate_s`` (time in those collectives from issue to completed wait, overlapped with compute or not),
+  ``tokens`` (in the global batches so far: the T ranks of a tensor-parallel group share one batch, counted
+  once), ``step_s`` and ``tokens_per_s`` (this step, rank 0's clock), ``shard_bytes`` / ``replicate_bytes``
+  (this rank's sent bytes in the intra-node shard group and the inter-node replicate group: ``wire_bytes``
+  of ``model.comm_stats()``), ``shard_s`` / ``replicate_s`` (time in those collectives from issue to
+  completed wait, overlapped with compute or not),
   ``exposed_comm_s`` (the time the rank waited for collectives instead of computing: measured on CPUs,
   where a wait blocks; ``None`` on GPUs, where the stream waits and the profiler trace shows it) and
   ``mem_bytes`` (peak memory so far: CUDA allocator peak on GPUs, the process's peak resident set on CPUs).

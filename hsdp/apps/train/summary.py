@@ -6,6 +6,11 @@ reduce-scatter), ``replicate`` the inter-node group (the gradient hop). Per node
 the node's ranks add up to the HSDP floor ``2(R-1)/R x P x b`` for a plain all-reduce (P parameters of b
 bytes on the wire, R replicas; with the optimizer sharded across replicas ``(R-1)/R x P x (b + 4)``), shown
 next to the measurement (slightly above it: chunk padding and one flag per parameter ride along).
+
+With tensor parallelism (``parallel.tensor_parallel`` T > 1, an R x S x T mesh) a node holds S x T ranks, each
+sending its shard of its TP-local tensors (and a 1/T piece of the parameters every TP rank holds whole), so the
+node's S x T records still add up to the same floor with P the model's total parameter count. Tensor
+parallelism's own activation traffic (torch's collectives inside the blocks) is not in hsdp's counts.
 """
 
 from __future__ import annotations
@@ -30,14 +35,21 @@ def rank_record(model: hsdp.ShardedModel, optimizer: hsdp.ShardedOptimizer, resu
     """This rank's place in the mesh, model-state bytes, peak memory and bytes per step (the median step)."""
     mesh = model.mesh
     node = int(os.environ.get("GROUP_RANK", mesh.replicate_rank))  # torchrun's node rank
-    return {"rank": mesh.rank, "node": node, "shard": mesh.shard_rank,
+    return {"rank": mesh.rank, "node": node, "shard": mesh.shard_rank, "tp": mesh.tp_rank,
             **hsdp.state_bytes(model, optimizer).as_dict(), "peak_bytes": peak_memory_bytes(mesh.device),
             "shard_bytes_per_step": result.bytes_per_step("shard"),
             "replicate_bytes_per_step": result.bytes_per_step("replicate")}
 
 
+def mesh_text(mesh: hsdp.HSDPMesh) -> str:
+    """``"2 x 2"`` (replicas x shards), ``"2 x 2 x 2"`` (x tensor-parallel ranks) when T > 1."""
+    tp = f" x {mesh.tp_degree}" if mesh.tp_degree > 1 else ""
+    return f"{mesh.replicate_degree} x {mesh.sharding_degree}{tp}"
+
+
 def inter_node_floor(cfg: RunConfig, n_params: int, replicas: int) -> float | None:
-    """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop; with
+    """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop (P: all
+    the model's parameters, whatever tensor parallelism splits: a node holds all of them); with
     ``parallel.shard_optimizer_across_replicas`` ``(R-1)/R x P x (b + 4)``: a reduce-scatter in the hop
     dtype, then an all-gather of the stepped slices in the parameter dtype (fp32 shards)."""
     wire = _WIRE_BYTES.get(cfg.parallel.replica_hop)
@@ -68,7 +80,8 @@ def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: Lo
     losses = [r["loss"] for r in result.records]
     evals = [r["eval_loss"] for r in result.records if r["eval_loss"] is not None]
     return {
-        "mesh": {"replicas": mesh.replicate_degree, "shards": mesh.sharding_degree, "world": mesh.world_size},
+        "mesh": {"replicas": mesh.replicate_degree, "shards": mesh.sharding_degree, "world": mesh.world_size,
+                 **({"tp": mesh.tp_degree} if mesh.tp_degree > 1 else {})},
         "model": {"preset": cfg.model.preset, "kind": cfg.model.kind, "params": n_params},
         "steps": {"first": start_step + 1, "last": start_step + result.steps, "planned": cfg.train.steps},
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
@@ -96,7 +109,8 @@ def run_table(summary: dict[str, Any], data: str) -> Table:
     t.add_column(style="bold")
     t.add_column()
     m, s = summary["mesh"], summary["steps"]
-    t.add_row("mesh", f"{m['replicas']} replicas x {m['shards']} shards ({m['world']} ranks)")
+    tp = f" x {m['tp']} tensor-parallel" if m.get("tp", 1) > 1 else ""
+    t.add_row("mesh", f"{m['replicas']} replicas x {m['shards']} shards{tp} ({m['world']} ranks)")
     t.add_row("model", f"{summary['model']['kind']} '{summary['model']['preset']}', "
                        f"{summary['model']['params']:,} parameters")
     t.add_row("data", Text(data))  # Text: a path may contain "[...]", which rich would read as markup
@@ -112,12 +126,14 @@ def run_table(summary: dict[str, Any], data: str) -> Table:
 
 def rank_table(ranks: list[dict[str, Any]]) -> Table:
     t = Table(title="Per rank (MiB; KiB sent per step)")
-    for name in ("rank", "node", "shard", "params", "grads", "optim", "peak mem", "intra", "inter"):
+    tp = any(r.get("tp", 0) for r in ranks)  # a tp column only on an R x S x T mesh
+    for name in ("rank", "node", "shard", *(("tp",) if tp else ()), "params", "grads", "optim", "peak mem",
+                 "intra", "inter"):
         t.add_column(name, justify="right", no_wrap=True)
     for r in sorted(ranks, key=lambda r: r["rank"]):
-        t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), mib(r["params"]), mib(r["grads"]),
-                  mib(r["optimizer"]), mib(r["peak_bytes"]), kib(r["shard_bytes_per_step"]),
-                  kib(r["replicate_bytes_per_step"]))
+        t.add_row(str(r["rank"]), str(r["node"]), str(r["shard"]), *((str(r["tp"]),) if tp else ()),
+                  mib(r["params"]), mib(r["grads"]), mib(r["optimizer"]), mib(r["peak_bytes"]),
+                  kib(r["shard_bytes_per_step"]), kib(r["replicate_bytes_per_step"]))
     return t
 
 

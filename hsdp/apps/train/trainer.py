@@ -3,7 +3,8 @@
 It owns the wrapped model, its optimizer, the two token streams, the run directory, the rank channel,
 rank 0's metrics writer and progress reporter, the profiler and the session's :class:`LoopResult`.
 Construction builds them in a fixed order: mesh -> run directory -> corpus -> model (rank 0's initial
-weights are broadcast) -> ShardedModel -> sharded AdamW -> token streams -> resume.
+weights are broadcast) -> tensor-parallel plan (``parallel.tensor_parallel`` > 1) -> ShardedModel -> sharded
+AdamW -> token streams -> resume.
 
 One step = ``grad_accum`` micro-batches (all but the last inside ``model.no_sync()``, so the inter-node
 hop runs once per step), gradient clipping over the whole sharded gradient, an AdamW step at the
@@ -28,7 +29,7 @@ import hsdp
 from hsdp.apps.train import resume, summary
 from hsdp.apps.train.config import RunConfig
 from hsdp.apps.train.corpus import load_corpus
-from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, parameter_count, sample
+from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, pad_sequence_to, parameter_count, sample
 from hsdp.apps.train.metrics import MetricsWriter, comm_totals, peak_memory_bytes
 from hsdp.apps.train.optimizer import build_optimizer, lr_at, set_lr
 from hsdp.apps.train.profiling import StepProfiler, profile_window
@@ -49,6 +50,14 @@ def _due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
+def _init_mesh(cfg: RunConfig) -> hsdp.HSDPMesh:
+    """R x S, or R x S x T with ``parallel.tensor_parallel`` T > 1 (``sharding_degree`` 0: the ranks per node,
+    divided by T). T = 1 keeps the 2-D mesh, exactly as before tensor parallelism existed."""
+    par = cfg.parallel
+    tp = par.tensor_parallel if par.tensor_parallel > 1 else None
+    return hsdp.init_mesh(par.sharding_degree or None, tensor_parallel_degree=tp)
+
+
 class Trainer:
     """Train as ``cfg`` says on this rank; every rank of the job builds one (construction is a collective:
     it creates the mesh, agrees on the run directory, broadcasts the initial weights and resumes).
@@ -58,19 +67,25 @@ class Trainer:
         self.cfg = cfg
         self.console = console
         self.warnings = warnings  # flushed at logged steps: every rank's warnings, shown once by rank 0
-        self.mesh = hsdp.init_mesh(cfg.parallel.sharding_degree or None)
+        self.mesh = _init_mesh(cfg)
         self.channel = RankChannel(self.mesh)  # metric averages and records, outside the model's comm stats
         self.run = prepare_run_dir(cfg, self.channel)
         self.corpus = load_corpus(cfg.data)
         self.lm = LANGUAGE_MODELS[cfg.model.kind]  # the one place the model kind is looked at
         self.shape = cfg.model.shape(self.corpus.tokenizer.vocab_size)
-        torch.manual_seed(cfg.train.seed)  # rank 0's weights are broadcast; the seed makes them reproducible
+        # Rank 0's weights are broadcast; the seed makes them reproducible, and the same seed on every rank
+        # gives the tensor-parallel plan identical whole weights to split (norms are taken as each rank has them).
+        torch.manual_seed(cfg.train.seed)
         module = self.lm.build(self.shape).to(self.mesh.device)  # this rank's GPU under NCCL, else the CPU
         self.description = describe(module, self.shape.block_size)  # before wrapping renames the class
-        self.n_params = parameter_count(module)
+        self.n_params = parameter_count(module)  # P: every parameter once, whatever T splits later
+        if self.mesh.tp_degree > 1:
+            module = self.lm.parallelize(module, self.mesh.tp_mesh)
         self.model = self._wrap(module)
-        # Per-rank generator state from here on: dropout masks differ across ranks, as their data does.
-        torch.manual_seed(cfg.train.seed + 1 + self.mesh.rank)
+        # Per-reader generator state from here on: dropout masks differ across data-parallel ranks, as their
+        # data does, and agree across the T ranks of a tensor-parallel group, whose replicated activations
+        # (the embeddings' output) must be masked alike for their gradients to agree.
+        torch.manual_seed(cfg.train.seed + 1 + hsdp.data_parallel_rank(self.mesh))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.train_stream, self.held_out = self._streams()
         self.start_step, self.resumed_from = self._resume()
@@ -115,9 +130,7 @@ class Trainer:
         """Rank 0: the mesh, the model, the data and where the run starts."""
         if not self.channel.is_root:
             return
-        mesh = self.mesh
-        self.console.print(f"hsdp train: {mesh.replicate_degree} x {mesh.sharding_degree} mesh, "
-                           f"{self.description}", markup=False)
+        self.console.print(f"hsdp train: {summary.mesh_text(self.mesh)} mesh, {self.description}", markup=False)
         self.console.print(f"data: {self.corpus.description}", markup=False)
         self.console.print(f"resumed from {self.resumed_from} (step {self.start_step})" if self.resumed_from
                            else f"run directory: {self.run.path}", markup=False)
@@ -160,7 +173,7 @@ class Trainer:
         mean_loss, stop_votes = self.channel.mean([loss.item(), float(stop_requested)])
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optim.lr or set optim.grad_clip")
-        stream = self.train_stream
+        stream = self.train_stream  # world_size: the R x S data-parallel readers (a TP group reads one batch)
         n_tokens = cfg.train.batch_size * stream.block_size * cfg.train.grad_accum * stream.world_size
         record = {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
                   "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
@@ -244,8 +257,9 @@ class Trainer:
         prompt = self.corpus.tokenizer.encode(cfg.sample_prompt) or [0]
         self.model.eval()
         device = self.mesh.device
-        ids = sample(lambda idx: self.lm.logits(self.model, idx.to(device)), prompt, cfg.sample_tokens,
-                     self.shape.block_size, seed=cfg.seed)
+        # Sequence parallel takes lengths divisible by T; the growing sample is padded (exact: causal).
+        logits = pad_sequence_to(lambda idx: self.lm.logits(self.model, idx.to(device)), self.mesh.tp_degree)
+        ids = sample(logits, prompt, cfg.sample_tokens, self.shape.block_size, seed=cfg.seed)
         self.model.train()
         return self.corpus.tokenizer.decode(ids)
 
