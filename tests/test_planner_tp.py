@@ -8,15 +8,16 @@ from dataclasses import replace
 
 import pytest
 
-from hsdp.apps.cli import main
+from hsdp.apps.cli import build_parser, main
+from hsdp.apps.cli.plan import build_plan
 from hsdp.tools.planner.cluster import ClusterSpec
 from hsdp.tools.planner.comm import groups
-from hsdp.tools.planner.cost import estimate_step
+from hsdp.tools.planner.cost import estimate_step, unit_costs
 from hsdp.tools.planner.memory import estimate_memory
 from hsdp.tools.planner.model import TransformerShape, transformer, uniform
 from hsdp.tools.planner.options import Layout, TrainOptions
 from hsdp.tools.planner.plan import estimate_layout, make_plan
-from hsdp.tools.planner.tensor_parallel import BLOCK_COLLECTIVES
+from hsdp.tools.planner.tensor_parallel import BLOCK_COLLECTIVES, shard_degrees
 
 P = 64 * 1024 * 1024
 B = 4  # fp32
@@ -50,8 +51,10 @@ def test_t1_rows_of_a_tp_plan_equal_the_plan_without_tp() -> None:
     both = make_plan(model, cluster, options, tensor_parallel=(1, 2, 4))
     assert [e.layout.tp for e in plain.layouts] == [1] * 5  # S = 1..16
     assert [e for e in both.layouts if e.layout.tp == 1] == list(plain.layouts)
+    # Inside a node, and over both nodes (S x T = 16: full shard + TP).
     assert {(e.layout.shard, e.layout.tp) for e in both.layouts if e.layout.tp > 1} == {(1, 2), (2, 2), (4, 2),
-                                                                                        (1, 4), (2, 4)}
+                                                                                        (8, 2), (1, 4), (2, 4),
+                                                                                        (4, 4)}
 
 
 @pytest.mark.parametrize("shard,tp", [(2, 2), (1, 4), (2, 4), (1, 8)])
@@ -122,11 +125,13 @@ def test_invalid_tp_degrees_are_refused_with_the_fix() -> None:
     model, cluster = _blocks(), _cluster(2, 8)
     with pytest.raises(ValueError, match=r"T=3 does not divide the 8 ranks per node.*choose T from \[1, 2, 4, 8\]"):
         estimate_step(model, cluster, 1, TrainOptions(), tp=3)
-    with pytest.raises(ValueError, match=r"S x T = 8 x 2 = 16 exceeds the 8 ranks per node.*choose S from \[1, 2, 4\]"):
-        estimate_layout(model, cluster, 8, TrainOptions(), tp=2)
+    with pytest.raises(ValueError, match=r"S x T = 16 x 2 does not divide the world size 16.*choose S from "
+                                         r"\[1, 2, 4, 8\]"):
+        estimate_layout(model, cluster, 16, TrainOptions(), tp=2)
     with pytest.raises(ValueError, match="choose T from"):
         make_plan(model, cluster, TrainOptions(), tensor_parallel=(3,))
-    with pytest.raises(ValueError, match=r"no shard degree of \[16\] keeps S x T inside a node at T=2"):
+    with pytest.raises(ValueError, match=r"no shard degree of \[16\] gives shard groups inside a node or over whole "
+                                         r"nodes at T=2"):
         make_plan(model, cluster, TrainOptions(), degrees=[16], tensor_parallel=(2,))
     with pytest.raises(ValueError, match="hidden size"):
         estimate_step(replace(model, hidden=0), cluster, 1, TrainOptions(), tp=2)
@@ -149,3 +154,55 @@ def test_hsdp_plan_tp_flag_shows_t_and_refuses_bad_values(capsys: pytest.Capture
     assert "┃ T ┃" in out and "2x4x2" in out and "Tensor parallel" in out
     assert main([*args, "--tp", "3"]) == 2
     assert "T=3 does not divide the 8 ranks per node" in capsys.readouterr().err
+
+
+def test_a_tp_layout_whose_shard_groups_span_two_nodes_is_priced_like_shard_over_nodes() -> None:
+    # 4 nodes x 4, S=4, T=2: a replica's S x T = 8 ranks fill 2 nodes, its T shard rings (ranks T apart) cross
+    # between them. The same as the TP-local model (P / T) at T = 1 on nodes of 4 / T ranks with 1 / T of the
+    # node link ("HSDP, shard > node"): per rank the same bytes leave the node, per node T times as many.
+    t, options, model = 2, TrainOptions(sync="every"), _blocks()
+    cluster = ClusterSpec(4, 4, math.inf, 100e9, 10e9, 1e14)
+    assert estimate_layout(model, cluster, 4, options, tp=t).kind == "HSDP + TP, shard > node"
+    spans = estimate_step(model, cluster, 4, options, tp=t)
+    per_node = replace(cluster, gpus_per_node=4 // t, inter_bandwidth=cluster.inter_bandwidth / t)
+    local = uniform("h", P // t, 8, seq_len=128, width=1024)
+    assert estimate_layout(local, per_node, 4, options).kind == "HSDP, shard > node"
+    plain = estimate_step(local, per_node, 4, options)
+    assert spans.rank_inter_bytes == pytest.approx(plain.rank_inter_bytes, rel=1e-6)
+    assert spans.inter_node_bytes == pytest.approx(t * plain.inter_node_bytes, rel=1e-6)
+    # Its shard all-gathers hold the node link; with S x T = node (S=2) only the replicate hop does.
+    block = unit_costs(model, cluster, 4, options, tp=t)[1]
+    assert block.all_gather.link_s > 0 and block.reduce_scatter.link_s > 0
+    assert unit_costs(model, cluster, 2, options, tp=t)[1].all_gather.link_s == 0
+    assert spans.inter_node_bytes > 1.5 * estimate_step(model, cluster, 2, options, tp=t).inter_node_bytes
+
+
+def test_layouts_whose_shard_groups_straddle_nodes_partially_are_left_out() -> None:
+    cluster = _cluster(3, 8)  # world 24: S x T = 6 or 12 divides it, yet neither divides 8 nor is a multiple of it
+    assert shard_degrees(cluster, 2) == [1, 2, 4, 12] and shard_degrees(cluster, 4) == [1, 2, 6]
+    with pytest.raises(ValueError, match=r"S x T = 3 x 2 = 6 .*straddle nodes partially: choose S from "
+                                         r"\[1, 2, 4, 12\]"):
+        estimate_step(_blocks(), cluster, 3, TrainOptions(), tp=2)
+    plan = make_plan(_blocks(), cluster, TrainOptions(), tensor_parallel=(2, 4))
+    assert [e.layout.label for e in plan.layouts] == ["12x1x2", "6x2x2", "3x4x2", "1x12x2", "6x1x4", "3x2x4",
+                                                     "1x6x4"]
+
+
+def test_70b_on_16_h100_nodes_fits_without_checkpointing_only_with_tp_over_whole_nodes() -> None:
+    # docs/planner.md "When tensor parallelism pays". Every T = 1 layout keeps a whole sequence's activations
+    # (over 100 GiB); inside a node every T > 1 layout keeps state >= 16 B x P / 8 per GPU: only shard groups
+    # spanning nodes fit, and of those the plan picks T=2 over all 128 GPUs (fewest micro-batches and TP
+    # collectives; the global batch is held, so T=8 runs 8 micro-batches that each gather across nodes).
+    args = ["plan", "--model", "70b", "--nodes", "16", "--gpu", "h100", "--inter-node-bandwidth", "8xib400"]
+    plan = build_plan(build_parser().parse_args([*args, "--tp", "auto"]))
+    assert not any(e.fits for e in plan.layouts if e.layout.tp == 1)
+    assert [e for e in plan.layouts if e.fits] and all(e.layout.shard * e.layout.tp > 8
+                                                        for e in plan.layouts if e.fits)
+    assert plan.best is not None and plan.best.layout == Layout(1, 64, 2) and plan.best.kind == "full shard + TP"
+    assert any("hsdp.init_mesh(sharding_degree=64, tensor_parallel_degree=2, allow_cross_node_shards=True)" in r
+               for r in plan.reasons)
+    # With activation checkpointing full sharding fits at T = 1 and beats the TP layout with the same memory.
+    checkpointed = build_plan(build_parser().parse_args([*args, "--tp", "auto", "--degrees", "64,128",
+                                                         "--activation-checkpointing"]))
+    assert checkpointed.best is not None and checkpointed.best.layout == Layout(1, 128)
+    assert checkpointed.layout(64, tp=2).fits

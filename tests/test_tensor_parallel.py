@@ -171,7 +171,7 @@ def _refusals(mesh: hsdp.HSDPMesh, work: str) -> dict[str, str]:
     def message(fn: Any) -> str:
         try:
             fn()
-        except ValueError as e:
+        except (ValueError, hsdp.ReplicaDivergence) as e:
             return str(e)
         return "no error"
 
@@ -181,7 +181,12 @@ def _refusals(mesh: hsdp.HSDPMesh, work: str) -> dict[str, str]:
 
     plain_mesh = hsdp.init_mesh(S, fault_policy=None)
     wrapped = hsdp.ShardedModel(parallelized(), mesh=mesh)
+    wrapped.check_replicas()  # consistent: passes
+    if mesh.tp_rank == 1:  # the same change on both replicas, on one tp rank only: only a tp comparison sees it
+        with torch.no_grad():
+            wrapped.tok_emb.weight.to_local().add_(1.0)
     return {
+        "diverged": message(wrapped.check_replicas),
         "sliced": message(lambda: hsdp.ShardedModel(parallelized(), mesh=mesh, shard_optimizer_across_replicas=True)),
         "int8": message(lambda: hsdp.ShardedModel(parallelized(), mesh=mesh, replica_hop=hsdp.Int8ErrorFeedbackHop())),
         "2d": message(lambda: hsdp.ShardedModel(parallelized(), mesh=plain_mesh)),
@@ -277,7 +282,8 @@ def test_tensor_parallel_checkpoint_loads_into_one_plain_process(world8: list[di
     assert same({k: v.detach() for k, v in model.state_dict().items()}, world8[0]["gpt"]["params"])
 
 
-@pytest.mark.parametrize("case,fix", [("sliced", "shard_optimizer_across_replicas is not supported with tensor"),
+@pytest.mark.parametrize("case,fix", [("diverged", "differ across the tensor-parallel ranks (shard rank"),
+                                      ("sliced", "shard_optimizer_across_replicas is not supported with tensor"),
                                       ("int8", "use hsdp.AllReduceHop()"),
                                       ("2d", "tensor_parallel_degree=T) and parallelize the model on mesh.tp_mesh"),
                                       ("adafactor", "use an element-wise optimizer"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Shard
 
 from hsdp.engine.collectives import Comm
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -31,18 +32,31 @@ def check_replica_shards(params: list[ShardedParam], comm: Comm) -> None:
 
     A collective in the replicate group moving 16 bytes per parameter; every rank must call it. Raises on
     every rank of the affected replicate groups (the comparison is done everywhere on the same data).
-    (``ShardedModel.check_replicas`` and ``hsdp.check_replicas(model)`` call this.)
+    Under tensor parallelism the parameters that are whole on every tp rank (embeddings, head, norms) are
+    compared across the tp group too. (``ShardedModel.check_replicas`` and ``hsdp.check_replicas(model)``
+    call this.)
     """
     mine = shard_checksums(params).to(comm.mesh.device)
-    r = comm.size("replicate")
+    _check_across(params, mine, comm, "replicate", "replicas")
+    if comm.size("tp") > 1:
+        whole = [i for i, p in enumerate(params)
+                 if p.layout.tp is not None and not isinstance(p.layout.tp.placement, Shard)]
+        if whole:  # the same on every tp rank: all call the collective or none
+            _check_across([params[i] for i in whole], mine[whole], comm, "tp", "the tensor-parallel ranks")
+
+
+def _check_across(params: list[ShardedParam], mine: torch.Tensor, comm: Comm, group: str, what: str) -> None:
+    r = comm.size(group)
     everyone = torch.empty(r * mine.numel(), dtype=mine.dtype, device=mine.device)
-    comm.all_gather(everyone, mine.reshape(-1), "replicate", label="check_replicas")
+    comm.all_gather(everyone, mine.reshape(-1), group, label="check_replicas")
     table = everyone.view(r, *mine.shape).cpu()
     differ = (table != table[0]).any(dim=0).any(dim=-1)
     if differ.any():
         names = [p.fqn for p, bad in zip(params, differ.tolist(), strict=True) if bad]
+        fix = (" (with tensor parallelism: draw random numbers outside the TP layers, e.g. dropout, from a seed "
+               "set by hsdp.data_parallel_rank, the same on the T ranks)") if group == "tp" else ""
         raise ReplicaDivergence(
-            f"{len(names)} parameter shard(s) differ across replicas (shard rank {comm.mesh.shard_rank}): "
+            f"{len(names)} parameter shard(s) differ across {what} (shard rank {comm.mesh.shard_rank}): "
             f"{names[:10]}{' ...' if len(names) > 10 else ''}. Replicas apply the same averaged gradient, so "
-            f"this means a missed or non-deterministic sync, or state changed on one replica only"
+            f"this means a missed or non-deterministic sync, or state changed on one replica only{fix}"
         )

@@ -90,7 +90,8 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--degrees", default=None, help="comma list of shard degrees (default: every divisor)")
     p.add_argument("--tp", default="1",
                    help="tensor parallel degree T: a number forces it (default 1: no tensor parallelism); auto "
-                        "considers every divisor of --gpus-per-node, with S x T inside a node, and picks T with S")
+                        "considers every divisor of --gpus-per-node, with S x T inside a node or spanning whole "
+                        "nodes, and picks T with S")
     p.add_argument("--plot", metavar="FILE", help="write memory and step time against shard degree (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': stdout, no table)")
     p.set_defaults(func=run_plan)

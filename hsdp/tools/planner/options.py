@@ -128,7 +128,8 @@ class TrainOptions:
 @dataclass(frozen=True)
 class Layout:
     """``replicate`` x ``shard`` x ``tp`` ranks: the mesh ``init_mesh(sharding_degree=shard,
-    tensor_parallel_degree=tp)`` builds (TP ranks adjacent, inside a node)."""
+    tensor_parallel_degree=tp)`` builds (TP ranks adjacent, inside a node; ``allow_cross_node_shards=True``
+    when ``shard x tp`` exceeds the ranks per node)."""
 
     replicate: int
     shard: int
@@ -165,4 +166,7 @@ class Layout:
             return "DDP + TP"
         if self.replicate == 1:
             return "full shard + TP"
-        return "HSDP + TP, S x T " + ("= node" if self.shard * self.tp == gpus_per_node else "< node")
+        span = self.shard * self.tp
+        if span > gpus_per_node:  # shard groups span whole nodes, like "HSDP, shard > node"
+            return "HSDP + TP, shard > node"
+        return "HSDP + TP, S x T " + ("= node" if span == gpus_per_node else "< node")

@@ -21,11 +21,12 @@ a smaller shard degree, whose traffic stays inside nodes) or makes one faster (t
 
 With tensor parallelism (``tensor_parallel``: the TP degrees to consider, :mod:`hsdp.tools.planner.tensor_parallel`)
 the layouts are ``R x S x T``: every shard degree at ``T = 1``, and at ``T > 1`` (a divisor of the ranks per
-node) every ``S`` with ``S x T`` inside the node. The plan holds the global batch of ``T = 1`` (``micro_batch
-x micro_batches x world`` sequences per step): a data-parallel rank of a ``T > 1`` layout stands for ``T``
-GPUs, so it runs ``T x`` the micro-batches (each of the same size, its activations split ``T`` ways), and step
-times compare directly. Ties prefer, after the least inter-node traffic, the smaller ``T`` (the plainer
-setting: no TP plan to write).
+node) every ``S`` whose ``S x T`` divides the ranks per node or spans whole nodes (the shard groups' traffic
+then crosses nodes, as at ``T = 1`` with ``S`` > ranks per node; TP's stays inside the node). The plan holds
+the global batch of ``T = 1`` (``micro_batch x micro_batches x world`` sequences per step): a data-parallel
+rank of a ``T > 1`` layout stands for ``T`` GPUs, so it runs ``T x`` the micro-batches (each of the same
+size, its activations split ``T`` ways), and step times compare directly. Ties prefer, after the least
+inter-node traffic, the smaller ``T`` (the plainer setting: no TP plan to write).
 """
 
 from __future__ import annotations
@@ -35,42 +36,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hsdp.tools.planner.cluster import ClusterSpec, valid_degrees
-from hsdp.tools.planner.cost import StepEstimate, estimate_step
-from hsdp.tools.planner.memory import MemoryEstimate, estimate_memory
+from hsdp.tools.planner.cost import estimate_step
+from hsdp.tools.planner.estimate import LayoutEstimate
+from hsdp.tools.planner.memory import estimate_memory
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec
 from hsdp.tools.planner.options import Layout, TrainOptions
 from hsdp.tools.planner.plan_tp import tp_reason
-from hsdp.tools.planner.tensor_parallel import check_layout, shard_degrees
+from hsdp.tools.planner.tensor_parallel import check_layout, shard_degrees, spans_nodes
 from hsdp.tools.quantities import format_bytes, format_count, format_rate, format_seconds
 
 TIE = 0.01
 DEFAULT_HEADROOM = 0.10
-
-
-@dataclass(frozen=True)
-class LayoutEstimate:
-    """One layout's predicted memory per rank and step; ``tokens_per_s`` is for the whole cluster."""
-
-    layout: Layout
-    kind: str
-    memory: MemoryEstimate
-    step: StepEstimate
-    fits: bool
-    tokens_per_s: float
-    shard_optimizer: bool = False  # shard_optimizer_across_replicas in effect (R > 1)
-    micro_batches: int = 1  # per data-parallel rank and step: T x the plan's at T > 1 (global batch held)
-    global_batch: int = 0  # sequences per optimizer step over all R x S data-parallel ranks
-
-    @property
-    def optimizer_shards(self) -> int:
-        """How many ranks split the optimizer state: S, or R x S with the option."""
-        return self.layout.world_size if self.shard_optimizer else self.layout.shard
-
-    def as_dict(self) -> dict[str, object]:
-        return {"replicate": self.layout.replicate, "shard": self.layout.shard, "tensor_parallel": self.layout.tp,
-                "kind": self.kind, "micro_batches": self.micro_batches, "global_batch": self.global_batch,
-                "shard_optimizer_across_replicas": self.shard_optimizer, "fits": self.fits,
-                "tokens_per_s": self.tokens_per_s, "memory_bytes": self.memory.as_dict(), "step": self.step.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -174,9 +150,9 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
     ``shard_optimizer_across_replicas`` and uses the option where it pays (see the module docstring);
     ``"on"``/``"off"`` force it. Default: ``"on"`` when ``options.shard_optimizer_across_replicas``, else
     ``"auto"``. ``tensor_parallel``: the TP degrees to consider (default ``(1,)``: no TP; each ``T > 1``
-    with every ``S`` of ``degrees`` that keeps ``S x T`` inside a node). ``ValueError`` when a degree does not
-    divide the world size, a TP degree does not divide the ranks per node, ``headroom`` is outside [0, 1)
-    or ``"on"`` meets the int8 hop.
+    with every ``S`` of ``degrees`` whose ``S x T`` lies inside a node or spans whole nodes). ``ValueError``
+    when a degree does not divide the world size, a TP degree does not divide the ranks per node,
+    ``headroom`` is outside [0, 1) or ``"on"`` meets the int8 hop.
     """
     world = cluster.world_size
     if not 0 <= headroom < 1:
@@ -207,16 +183,16 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
 
 
 def _grid(cluster: ClusterSpec, degrees: Sequence[int], tps: Sequence[int]) -> list[tuple[int, int]]:
-    """(S, T) pairs to estimate, T = 1 first: each S of ``degrees`` that ``T`` allows (``ValueError`` for a T
-    that does not divide the ranks per node, or for a single T that allows none of them)."""
+    """(S, T) pairs to estimate, T = 1 first: each S of ``degrees`` that ``T`` allows (:func:`shard_degrees`;
+    ``ValueError`` for a T that does not divide the ranks per node, or for a single T that allows none)."""
     pairs = []
     for t in sorted(set(tps)):
         check_layout(cluster, 1, t)
         valid = shard_degrees(cluster, t)
         ok = sorted(d for d in set(degrees) if d in valid)
         if not ok and len(set(tps)) == 1:
-            raise ValueError(f"no shard degree of {sorted(set(degrees))} keeps S x T inside a node at T={t}: "
-                             f"choose S from {valid}")
+            raise ValueError(f"no shard degree of {sorted(set(degrees))} gives shard groups inside a node or "
+                             f"over whole nodes at T={t}: choose S from {valid}")
         pairs += [(d, t) for d in ok]
     return pairs
 
@@ -337,7 +313,7 @@ def _traffic_reason(best: LayoutEstimate, cluster: ClusterSpec) -> str:
     hop = ("the gradient reduce-scatter and the all-gather of the stepped slices across replicas"
            if best.shard_optimizer else "the gradient all-reduce")
     crossing = (f"only {hop} cross{'' if best.shard_optimizer else 'es'} nodes"
-                if best.layout.shard <= cluster.gpus_per_node
+                if not spans_nodes(cluster, best.layout.shard, best.layout.tp)
                 else "its shard groups span nodes, so all-gathers and reduce-scatters cross nodes too")
     link_s = s.inter_node_bytes / cluster.inter_bandwidth
     return (f"Traffic: {crossing}: {_gb(s.inter_node_bytes)} per node per step, "
@@ -422,7 +398,7 @@ def explain(estimates: Sequence[LayoutEstimate], best: LayoutEstimate | None, cl
     lines = [_recommended_reason([*estimates, *alternatives], best, cluster),
              _memory_reason(best, limit, model, options),
              _traffic_reason(best, cluster)]
-    lines += [x for x in (tp_reason(best, [*estimates, *alternatives], model),
+    lines += [x for x in (tp_reason(best, [*estimates, *alternatives], model, cluster),
                           _shard_optimizer_reason(best, alternatives, limit)) if x]
     lines += [x for x in (_runner_up_reason(estimates, best), _rejected_reason(estimates, limit),
                           _advice(best, model, cluster, options)) if x]

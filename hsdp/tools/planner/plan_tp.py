@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from hsdp.tools.planner.cluster import ClusterSpec
+from hsdp.tools.planner.estimate import LayoutEstimate
 from hsdp.tools.planner.model import ModelSpec
+from hsdp.tools.planner.tensor_parallel import spans_nodes
 from hsdp.tools.quantities import format_bytes, format_seconds
-
-if TYPE_CHECKING:  # plan.py imports this module: the type only
-    from hsdp.tools.planner.plan import LayoutEstimate
 
 
 def _label(e: LayoutEstimate) -> str:
@@ -30,12 +29,19 @@ def _against_plain(best: LayoutEstimate, estimates: Sequence[LayoutEstimate]) ->
     return f"no layout fits without TP (the smallest, {_label(smallest)}, needs {format_bytes(smallest.memory.total)})"
 
 
-def tp_reason(best: LayoutEstimate, estimates: Sequence[LayoutEstimate], model: ModelSpec) -> str | None:
+def init_mesh_call(shard: int, tp: int, cluster: ClusterSpec) -> str:
+    """The engine call that builds the ``R x S x T`` mesh: shard groups spanning nodes must be allowed."""
+    cross = ", allow_cross_node_shards=True" if spans_nodes(cluster, shard, tp) else ""
+    return f"hsdp.init_mesh(sharding_degree={shard}, tensor_parallel_degree={tp}{cross})"
+
+
+def tp_reason(best: LayoutEstimate, estimates: Sequence[LayoutEstimate], model: ModelSpec,
+              cluster: ClusterSpec) -> str | None:
     """One sentence on TP when the plan considered T > 1 (``None`` otherwise)."""
     tp_layouts = [e for e in estimates if e.layout.tp > 1]
     if best.layout.tp > 1:
         s, t = best.layout.shard, best.layout.tp
-        return (f"Tensor parallel T={t} (hsdp.init_mesh(sharding_degree={s}, tensor_parallel_degree={t}), the blocks "
+        return (f"Tensor parallel T={t} ({init_mesh_call(s, t, cluster)}, the blocks "
                 f"parallelized with parallelize_module and hsdp.tp_plans, then hsdp.ShardedModel): block state, "
                 f"gathered blocks and activations split {t} ways; {format_seconds(best.step.tp_comm_s)} per step "
                 f"of TP collectives inside the node, on the critical path; each of the "

@@ -3,9 +3,12 @@ activation traffic TP adds to every block.
 
 A layout is ``R x S x T`` ranks, rank ``(r x S + s) x T + t``: the ``T`` ranks of a TP group are adjacent,
 inside one node (its fastest links), as ``init_mesh(sharding_degree=S, tensor_parallel_degree=T)`` lays
-them out. Rules (:func:`check_layout`): with ``T > 1``, ``T`` divides the ranks per node and ``S x T`` does
-not exceed them (the shard group stays inside the node too); ``R = world / (S x T)``. The ``T`` ranks of
-one data-parallel rank read the same micro-batch: the data-parallel size is ``R x S``.
+them out. Rules (:func:`check_layout`): with ``T > 1``, ``T`` divides the ranks per node and the ``S x T``
+ranks of a replica tile the nodes: ``S x T`` divides the ranks per node (shard groups inside a node) or is a
+multiple of them (shard groups spanning whole nodes, ``init_mesh(..., allow_cross_node_shards=True)``: their
+all-gathers and reduce-scatters cross nodes, as at ``T = 1`` with ``S`` > ranks per node, while TP stays
+inside the node); replicas that would straddle nodes partially are not considered. ``R = world / (S x T)``.
+The ``T`` ranks of one data-parallel rank read the same micro-batch: the data-parallel size is ``R x S``.
 
 What the planner assumes (Megatron-style TP with sequence parallel, torchtitan's Llama recipe):
 
@@ -27,6 +30,8 @@ What the planner assumes (Megatron-style TP with sequence parallel, torchtitan's
   are added to compute, never overlapped.
 * **Data-parallel traffic.** Shard and replicate groups carry the TP-local units: ``P / (S x T)`` per rank
   for blocks. A whole root is reduced by each of the ``T`` ranks, so its inter-node bytes count ``T`` times.
+  With ``S x T`` > ranks per node each of the ``T`` shard rings of a replica spans its nodes: the node sends
+  what a ``T = 1`` layout with shard groups over the same nodes sends for the TP-local model.
 
 Not modelled: the TP all-reduce of the whole norm weights' gradients (tiny), and contention between TP and
 shard-group collectives on the intra-node links.
@@ -51,10 +56,22 @@ def tp_degrees(cluster: ClusterSpec) -> list[int]:
 
 
 def shard_degrees(cluster: ClusterSpec, tp: int) -> list[int]:
-    """Shard degrees valid with ``tp``: every divisor of the world at ``T = 1``, else ``S x T`` inside a node."""
-    if tp == 1:
-        return [d for d in range(1, cluster.world_size + 1) if cluster.world_size % d == 0]
-    return [s for s in range(1, cluster.gpus_per_node // tp + 1) if cluster.world_size % (s * tp) == 0]
+    """Shard degrees valid with ``tp``: every divisor of the world at ``T = 1``, else every ``S`` whose
+    ``S x T`` divides the world and tiles nodes (divides the ranks per node, or is a multiple of them)."""
+    w = cluster.world_size
+    return [s for s in range(1, w // tp + 1) if w % (s * tp) == 0 and (tp == 1 or tiles_nodes(cluster, s * tp))]
+
+
+def tiles_nodes(cluster: ClusterSpec, ranks: int) -> bool:
+    """Whether groups of ``ranks`` consecutive ranks each lie inside one node or span whole nodes."""
+    g = cluster.gpus_per_node
+    return g % ranks == 0 or ranks % g == 0
+
+
+def spans_nodes(cluster: ClusterSpec, shard: int, tp: int) -> bool:
+    """Whether a replica's ``S x T`` ranks (its shard groups) span several nodes: the engine then needs
+    ``init_mesh(..., allow_cross_node_shards=True)``."""
+    return shard * tp > cluster.gpus_per_node
 
 
 def check_layout(cluster: ClusterSpec, shard: int, tp: int) -> None:
@@ -63,12 +80,14 @@ def check_layout(cluster: ClusterSpec, shard: int, tp: int) -> None:
     if tp < 1 or g % tp:
         raise ValueError(f"tensor_parallel_degree T={tp} does not divide the {g} ranks per node: TP groups stay "
                          f"inside a node, on its fastest links; choose T from {tp_degrees(cluster)}")
-    if tp > 1 and shard * tp > g:
-        raise ValueError(f"S x T = {shard} x {tp} = {shard * tp} exceeds the {g} ranks per node: with TP the shard "
-                         f"group stays inside the node too; choose S from {shard_degrees(cluster, tp)} or a "
-                         f"smaller T")
     if shard < 1 or w % (shard * tp):
         raise ValueError(f"S x T = {shard} x {tp} does not divide the world size {w}: choose S from "
+                         f"{shard_degrees(cluster, tp)}")
+    if tp > 1 and not tiles_nodes(cluster, shard * tp):
+        # A replica straddling nodes partially puts uneven shares of its rings on the slow links: left out,
+        # an S aligned to nodes is the layout to run.
+        raise ValueError(f"S x T = {shard} x {tp} = {shard * tp} neither divides nor is a multiple of the {g} "
+                         f"ranks per node, so shard groups would straddle nodes partially: choose S from "
                          f"{shard_degrees(cluster, tp)}")
 
 
