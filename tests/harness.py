@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in fresh processes, with a hard timeout (a hang fails, never stalls CI)."""
+"""Run a function on N gloo ranks in fresh processes (forked from a server that imported torch once), with a hard
+timeout (a hang fails, never stalls CI)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Ranks start from a fork server that imported torch and hsdp once per test session, not from a fresh
+# interpreter each (importing torch is most of a rank's start-up, and the suite starts a few hundred ranks on 2
+# cores). What a spawned process would inherit from the test at the time of the call, the environment, is
+# passed along explicitly (the fork server's own is from its start); the working directory and sys.path travel
+# with multiprocessing's preparation data as for spawn.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "hsdp",
+                                 "hsdp.engine.model", "hsdp.checkpoint", "harness",
+                                 "transformers.models.llama.modeling_llama"])
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple, env: dict) -> None:
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple, env: dict,
+            base_env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(base_env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), **env})
     torch.set_num_threads(1)
     out = os.path.join(tmp, f"result_{rank}.pkl")
@@ -36,8 +50,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     env: dict[str, str] | None = None) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank]``, each in its own process; raises with every rank's error."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, fn, world_size, tmp, args, env or {}), daemon=True)
+        procs = [_CONTEXT.Process(target=_worker, args=(r, fn, world_size, tmp, args, env or {}, dict(os.environ)),
+                                  daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
