@@ -74,8 +74,6 @@ def test_overrides_are_typed_and_applied_in_order() -> None:
     (["parallel.tensor_parallel=0"], r"parallel\.tensor_parallel = 0: must be at least 1"),
     (["parallel.tensor_parallel=2", "parallel.shard_optimizer_across_replicas=true"],
      r"parallel\.tensor_parallel = 2: does not combine with parallel\.shard_optimizer_across_replicas.*turn that off"),
-    (["parallel.tensor_parallel=2", "parallel.replica_hop=int8"],
-     r"parallel\.tensor_parallel = 2: does not combine with parallel\.replica_hop = 'int8'.*'bf16' or 'fp32'"),
     (["parallel.tensor_parallel=2", "model.kind=hf-gpt2"],
      r"parallel\.tensor_parallel = 2: Hugging Face GPT-2 has no tensor-parallel plan.*set model\.kind = 'gpt'"),
     (["parallel.tensor_parallel=3"], r"parallel\.tensor_parallel = 3: .*must divide n_head=4.*model\.preset = 'tiny'"),

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from hsdp.engine.collectives import Comm
-from hsdp.engine.hops import AllReduceHop, ReplicaHop, can_scatter
+from hsdp.engine.hops import ReplicaHop, can_scatter
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
 from hsdp.engine.runtime.buffers import move_buffers
@@ -174,9 +174,6 @@ def _check_tp_options(mesh: HSDPMesh, options: UnitOptions, assignments: list[Pa
     if options.shard_optimizer_across_replicas:
         raise ValueError("shard_optimizer_across_replicas is not supported with tensor parallelism yet: turn it "
                          "off, or use tensor_parallel_degree=1")
-    if not isinstance(options.replica_hop, AllReduceHop):
-        raise ValueError(f"{type(options.replica_hop).__name__} is not supported with tensor parallelism yet: use "
-                         f"hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes)")
     if any(a.param.is_meta for a in assignments):
         raise ValueError("a tensor-parallel model built on the meta device cannot be materialized by hsdp yet: build "
                          "it on the CPU (or GPU), parallelize it, then wrap it")

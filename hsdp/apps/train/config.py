@@ -212,16 +212,11 @@ class ParallelConfig:
             self._check_tensor_parallel_options()
 
     def _check_tensor_parallel_options(self) -> None:
-        # What the engine does not compose with tensor parallelism yet (ShardedModel refuses both alike).
+        # What the engine does not compose with tensor parallelism yet (ShardedModel refuses it alike).
         if self.shard_optimizer_across_replicas:
             _fail(self.SECTION, "tensor_parallel", self.tensor_parallel,
                   "does not combine with parallel.shard_optimizer_across_replicas = true yet: turn that off, "
                   "or set parallel.tensor_parallel = 1")
-        if self.replica_hop == "int8":
-            _fail(self.SECTION, "tensor_parallel", self.tensor_parallel,
-                  "does not combine with parallel.replica_hop = 'int8' (its per-rank error feedback cannot be "
-                  "split over the tensor-parallel ranks): set parallel.replica_hop to 'bf16' or 'fp32', or "
-                  "parallel.tensor_parallel = 1")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.reduction import reduced_params, slot_offsets
@@ -55,11 +56,24 @@ def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str,
         unit.hop.load_state_dict({unit.key: flat})
 
 
+def _placements(sp: ShardedParam) -> list[Placement]:
+    """The parameter's own placements with a leading replica dim: the replicate mesh dim shards dim 0, and the
+    other mesh dims shard (or replicate) the parameter's dims one further right."""
+    out: list[Placement] = [Shard(0)]
+    for p in sp.layout.placements[1:]:
+        if isinstance(p, _StridedShard):
+            out.append(_StridedShard(p.dim + 1, split_factor=p.split_factor))
+        elif isinstance(p, Shard):
+            out.append(Shard(p.dim + 1))
+        else:
+            out.append(p)  # a 0-d parameter is whole on every shard rank; a plain one on every tp rank
+    return out
+
+
 def _residual_dtensor(value: torch.Tensor, sp: ShardedParam, mesh: HSDPMesh) -> DTensor:
     device_mesh = mesh.device_mesh
-    shape = torch.Size((device_mesh.size(0), *sp.layout.global_shape))
-    inner = Replicate() if sp.layout.replicated else Shard(1)  # a 0-d parameter is whole on every shard rank
-    return DTensor.from_local(value.unsqueeze(0), device_mesh, [Shard(0), inner], run_check=False, shape=shape,
+    shape = torch.Size((device_mesh.size(0), *sp.layout.dtensor_shape))
+    return DTensor.from_local(value.unsqueeze(0), device_mesh, _placements(sp), run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
 
@@ -67,9 +81,9 @@ def _local_residual(value: Any, sp: ShardedParam, replicate_rank: int, replicas:
     if isinstance(value, DTensor):
         if value.shape[0] != replicas:
             return None  # another replica count: the residuals do not map; start from zero
-        if value.placements == (Shard(0), Shard(1)) and tuple(value.to_local().shape[1:]) == sp.layout.local_shape:
+        if list(value.placements) == _placements(sp) and tuple(value.to_local().shape[1:]) == sp.layout.local_shape:
             return value.to_local()[0]
         value = value.full_tensor()
-    if isinstance(value, torch.Tensor) and tuple(value.shape) == (replicas, *sp.layout.global_shape):
-        return sp.layout.chunk(value[replicate_rank])
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == (replicas, *sp.layout.dtensor_shape):
+        return sp.layout.chunk_of_full(value[replicate_rank])
     return None

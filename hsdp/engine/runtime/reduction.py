@@ -178,7 +178,8 @@ class Reduction:
         hop_dtype = unit.policy.reduce(self.params[0].dtype)  # a sync after fp32 partial sums: back to it
         if self.output.dtype != hop_dtype:
             self.output = self.output.to(hop_dtype)
-        if _slices(self.params) is None and unit.tp_replicated:
+        # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces.
+        if _slices(self.params) is None and unit.tp_replicated and unit.hop.state_dict() is None:
             self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
         elif _slices(self.params) is None:
             self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)

@@ -169,8 +169,6 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
     used: list[LayoutEstimate] = []
     others: list[LayoutEstimate] = []
     for d, t in _grid(cluster, chosen, tensor_parallel or (1,)):
-        if t > 1 and options.replicate_dtype == "int8":
-            continue  # the engine refuses the int8 hop with tensor parallelism (not yet supported)
         variants = [estimate_layout(model, cluster, d, v, profile, limit, t)
                     for v in _variants(options, world // (d * t), mode, t)]
         pick = variants[0] if len(variants) == 1 else _use(*variants)
