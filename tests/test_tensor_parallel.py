@@ -5,6 +5,7 @@ ranks runs every case (spawning is the slow part on 2 cores); the references run
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -229,6 +230,36 @@ def _int8(mesh: hsdp.HSDPMesh, work: str) -> dict[str, Any]:
             "nonzero": any(bool(v.abs().sum() > 0) for v in saved.values())}
 
 
+def _gpt_init(m: nn.Module) -> None:
+    """GPT's own init, per module (what hsdp.materialize's init= takes)."""
+    if isinstance(m, nn.Linear | nn.Embedding):
+        nn.init.normal_(m.weight, std=0.02)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+    else:
+        m.reset_parameters()
+
+
+def _meta(mesh: hsdp.HSDPMesh) -> list[str]:
+    """Built on the meta device, parallelized, wrapped, then materialized: bitwise the full tensors one process
+    gets from the same init and seed (each rank initialises whole modules and keeps its TP piece's chunk).
+    Returns the names that differ."""
+    cfg = dataclasses.replace(GPT_CFG, tie_embeddings=False)  # a tie would be drawn twice in the reference
+    ref = GPT(cfg)
+    torch.manual_seed(1)
+    for m in ref.modules():  # what init= promises: every module with tensors of its own, in modules() order
+        if list(m.parameters(recurse=False)):
+            _gpt_init(m)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    hsdp.tp_plans.gpt_plan(model, mesh.tp_mesh)
+    model = hsdp.ShardedModel(model, mesh=mesh)
+    torch.manual_seed(1)
+    hsdp.materialize(model, init=_gpt_init)
+    got, want = {k: full(v) for k, v in model.state_dict().items()}, ref.state_dict()
+    return sorted(k for k in want if not torch.equal(got[k], want[k]))
+
+
 def _world8(rank: int, world: int, work: str) -> dict:
     mesh = hsdp.init_mesh(S, tensor_parallel_degree=T, fault_policy=None)
     out: dict[str, Any] = {"work": work, "mesh": (mesh.replicate_degree, mesh.sharding_degree, mesh.tp_degree),
@@ -239,6 +270,7 @@ def _world8(rank: int, world: int, work: str) -> dict:
     out["refused"] = _refusals(mesh, work)
     out["accumulated"] = _accumulated(mesh)
     out["int8"] = _int8(mesh, work)
+    out["meta"] = _meta(mesh)
     from torch.distributed.device_mesh import init_device_mesh
 
     own = hsdp.init_mesh(device_mesh=init_device_mesh("cpu", (R, S, T), mesh_dim_names=("replicate", "shard", "tp")),
@@ -338,3 +370,7 @@ def test_int8_hop_under_tensor_parallel_stays_consistent_and_checkpoints_its_res
         assert r["int8"]["restored"] and r["int8"]["nonzero"], r["int8"]
         # Lossy, with error feedback: close to the exact run, not equal.
         assert r["int8"]["losses"] == pytest.approx(ref_losses, rel=1e-2)
+
+
+def test_a_meta_device_tensor_parallel_model_materializes_like_one_process(world8: list[dict]) -> None:
+    assert all(r["meta"] == [] for r in world8), world8[0]["meta"]

@@ -117,7 +117,7 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
     # Every check above and here runs before the first collective below.
     _check_meta(assignments)  # devices need no check: every non-meta parameter goes to the mesh's device
     check_tp_params([(a.slots[0].fqn, a.param) for a in assignments], mesh)
-    _check_tp_options(mesh, options, assignments)
+    _check_tp_options(mesh, options)
 
     comm = Comm(mesh)
     prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
@@ -167,16 +167,13 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
         )
 
 
-def _check_tp_options(mesh: HSDPMesh, options: UnitOptions, assignments: list[ParamAssignment]) -> None:
+def _check_tp_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     """What tensor parallelism does not compose with yet, refused before any collective."""
     if mesh.tp_degree == 1:
         return
     if options.shard_optimizer_across_replicas:
         raise ValueError("shard_optimizer_across_replicas is not supported with tensor parallelism yet: turn it "
                          "off, or use tensor_parallel_degree=1")
-    if any(a.param.is_meta for a in assignments):
-        raise ValueError("a tensor-parallel model built on the meta device cannot be materialized by hsdp yet: build "
-                         "it on the CPU (or GPU), parallelize it, then wrap it")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -234,13 +234,13 @@ class _ModuleInit:
             # Before the full-size tensors: long-lived shards below short-lived scratch keep the CPU heap
             # from fragmenting (glibc keeps freed holes resident).
             allocate_shards(unit_of[id(sp)], model.mesh)
-        full = scratch_placeholders([(fresh[n].layout.global_shape, fresh[n].dtype) for n in fresh], self.device)
+        full = scratch_placeholders([(fresh[n].layout.dtensor_shape, fresh[n].dtype) for n in fresh], self.device)
         placeholders = dict(zip(fresh, full, strict=True))
         holders = {}
         for n, sp in params.items():
             value = placeholders.get(n)
             if value is None:  # tied to an earlier holder: drawn (for the RNG) but not kept
-                value = init_placeholder(sp.layout.global_shape, sp.dtype, self.scratch_device)
+                value = init_placeholder(sp.layout.dtensor_shape, sp.dtype, self.scratch_device)
             holders[n] = nn.Parameter(value, requires_grad=sp.requires_grad)
             m._parameters[n] = holders[n]
         buffers = {n: init_placeholder(tuple(m._buffers[n].shape), m._buffers[n].dtype, self.device)
@@ -258,7 +258,7 @@ class _ModuleInit:
         self._check(values, holders, new_buffers, buffers, versions)
         with torch.no_grad():
             for n, sp in fresh.items():
-                sp.sharded_local.copy_(sp.layout.chunk(values[n].detach()))
+                sp.sharded_local.copy_(sp.layout.chunk_of_full(values[n].detach()))
                 self.done.add(id(sp))
         for n, value in new_buffers.items():
             m._buffers[n] = value.detach().to(model.mesh.device)
@@ -267,7 +267,7 @@ class _ModuleInit:
                new_buffers: dict[str, object], buffers: dict[str, torch.Tensor], versions: dict[int, int]) -> None:
         problems = []
         for n, value in values.items():
-            shape = self.owners[(id(self.module), n)].layout.global_shape
+            shape = self.owners[(id(self.module), n)].layout.dtensor_shape
             if isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
                 problems.append(f"{_join(self.name, n)} changed shape from {shape} to {tuple(value.shape)}")
             elif (why := unwritten(value, holders[n], versions[id(holders[n])])) is not None:
