@@ -260,6 +260,16 @@ def _meta(mesh: hsdp.HSDPMesh) -> list[str]:
     return sorted(k for k in want if not torch.equal(got[k], want[k]))
 
 
+def _bf16_hop(mesh: hsdp.HSDPMesh) -> list[float]:
+    """The bf16 inter-node hop under TP (the plain units' 1/T pieces cast too): consistent copies, losses."""
+    model = hsdp.ShardedModel(hsdp.tp_plans.gpt_plan(_build("gpt"), mesh.tp_mesh), mesh=mesh,
+                              replica_hop=hsdp.AllReduceHop(torch.bfloat16))
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    losses = _train("gpt", model, opt, mesh.data_parallel_rank, mesh.data_parallel_size, _plain_clip)
+    model.check_replicas()
+    return losses
+
+
 def _world8(rank: int, world: int, work: str) -> dict:
     mesh = hsdp.init_mesh(S, tensor_parallel_degree=T, fault_policy=None)
     out: dict[str, Any] = {"work": work, "mesh": (mesh.replicate_degree, mesh.sharding_degree, mesh.tp_degree),
@@ -270,6 +280,7 @@ def _world8(rank: int, world: int, work: str) -> dict:
     out["refused"] = _refusals(mesh, work)
     out["accumulated"] = _accumulated(mesh)
     out["int8"] = _int8(mesh, work)
+    out["bf16_hop"] = _bf16_hop(mesh)
     out["meta"] = _meta(mesh)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -364,12 +375,14 @@ def test_deferred_sync_accumulation_under_tensor_parallel_equals_one_batch(world
     assert all(r["accumulated"] < 1e-6 for r in world8), [r["accumulated"] for r in world8]
 
 
-def test_int8_hop_under_tensor_parallel_stays_consistent_and_checkpoints_its_residuals(world8: list[dict]) -> None:
+def test_compressed_hops_under_tensor_parallel_stay_consistent_and_int8_residuals_checkpoint(
+        world8: list[dict]) -> None:
     ref_losses = _reference("gpt")[0]
     for r in world8:
         assert r["int8"]["restored"] and r["int8"]["nonzero"], r["int8"]
         # Lossy, with error feedback: close to the exact run, not equal.
         assert r["int8"]["losses"] == pytest.approx(ref_losses, rel=1e-2)
+        assert r["bf16_hop"] == pytest.approx(ref_losses, rel=1e-2)
 
 
 def test_a_meta_device_tensor_parallel_model_materializes_like_one_process(world8: list[dict]) -> None:
