@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from hsdp.engine.init.meta import init_placeholder, meta_buffer_names, root_model, unwritten
 from hsdp.engine.init.safetensors_source import KeyMap, SafetensorsSource
@@ -41,9 +42,6 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, key_map: KeyMa
     replica 0).
     """
     model = root_model(model, "load_pretrained")
-    if model.mesh.tp_degree > 1:
-        raise ValueError("load_pretrained does not support tensor parallelism yet: load the weights into the plain "
-                         "model (model.load_state_dict(safetensors.torch.load_file(path))) before parallelize_module")
     source = SafetensorsSource(path, key_map)
     plan = _match(model, source)
     plan.raise_problems(os.fspath(path))
@@ -95,8 +93,8 @@ def _match(model: ShardedModel, source: SafetensorsSource) -> _Plan:
             used.update(n for n in names if n in source.entries)
             if hit is None:
                 plan.missing.append(names[0])
-            elif source.entries[hit].shape != p.layout.global_shape:
-                plan.mismatched.append(f"{hit}: checkpoint {source.entries[hit].shape}, model {p.layout.global_shape}")
+            elif source.entries[hit].shape != p.layout.dtensor_shape:
+                plan.mismatched.append(f"{hit}: checkpoint {source.entries[hit].shape}, model {p.layout.dtensor_shape}")
             else:
                 plan.params[id(p)] = hit
     for prefix, module in model.named_modules():
@@ -133,18 +131,37 @@ def _load_params(model: ShardedModel, source: SafetensorsSource, plan: _Plan) ->
             continue
         allocate_shards(unit, mesh)
         if reading:
+            requests, columns = _row_requests(unit.params, plan)
             with torch.no_grad():
-                source.read_rows(_row_requests(unit.params, plan))
+                source.read_rows(requests)
+                for p, rows in columns:  # a row-parallel piece: its columns of the rows read
+                    assert p.layout.tp is not None
+                    p.sharded_local.copy_(p.layout.tp.piece(rows))
         comm.broadcast(unit.sharded_flat, 0, "replicate")
 
 
-def _row_requests(params: list[ShardedParam], plan: _Plan) -> list[tuple[str, int, int, torch.Tensor]]:
-    out = []
+def _row_requests(params: list[ShardedParam], plan: _Plan) -> tuple[list[tuple[str, int, int, torch.Tensor]],
+                                                                     list[tuple[ShardedParam, torch.Tensor]]]:
+    """What each parameter reads: its rows of the checkpoint tensor, straight into its shard; under tensor
+    parallelism the rows of its TP piece (a column-parallel piece is a row range of the full tensor too),
+    and for a piece split along a later dim (row-parallel) its rows at full width into a buffer, narrowed
+    after the read (the second list)."""
+    out, columns = [], []
     for p in params:
-        start, rows = p.layout.row_offset(), p.layout.local_rows()
-        if rows:
+        start, rows, tp = p.layout.row_offset(), p.layout.local_rows(), p.layout.tp
+        if not rows:
+            continue
+        split = tp is not None and isinstance(tp.placement, Shard)
+        if split and tp.placement.dim == 0:
+            full_rows = tp.full_shape[0]
+            start += min(tp.rank * -(-full_rows // tp.degree), full_rows)
+        if split and tp.placement.dim > 0:
+            buffer = p.sharded_local.new_empty((rows, *tp.full_shape[1:]))
+            out.append((plan.params[id(p)], start, start + rows, buffer))
+            columns.append((p, buffer))
+        else:
             out.append((plan.params[id(p)], start, start + rows, p.sharded_local))
-    return out
+    return out, columns
 
 
 def _load_buffers(model: ShardedModel, source: SafetensorsSource, plan: _Plan) -> None:
