@@ -138,12 +138,13 @@ def _checkpoints(rank: int, model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer
     saved = {"model": {k: full(v) for k, v in model.state_dict().items()}, "optim": optim_state(opt.state_dict())}
     hsdp.save_checkpoint(os.path.join(work, "tp"), model, opt, extra={"step": 3})
     out: dict[str, Any] = {}
-    for name, degree in (("2x4", 4), ("4x2", 2)):
-        plain, popt = _gpt_plain(hsdp.init_mesh(degree, fault_policy=None))
+    # 2-D meshes, and a 3-D one with T = 1 (every parameter plain, placements (Replicate(), Shard(0), Replicate())).
+    for name, degree, tp in (("2x4", 4, None), ("4x2", 2, None), ("2x4x1", 4, 1)):
+        plain, popt = _gpt_plain(hsdp.init_mesh(degree, tensor_parallel_degree=tp, fault_policy=None))
         hsdp.load_checkpoint(os.path.join(work, "tp"), plain, popt)
         out[name] = (same({k: full(v) for k, v in plain.state_dict().items()}, saved["model"])
                      and same(optim_state(popt.state_dict())["state"], saved["optim"]["state"]))
-        if degree == 4:
+        if name == "2x4":
             hsdp.save_checkpoint(os.path.join(work, "2x4"), plain, popt, extra={"step": 3})
     net, nopt = _fsdp2_tp()
     msd, osd = get_state_dict(net, nopt)
@@ -365,7 +366,7 @@ def test_inter_node_bytes_stay_at_the_floor_with_tensor_parallel(world8: list[di
     assert floor <= node <= 1.02 * floor, (node / floor, node, floor)
 
 
-@pytest.mark.parametrize("layout", ["2x4", "4x2", "fsdp2_tp", "fsdp2_back", "2x4_back", "plain_back"])
+@pytest.mark.parametrize("layout", ["2x4", "4x2", "2x4x1", "fsdp2_tp", "fsdp2_back", "2x4_back", "plain_back"])
 def test_checkpoints_move_between_tensor_parallel_and_other_layouts(world8: list[dict], layout: str) -> None:
     assert all(r["ckpt"][layout] for r in world8), [r["ckpt"] for r in world8]
 
