@@ -342,7 +342,10 @@ class HSDPState:
         if self._callback_queued:
             self._discard_torn_backward()
         elif not self._live:
-            self.reshard_all()
+            # Not reshard_all: that also finishes every slice all-gather in flight, which the forward starting
+            # now overlaps unit by unit (each unit settles its own before its all-gather).
+            for unit in self.units:
+                unit.reshard()
 
     def _discard_torn_backward(self) -> None:
         warnings.warn(
