@@ -6,11 +6,15 @@
 * prefetch depth: how many units are gathered ahead, and that it changes no result;
 * the stream discipline: with a logging stand-in for the CUDA streams, every event a side stream records is
   waited for by the stream that consumes its result, and the side-stream code paths compute the same
-  parameters."""
+  parameters;
+* the CPU's hop stream (``hop_worker.py``): a unit's hop is issued while the backward of the units before it
+  still runs, the inter-node group's collectives keep program order across the two issuing threads, and the
+  hang ledger books a chained hop as one entry numbered in program order."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -155,8 +159,80 @@ def _stream_discipline(rank: int) -> dict:
             "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
 
 
+class _WaitForHop(torch.autograd.Function):
+    """Identity; its backward polls ``issued()`` for up to 5 s and records whether it turned true."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, issued: Callable[[], bool],
+                seen: list[bool]) -> torch.Tensor:
+        ctx.issued, ctx.seen = issued, seen  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        deadline = time.monotonic() + 5
+        while not ctx.issued() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        ctx.seen.append(ctx.issued())  # type: ignore[attr-defined]
+        return grad, None, None
+
+
+def _hop_chaining(rank: int) -> dict:
+    """On 2 replicas of one rank: (1) blocks.2's hop is issued while blocks.1's backward runs (a probe between
+    them waits for it; the main thread alone would issue it only at blocks.1's post_backward, after the probe);
+    (2) a chained hop that issues late on rank 0 and a main-thread all-reduce issued right after it pair up
+    correctly; (3) the ledger books the chained hop once, at its place in program order."""
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(1))
+    comm = model.comm
+    seen: list[bool] = []
+
+    def hops_issued() -> bool:
+        return comm.stats.as_dict().get("replicate", {}).get("all_reduce", {}).get("calls", 0) >= 1
+
+    model.blocks[1].register_forward_hook(lambda _m, _i, out: _WaitForHop.apply(out, hops_issued, seen))
+    x, y = batch(0, rank)
+    model.reset_comm_stats()
+    loss_fn(model(x), y).backward()
+
+    ledger = model.mesh.watchdog.ledger if model.mesh.watchdog is not None else None
+    seq0 = ledger.seq if ledger else 0
+    first, second = torch.tensor([rank + 1.0]), torch.tensor([10.0 * (rank + 1)])
+    handles: list[hsdp.engine.collectives.Handle] = []
+
+    def late_hop() -> None:
+        time.sleep(0.3 if rank == 0 else 0.0)
+        handles.append(comm.all_reduce(first, "replicate", async_op=True, label="late"))
+
+    chained = comm.chain(late_hop, "late")
+    comm.all_reduce(second, "replicate", label="main")  # must wait for the chained issue on rank 0
+    chained.result()
+    handles[0].wait()
+    empty = comm.chain(lambda: None, "nothing")  # issues nothing: its entry retires by itself
+    empty.result()
+    booked = None
+    if ledger is not None:
+        booked = {"regions": [e.region for e in ledger.recent if e.seq > seq0], "pending": len(ledger.pending)}
+    return {"seen": seen, "first": first.item(), "second": second.item(), "ledger": booked}
+
+
 def _all(rank: int, world: int) -> dict:
-    return {"reads": _steps(rank, world), "prefetch": _prefetch_depths(rank), "streams": _stream_discipline(rank)}
+    return {"reads": _steps(rank, world), "prefetch": _prefetch_depths(rank), "streams": _stream_discipline(rank),
+            "chaining": _hop_chaining(rank)}
+
+
+def test_cpu_hop_is_issued_during_the_backward_of_the_units_before_it(results: list[dict]) -> None:
+    for r in results:
+        assert r["chaining"]["seen"] == [True], "blocks.2's hop waited for blocks.1's post_backward"
+
+
+def test_inter_node_collectives_keep_program_order_across_the_hop_worker(results: list[dict]) -> None:
+    for r in results:
+        got = r["chaining"]
+        assert (got["first"], got["second"]) == (1.5, 15.0), got  # each all-reduce met its own on the peer
+        assert got["ledger"] is not None, "init_mesh starts the fault watchdog in tests too"
+        assert got["ledger"] == {"regions": ["hsdp::replica_hop[replicate] late", "hsdp::all_reduce[replicate] main",
+                                             "hsdp::replica_hop[replicate] nothing"], "pending": 0}, got["ledger"]
 
 
 def test_every_side_stream_event_is_waited_by_its_consumer_stream(results: list[dict]) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -122,6 +124,8 @@ class Comm:
         self._gloo = dist.get_backend() == "gloo"  # inter-node reduce-scatter as all-to-all + sum (reduce_scatter)
         self._cuda = mesh.device.type == "cuda"  # time collectives with CUDA events (see OpStats)
         self._ledger = None if mesh.watchdog is None else mesh.watchdog.ledger
+        # On the hop worker: the ledger entry its collectives book to (reserved in program order, see chain).
+        self._worker_local = threading.local()
 
     @contextlib.contextmanager
     def helper(self, name: str) -> Iterator[None]:
@@ -146,6 +150,35 @@ class Comm:
     def size(self, group: str) -> int:
         return self._sizes[group]
 
+    def chain(self, issue: Callable[[], None], label: str) -> Future[None]:
+        """Run ``issue`` on the mesh's hop worker after everything chained before (see ``hop_worker.py``):
+        it may wait for earlier collectives and issue inter-node (``"replicate"``) ones, nothing else.
+        Call from the main thread, in the same order on every rank. Its collectives count as one entry of
+        the hang ledger, reserved now (so sequence numbers stay the same call on every rank) and named
+        ``replica_hop[replicate] <label>``. The future's ``result()`` re-raises what ``issue`` raised."""
+        entry = None
+        if self._ledger is not None:
+            entry = self._ledger.enter(profiler_region("replica_hop", "replicate", label), None)
+
+        def run() -> None:
+            local = self._worker_local
+            local.entry, local.booked = entry, False
+            try:
+                issue()
+            finally:
+                if entry is not None and not local.booked:
+                    self._ledger.done(entry)  # nothing was issued (a group of one, a deferred sync)
+                local.entry = None
+
+        return self.mesh.hop_worker.submit(run)
+
+    def _pg(self, group: str) -> dist.ProcessGroup | None:
+        """The process group to issue on. Inter-node collectives of the main thread first wait until the hop
+        worker has issued what was chained before: the group's collectives keep program order everywhere."""
+        if group == "replicate":
+            self.mesh.hop_worker.drain()
+        return self._groups[group]
+
     def _record(self, group: str, op: str, nbytes: int, wire_factor: float) -> OpStats:
         return self.stats.record(group, op, nbytes, int(nbytes * wire_factor))
 
@@ -162,7 +195,7 @@ class Comm:
         stats = self._record(group, "all_gather", nbytes, (n - 1) / n)
         region = profiler_region("all_gather", group, label)
         with record_function(region):
-            work = dist.all_gather_single(output, input, group=self._groups[group], async_op=True)
+            work = dist.all_gather_single(output, input, group=self._pg(group), async_op=True)
             return self._finish(work, stats, async_op, region)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: str = "shard",
@@ -192,11 +225,11 @@ class Comm:
             wire_op, post = split_average(input, op, n)
             if self._gloo and group == "replicate" and wire_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 received = torch.empty_like(input)
-                work = dist.all_to_all_single(received, input, group=self._groups[group], async_op=True)
+                work = dist.all_to_all_single(received, input, group=self._pg(group), async_op=True)
                 divisor = n if wire_op == dist.ReduceOp.AVG else post
                 return self._finish(work, stats, async_op, region,
                                     functools.partial(_sum_chunks, received, output, n, divisor))
-            work = dist.reduce_scatter_single(output, input, op=wire_op, group=self._groups[group], async_op=True)
+            work = dist.reduce_scatter_single(output, input, op=wire_op, group=self._pg(group), async_op=True)
             return self._finish(work, stats, async_op, region,
                                 None if post == 1 else functools.partial(_divide, output, post))
 
@@ -214,7 +247,7 @@ class Comm:
         region = profiler_region("all_reduce", group, label)
         with record_function(region):
             wire_op, post = split_average(tensor, op, n)
-            work = dist.all_reduce(tensor, op=wire_op, group=self._groups[group], async_op=True)
+            work = dist.all_reduce(tensor, op=wire_op, group=self._pg(group), async_op=True)
             return self._finish(work, stats, async_op, region,
                                 None if post == 1 else functools.partial(_divide, tensor, post))
 
@@ -234,7 +267,7 @@ class Comm:
         stats = self.stats.record(group, "all_to_all", input.numel() * size, sent)
         region = profiler_region("all_to_all", group, label)
         with record_function(region):
-            work = dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self._groups[group],
+            work = dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self._pg(group),
                                           async_op=True)
             return self._finish(work, stats, async_op, region)
 
@@ -244,7 +277,7 @@ class Comm:
         if n == 1:
             return
         stats = self._record(group, "broadcast", tensor.numel() * tensor.element_size(), 1.0)
-        pg = self._groups[group]
+        pg = self._pg(group)
         src = src_group_rank if pg is None else dist.get_global_rank(pg, src_group_rank)
         region = profiler_region("broadcast", group)
         with record_function(region):
@@ -259,14 +292,19 @@ class Comm:
         stats = self._record(group, "barrier", 0, 0.0)
         region = profiler_region("barrier", group)
         with record_function(region):
-            work = dist.barrier(group=self._groups[group], async_op=True)
+            work = dist.barrier(group=self._pg(group), async_op=True)
         self._finish(work, stats, async_op=False, region=region)
 
     def _finish(self, work: dist.Work, stats: OpStats, async_op: bool, region: str = "",
                 on_done: Callable[[], None] | None = None) -> Handle:
         retire = None
         if self._ledger is not None:
-            retire = functools.partial(self._ledger.done, self._ledger.enter(region, work))
+            entry = getattr(self._worker_local, "entry", None)
+            if entry is None:
+                entry = self._ledger.enter(region, work)
+            else:  # on the hop worker: book to the entry chain() reserved
+                entry.work, self._worker_local.booked = work, True
+            retire = functools.partial(self._ledger.done, entry)
         handle = Handle(work, stats, on_done=on_done, region=region, retire=retire, cuda_timed=self._cuda)
         if not async_op:
             handle.wait()

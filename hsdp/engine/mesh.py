@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp.engine.faults.launcher import watch_launcher
 from hsdp.engine.faults.watchdog import FaultPolicy, Watchdog, start_watchdog
+from hsdp.engine.hop_worker import HopWorker
 
 MESH_DIM_NAMES = ("replicate", "shard")
 TP_MESH_DIM_NAMES = ("replicate", "shard", "tp")
@@ -180,6 +181,9 @@ class HSDPMesh:
     # This process's fault watchdog (started by init_mesh unless fault_policy=None); engine parts that
     # need it (collective bookkeeping, periodic checks) reach it through the mesh, never a global.
     watchdog: Watchdog | None = field(default=None, compare=False, repr=False)
+    # CPUs: the thread that issues inter-node hops behind their reduce-scatters (hop_worker.py). Per mesh, so
+    # that every model on the mesh keeps one order of the inter-node group's collectives.
+    hop_worker: HopWorker = field(default_factory=HopWorker, compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:

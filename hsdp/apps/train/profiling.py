@@ -6,6 +6,11 @@ Every collective hsdp issues is a labelled region (see ``hsdp.engine.collectives
 it, so a trace shows which unit's communication overlapped compute and which was exposed. Traces are
 chrome JSON, ``<run>/profile/rank<r>.json``: open them in Perfetto (ui.perfetto.dev) or
 ``chrome://tracing``.
+
+Every thread is recorded: on CPUs the inter-node hops are issued from hsdp's hop worker thread
+(``hsdp-hops``, see ``hsdp/engine/hop_worker.py``), which ``torch.profiler`` leaves out by default. In a
+profiler of your own, pass ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``
+to see them.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
-            self._prof = profile(activities=activities)
+            self._prof = profile(activities=activities, experimental_config=_all_threads())
             self._prof.start()
 
     def after(self, step: int) -> str | None:
@@ -55,3 +60,8 @@ class StepProfiler:
         self._prof.export_chrome_trace(self.path)
         self._prof = None
         return self.path
+
+
+def _all_threads() -> torch._C._profiler._ExperimentalConfig:
+    """Record the hop worker's regions too (the profiler's default is the thread that started it)."""
+    return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)

@@ -2,9 +2,10 @@
 
 Stages: ``start`` issues the reduce-scatter (async) -> ``start_replica_hop`` waits for it and, on a sync
 step, starts the inter-node hop (async) -> ``finish`` waits and hands each sharded parameter its gradient.
-On CUDA the runtime chains each hop right behind its own reduce-scatter (a wait on the hop stream, see
-``streams.py``); on CPUs, where a wait blocks the host, at the next unit's post_backward. Either way the hop
-overlaps the backward of earlier units, and the last units' hops overlap each other.
+The runtime chains each hop right behind its own reduce-scatter: on CUDA a wait on the hop stream (see
+``streams.py``); on CPUs, where a wait blocks the thread that makes it, the mesh's hop worker thread waits and
+issues the hop (``hop_worker.py``). Either way the hop overlaps the backward of earlier units, and the last
+units' hops overlap each other.
 
 Deferred sync (gradient accumulation): on a micro-batch that does not sync replicas, the reduce-scattered
 shard is added to the unit's fp32 ``partial`` and nothing crosses nodes; the sync micro-batch sends the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -100,6 +102,7 @@ class Reduction:
         self._scattered: torch.cuda.Event | None = None
         self._hopped: torch.cuda.Event | None = None
         self.stage = Stage.REDUCE_SCATTER
+        self._chained: Future[None] | None = None  # CPU: the hop issued by the hop worker (hop_worker.py)
         # Set by finish: the reduced flags, and which parameters this reduction gave their first gradient.
         self.flags: torch.Tensor | None = None
         self.created: list[bool] = []
@@ -140,7 +143,20 @@ class Reduction:
 
     def start_replica_hop(self) -> None:
         """Wait for the reduce-scatter and start the inter-node hop. The wait blocks the host where the
-        device does not queue work (gloo on CPUs); on CUDA it only makes the hop stream wait."""
+        device does not queue work (gloo on CPUs); on CUDA it only makes the hop stream wait. Chained on a
+        hop worker (:meth:`chain_hop`): wait until the worker has started it."""
+        if self._chained is not None:
+            chained, self._chained = self._chained, None
+            chained.result()
+            return
+        self._issue_hop()
+
+    def chain_hop(self) -> None:
+        """Have the mesh's hop worker wait for the reduce-scatter and start the hop the moment it completes
+        (CPUs, where the host's wait would block the backward; see ``hop_worker.py``)."""
+        self._chained = self.unit.comm.chain(self._issue_hop, self.unit.name)
+
+    def _issue_hop(self) -> None:
         if self.stage is not Stage.REDUCE_SCATTER:
             return
         # On the hop stream, which waits for the reduce-scatter, not for the backward still running.
@@ -203,6 +219,9 @@ class Reduction:
 
     def abandon(self) -> None:
         """Wait for the collective in flight and drop its result (the backward that started it raised)."""
+        if self._chained is not None:
+            self._chained.exception()  # let the worker's issue end; the backward's own error is the one to see
+            self._chained = None
         self._handle.wait()
         self._handle = Handle()
         self.unit.streams.wait(self._scattered)

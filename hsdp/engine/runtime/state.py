@@ -96,10 +96,10 @@ class HSDPState:
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
-        # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter, and
-        # gloo's reduce-scatter work reports completion only once waited (nothing to poll): there a hop starts
-        # at the next unit's post_backward, when its reduce-scatter has had that unit's backward to finish.
-        self._hops_queue_on_device = mesh.device.type != "cpu"
+        # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
+        # gloo's reduce-scatter work reports completion only once waited: nothing to poll), the mesh's hop
+        # worker thread waits for it instead and issues the hop the moment it completes (hop_worker.py).
+        self._hops_queue_on_device = mesh.device.type != "cpu" or self.streams.enabled
         self._callback_queued = False  # a backward started and its end-of-backward has not run yet
         # Registered post_backwards whose backward has neither run nor been freed: token -> unit. Each is
         # counted in its unit's ``pending_post_backward``; whichever of "ran" and "freed" comes first
@@ -291,13 +291,11 @@ class HSDPState:
         unit.used_in_grad_forward = False
         if reduction is None:
             return
-        # Every earlier unit's hop starts now at the latest (at most one reduce-scatter without its hop):
-        # the previous unit's reduce-scatter ran during this unit's backward, so this rarely blocks.
-        for earlier in self._pending:
-            earlier.start_replica_hop()
         self._pending.append(reduction)
         if self._hops_queue_on_device:
             reduction.start_replica_hop()  # chained right behind its reduce-scatter: a wait on the hop stream
+        else:
+            reduction.chain_hop()  # the host's hop stream: a worker thread waits for it (hop_worker.py)
 
     def _finalize_backward(self) -> None:
         for unit in reversed(self.units):

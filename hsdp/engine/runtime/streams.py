@@ -21,7 +21,8 @@ unit's gradients are not held until the end of backward). The caching allocator 
 early, whatever the process group does with its own references.
 
 On CPUs (gloo) there is one stream: every method here is a no-op and the runtime behaves as if it did not
-exist; a wait there blocks the host instead.
+exist; a wait there blocks the host instead, so the hop stream's job (wait for a reduce-scatter, then issue
+the hop) falls to a host thread, the mesh's hop worker (``hsdp/engine/hop_worker.py``).
 """
 
 from __future__ import annotations

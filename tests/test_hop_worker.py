@@ -1,0 +1,48 @@
+"""The CPU's hop stream (``hsdp/engine/hop_worker.py``) on its own: order, errors, draining."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hsdp.engine.hop_worker import HopWorker
+
+
+def test_calls_run_one_at_a_time_in_submission_order_off_the_main_thread() -> None:
+    worker, ran, threads = HopWorker(), [], set()
+
+    def call(i: int) -> None:
+        time.sleep(0.02 if i == 0 else 0)  # the first is slowest: order must still hold
+        ran.append(i)
+        threads.add(threading.current_thread().name)
+
+    futures = [worker.submit(lambda i=i: call(i)) for i in range(5)]
+    for f in futures:
+        f.result(timeout=5)
+    assert ran == list(range(5))
+    assert threads == {"hsdp-hops"}
+
+
+def test_an_error_reaches_the_waiter_and_later_calls_still_run() -> None:
+    worker = HopWorker()
+
+    def fail() -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    failed, after = worker.submit(fail), worker.submit(lambda: None)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        failed.result(timeout=5)
+    assert after.result(timeout=5) is None
+
+
+def test_drain_waits_for_everything_submitted_and_never_raises() -> None:
+    worker, done = HopWorker(), []
+    worker.submit(lambda: (time.sleep(0.1), done.append(1)))
+    worker.submit(lambda: 1 / 0)
+    worker.drain()
+    assert done == [1] and not worker.on_worker()
+    inner: list[bool] = []
+    worker.submit(lambda: (worker.drain(), inner.append(worker.on_worker()))).result(timeout=5)
+    assert inner == [True]  # draining from the worker itself returns at once instead of deadlocking
