@@ -206,10 +206,10 @@ def _hop_chaining(rank: int) -> dict:
 
     chained = comm.chain(late_hop, "late")
     comm.all_reduce(second, "replicate", label="main")  # must wait for the chained issue on rank 0
-    chained.result()
+    chained.wait()
     handles[0].wait()
     empty = comm.chain(lambda: None, "nothing")  # issues nothing: its entry retires by itself
-    empty.result()
+    empty.wait()
     booked = None
     if ledger is not None:
         booked = {"regions": [e.region for e in ledger.recent if e.seq > seq0], "pending": len(ledger.pending)}

@@ -46,3 +46,31 @@ def test_drain_waits_for_everything_submitted_and_never_raises() -> None:
     inner: list[bool] = []
     worker.submit(lambda: (worker.drain(), inner.append(worker.on_worker()))).result(timeout=5)
     assert inner == [True]  # draining from the worker itself returns at once instead of deadlocking
+
+
+class _SlowWork:
+    """A stand-in for a collective's ``dist.Work`` that takes ``seconds`` to complete."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def wait(self) -> None:
+        time.sleep(self.seconds)
+
+
+def test_exposed_time_is_the_hosts_block_not_the_workers_wait() -> None:
+    """``waited`` (exposed communication) books the host's time blocked: a wait on the hop worker overlaps
+    the backward and books nothing; the host's block on the chained call books to the collective it waits for."""
+    from hsdp.engine.collectives import Chained, Handle
+    from hsdp.engine.comm_stats import OpStats
+
+    worker, stats = HopWorker(), OpStats()
+    scatter = Handle(_SlowWork(0.2), stats)  # type: ignore[arg-type]
+    chained = Chained(worker.submit(scatter.wait), blocked_on=scatter)
+    time.sleep(0.1)  # the host computes while the worker waits
+    chained.wait()  # blocks for the rest, about 0.1 s
+    assert 0.05 < stats.waited < 0.18, stats.waited
+    assert stats.seconds >= 0.2  # the collective's own span is booked in full either way
+    on_host = OpStats()
+    Handle(_SlowWork(0.05), on_host).wait()  # type: ignore[arg-type]
+    assert on_host.waited >= 0.05

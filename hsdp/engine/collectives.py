@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from hsdp.engine.averaging import split_average
 from hsdp.engine.comm_stats import CommStats, OpStats, recorded_event
+from hsdp.engine.hop_worker import on_a_hop_worker
 from hsdp.engine.mesh import HSDPMesh
 
 GROUPS = ("shard", "replicate", "world", "tp")
@@ -54,6 +55,12 @@ class Handle:
         self._on_done = on_done
         self.done = work is None and on_done is None and not self._after
 
+    def book_blocked(self, since: float | None) -> None:
+        """Book the host's time blocked since ``since`` (``perf_counter``; ``None``: nothing) as ``waited``
+        on this collective: its own wait, or a wait for the hop worker to get past it (:class:`Chained`)."""
+        if self._stats is not None and since is not None:
+            self._stats.waited += time.perf_counter() - since
+
     def then(self, on_done: Callable[[], None]) -> Handle:
         """A handle that waits for this one, then runs ``on_done``."""
         return Handle(after=[self], on_done=on_done)
@@ -70,10 +77,10 @@ class Handle:
         if self._work is not None:
             # A separate region: in a trace, the exposed (not overlapped) communication is the wait.
             with record_function(f"{self._region} wait" if self._region else "hsdp::wait"):
-                blocked = None if self._start is None else time.perf_counter()
+                # Exposed time is the host's compute blocked: a hop worker's waits are not (hop_worker.py).
+                blocked = None if self._start is None or on_a_hop_worker() else time.perf_counter()
                 self._work.wait()
-                if self._stats is not None and blocked is not None:
-                    self._stats.waited += time.perf_counter() - blocked
+                self.book_blocked(blocked)
         if self._stats is not None and self._start_event is not None:
             # After the wait: the current stream now waits for the collective, so this event completes
             # only once it has. No host synchronisation here: the pair is resolved when the stats are read.
@@ -89,6 +96,29 @@ class Handle:
         if self._on_done is not None:
             on_done, self._on_done = self._on_done, None
             on_done()
+
+
+class Chained:
+    """A call handed to the hop worker (:meth:`Comm.chain`). :meth:`wait` returns once it has run and
+    re-raises its error; the host's time blocked there is booked as ``waited`` on ``blocked_on`` (the
+    collective the call waits for), so exposed-communication figures stay those of the host."""
+
+    def __init__(self, future: Future[None], blocked_on: Handle | None) -> None:
+        self._future = future
+        self._blocked_on = blocked_on
+
+    def wait(self) -> None:
+        since = None if self._future.done() else time.perf_counter()
+        try:
+            self._future.result()
+        finally:
+            if self._blocked_on is not None:
+                self._blocked_on.book_blocked(since)
+                self._blocked_on = None
+
+    def settle(self) -> None:
+        """Wait without raising (after an error elsewhere, whose report matters more)."""
+        self._future.exception()
 
 
 def _divide(output: torch.Tensor, divisor: float) -> None:
@@ -150,12 +180,13 @@ class Comm:
     def size(self, group: str) -> int:
         return self._sizes[group]
 
-    def chain(self, issue: Callable[[], None], label: str) -> Future[None]:
+    def chain(self, issue: Callable[[], None], label: str, blocked_on: Handle | None = None) -> Chained:
         """Run ``issue`` on the mesh's hop worker after everything chained before (see ``hop_worker.py``):
         it may wait for earlier collectives and issue inter-node (``"replicate"``) ones, nothing else.
         Call from the main thread, in the same order on every rank. Its collectives count as one entry of
         the hang ledger, reserved now (so sequence numbers stay the same call on every rank) and named
-        ``replica_hop[replicate] <label>``. The future's ``result()`` re-raises what ``issue`` raised."""
+        ``replica_hop[replicate] <label>``. ``Chained.wait()`` re-raises what ``issue`` raised; the time it
+        blocks counts as waiting for ``blocked_on``."""
         entry = None
         if self._ledger is not None:
             entry = self._ledger.enter(profiler_region("replica_hop", "replicate", label), None)
@@ -170,7 +201,7 @@ class Comm:
                     self._ledger.done(entry)  # nothing was issued (a group of one, a deferred sync)
                 local.entry = None
 
-        return self.mesh.hop_worker.submit(run)
+        return Chained(self.mesh.hop_worker.submit(run), blocked_on)
 
     def _pg(self, group: str) -> dist.ProcessGroup | None:
         """The process group to issue on. Inter-node collectives of the main thread first wait until the hop

@@ -25,6 +25,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+_THREAD = threading.local()
+
+
+def on_a_hop_worker() -> bool:
+    """Whether the calling thread is some mesh's hop worker: its waits do not hold up the host's compute."""
+    return getattr(_THREAD, "is_worker", False)
+
 
 class HopWorker:
     """A daemon thread running submitted calls one at a time, in submission order (started on first use)."""
@@ -63,6 +70,7 @@ class HopWorker:
             self._last = None
 
     def _run(self) -> None:
+        _THREAD.is_worker = True
         while True:
             fn, future = self._queue.get()
             try:

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import enum
 import math
-from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
-from hsdp.engine.collectives import Handle
+from hsdp.engine.collectives import Chained, Handle
 from hsdp.engine.hops import start_split_over_tp
 from hsdp.engine.runtime.replica_slice import SliceLayout, pack_chunks, packed_numel
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -102,7 +101,7 @@ class Reduction:
         self._scattered: torch.cuda.Event | None = None
         self._hopped: torch.cuda.Event | None = None
         self.stage = Stage.REDUCE_SCATTER
-        self._chained: Future[None] | None = None  # CPU: the hop issued by the hop worker (hop_worker.py)
+        self._chained: Chained | None = None  # CPU: the hop issued by the hop worker (hop_worker.py)
         # Set by finish: the reduced flags, and which parameters this reduction gave their first gradient.
         self.flags: torch.Tensor | None = None
         self.created: list[bool] = []
@@ -147,14 +146,14 @@ class Reduction:
         hop worker (:meth:`chain_hop`): wait until the worker has started it."""
         if self._chained is not None:
             chained, self._chained = self._chained, None
-            chained.result()
+            chained.wait()
             return
         self._issue_hop()
 
     def chain_hop(self) -> None:
         """Have the mesh's hop worker wait for the reduce-scatter and start the hop the moment it completes
         (CPUs, where the host's wait would block the backward; see ``hop_worker.py``)."""
-        self._chained = self.unit.comm.chain(self._issue_hop, self.unit.name)
+        self._chained = self.unit.comm.chain(self._issue_hop, self.unit.name, blocked_on=self._handle)
 
     def _issue_hop(self) -> None:
         if self.stage is not Stage.REDUCE_SCATTER:
@@ -220,7 +219,7 @@ class Reduction:
     def abandon(self) -> None:
         """Wait for the collective in flight and drop its result (the backward that started it raised)."""
         if self._chained is not None:
-            self._chained.exception()  # let the worker's issue end; the backward's own error is the one to see
+            self._chained.settle()  # let the worker's issue end; the backward's own error is the one to see
             self._chained = None
         self._handle.wait()
         self._handle = Handle()
