@@ -74,3 +74,16 @@ def test_exposed_time_is_the_hosts_block_not_the_workers_wait() -> None:
     on_host = OpStats()
     Handle(_SlowWork(0.05), on_host).wait()  # type: ignore[arg-type]
     assert on_host.waited >= 0.05
+
+
+def test_a_dropped_worker_ends_its_thread() -> None:
+    import gc
+
+    worker = HopWorker(name="hsdp-hops-dropped")
+    worker.submit(lambda: None).result(timeout=5)
+    thread = worker._thread
+    assert thread is not None and thread.is_alive()
+    del worker
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()

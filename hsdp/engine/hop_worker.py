@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -34,11 +35,12 @@ def on_a_hop_worker() -> bool:
 
 
 class HopWorker:
-    """A daemon thread running submitted calls one at a time, in submission order (started on first use)."""
+    """A daemon thread running submitted calls one at a time, in submission order (started on first use,
+    ended when the worker is garbage collected)."""
 
     def __init__(self, name: str = "hsdp-hops") -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._last: Future[None] | None = None  # the latest submission: done means every earlier one is
 
@@ -48,15 +50,17 @@ class HopWorker:
         future: Future[None] = Future()
         if self._thread is None:
             # A daemon: a hop stuck on a stopped peer must not keep the interpreter from exiting (the fault
-            # watchdog ends such a process; without one, the process group's timeout does).
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            # watchdog ends such a process; without one, the process group's timeout does). The thread holds
+            # the queue, not this object, so a mesh that is dropped ends its thread (the None sentinel).
+            self._thread = threading.Thread(target=_run, args=(self._queue,), name=self._name, daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._queue.put, None)
         self._last = future
         self._queue.put((fn, future))
         return future
 
     def on_worker(self) -> bool:
-        """Whether the calling thread is the worker."""
+        """Whether the calling thread is this worker."""
         return self._thread is not None and threading.current_thread() is self._thread
 
     def drain(self) -> None:
@@ -69,13 +73,17 @@ class HopWorker:
         if self._last is last:
             self._last = None
 
-    def _run(self) -> None:
-        _THREAD.is_worker = True
-        while True:
-            fn, future = self._queue.get()
-            try:
-                fn()
-            except BaseException as exc:  # handed to the thread that waits for it
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+
+_Item = tuple[Callable[[], None], "Future[None]"]
+
+
+def _run(items: queue.SimpleQueue[_Item | None]) -> None:
+    _THREAD.is_worker = True
+    while (item := items.get()) is not None:
+        fn, future = item
+        try:
+            fn()
+        except BaseException as exc:  # handed to the thread that waits for it
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
