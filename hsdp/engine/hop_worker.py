@@ -43,6 +43,7 @@ class HopWorker:
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._last: Future[None] | None = None  # the latest submission: done means every earlier one is
+        self._stopper: weakref.finalize | None = None
 
     def submit(self, fn: Callable[[], None]) -> Future[None]:
         """Run ``fn`` on the worker after everything submitted before. ``Future.result()`` re-raises what
@@ -54,7 +55,7 @@ class HopWorker:
             # the queue, not this object, so a mesh that is dropped ends its thread (the None sentinel).
             self._thread = threading.Thread(target=_run, args=(self._queue,), name=self._name, daemon=True)
             self._thread.start()
-            weakref.finalize(self, self._queue.put, None)
+            self._stopper = weakref.finalize(self, _stop, self._queue, self._thread)  # also runs at exit
         self._last = future
         self._queue.put((fn, future))
         return future
@@ -75,6 +76,19 @@ class HopWorker:
 
 
 _Item = tuple[Callable[[], None], "Future[None]"]
+
+
+# How long exit waits for a hop still in flight (a stopped peer) before leaving the thread to its fate.
+_STOP_TIMEOUT_S = 5.0
+
+
+def _stop(items: queue.SimpleQueue[_Item | None], thread: threading.Thread) -> None:
+    """End the thread and wait for it: run when the worker is collected, and at interpreter exit (a daemon
+    thread still waking up while the interpreter finalizes is ended by pthread_exit, which aborts the process
+    with "terminate called without an active exception" after all the work is done)."""
+    items.put(None)
+    if thread is not threading.current_thread():
+        thread.join(timeout=_STOP_TIMEOUT_S)
 
 
 def _run(items: queue.SimpleQueue[_Item | None]) -> None:
