@@ -7,9 +7,9 @@ process group is. Per micro-batch:
   forward   the root's all-gather, then for each block: wait for its all-gather, issue the next one
             (prefetch), compute; the root's head last;
   backward  the root (kept gathered) first, issuing the last block's all-gather; per block: wait for its
-            all-gather, prefetch the next, compute, issue its reduce-scatter, then wait for the *previous*
-            block's reduce-scatter and start that block's inter-node hop; at the end the root's
-            reduce-scatter, and a wait for every hop;
+            all-gather, prefetch the next, compute, issue its reduce-scatter; its inter-node hop is issued
+            the moment that reduce-scatter ends, off the training thread (the hop stream on GPUs, the hop
+            worker thread on CPUs); at the end the root's reduce-scatter, and a wait for every hop;
   step      the optimizer over this rank's ``P / S`` elements.
 
 With the optimizer sharded across replicas (``shard_optimizer_across_replicas``, R > 1) the hop is a
@@ -194,8 +194,10 @@ class _Timeline:
         self.link_group = ""
         self.busy = 0.0
 
-    def issue(self, group: str, t: Transfer) -> float:
-        start = max(self.free[group], self.cpu)
+    def issue(self, group: str, t: Transfer, at: float | None = None) -> float:
+        """Queue ``t`` on ``group``'s FIFO, issued by the training thread (now) or at time ``at`` by another
+        issuer (the hop stream or worker); returns when it ends."""
+        start = max(self.free[group], self.cpu if at is None else at)
         if t.link_s > 0:
             if self.link_group != group:
                 start = max(start, self.link_free)
@@ -233,7 +235,7 @@ def _forward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions,
 class _Reduction:
     unit: int
     scattered: float  # when its reduce-scatter ends
-    hopped: float | None = None  # when its inter-node hop ends (None: not started)
+    hopped: float  # when its inter-node hop ends
 
 
 def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro_batch: int) -> None:
@@ -246,17 +248,13 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
     pending: list[_Reduction] = []
     sync = options.syncs_replicas(micro_batch)
 
-    def start_hop(r: _Reduction) -> None:
-        # The runtime waits for the reduce-scatter on the training thread before it issues the hop.
-        tl.wait(r.scattered)
-        r.hopped = tl.issue("replicate", costs[r.unit].hop) if sync else r.scattered
-
     def reduce(unit: int) -> None:
         if not costs[unit].reduces:
             return
-        if pending:
-            start_hop(pending[-1])
-        pending.append(_Reduction(unit, tl.issue("shard", costs[unit].reduce_scatter)))
+        scattered = tl.issue("shard", costs[unit].reduce_scatter)
+        # Chained behind its own reduce-scatter, off the training thread (hop stream / hop worker).
+        hopped = tl.issue("replicate", costs[unit].hop, at=scattered) if sync else scattered
+        pending.append(_Reduction(unit, scattered, hopped))
 
     for j, i in enumerate(order):
         if regather:
@@ -271,9 +269,7 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
     if options.reduces_shards(micro_batch):
         reduce(0)  # the root's gradients: reduced by the end-of-backward callback
         for r in pending:
-            if r.hopped is None:
-                start_hop(r)
-            tl.wait(r.hopped)  # type: ignore[arg-type]
+            tl.wait(r.hopped)
 
 
 @dataclass(frozen=True)
