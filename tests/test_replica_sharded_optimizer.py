@@ -214,3 +214,24 @@ def test_refusals_name_the_fix(runs: list[dict]) -> None:
 def test_meta_device_build_and_closure_steps(runs: list[dict]) -> None:
     got = runs[0]["meta_closure"]  # the meta-built model trained (check_replicas would have raised)
     assert _max_error(got["closure"], got["plain"]) == 0.0
+
+
+@pytest.mark.parametrize("shape", [(16, 3), (17, 5), (3, 2), (1, 4), (12,), ()])
+@pytest.mark.parametrize(("shards", "replicas"), [(2, 2), (4, 2), (2, 3), (1, 4), (4, 1)])
+def test_the_reduce_scatter_input_delivers_each_chunk_packed(shape: tuple[int, ...], shards: int,
+                                                            replicas: int) -> None:
+    """What the replica-sharded path's reduce-scatter hands each shard rank (``pack_gradient`` of the full
+    gradient) is exactly that rank's chunk packed replica-major (``pack_chunks``), for even and uneven rows,
+    empty chunks and 0-d parameters: the inter-node reduce-scatter then needs no repacking."""
+    from hsdp.engine.runtime.layout import ShardLayout
+    from hsdp.engine.runtime.replica_slice import SliceLayout, pack_chunks, pack_gradient
+
+    grad = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    probe = SliceLayout(ShardLayout(shape, shards, 0), replicas, 0)
+    packed = torch.zeros(shards, replicas, probe.padded_numel)
+    pack_gradient(grad, probe, packed)
+    for i in range(shards):
+        layout = SliceLayout(ShardLayout(shape, shards, i), replicas, 0)
+        expected = torch.zeros(replicas, layout.padded_numel)
+        pack_chunks([layout.shard.chunk(grad)], [layout], expected)
+        torch.testing.assert_close(packed[i], expected, rtol=0, atol=0)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hsdp.engine.collectives import Chained, Handle
 from hsdp.engine.hops import start_split_over_tp
-from hsdp.engine.runtime.replica_slice import SliceLayout, pack_chunks, packed_numel
+from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
 
@@ -118,16 +118,13 @@ class Reduction:
         in_dtypes = {g.dtype for g in grads if g is not None}
         in_dtype = in_dtypes.pop() if len(in_dtypes) == 1 else dtype
         flags = _flags(grads, in_dtype, device)
-        inputs = [_reduce_scatter_input(p, g, in_dtype, device, s) for p, g in zip(params, grads, strict=True)]
-        # One copy of the flags in every rank's chunk; contiguous, so _chunk_cat keeps its fast path.
-        inputs.append(flags.expand(s, -1).contiguous())
-        n_out = sum(p.layout.padded_numel for p in params) + len(params)
-        # ND: (S, slot + n_flags); row r is what rank r receives, padded chunk by chunk; casts on the way.
-        rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
-        torch._chunk_cat(inputs, dim=0, num_chunks=s, out=rs_input)
+        slices = _slices(params)
+        if slices is None:
+            rs_input = _chunked_input(params, grads, flags, in_dtype, dtype, device, s)
+        else:
+            rs_input = _packed_input(params, slices, grads, flags, dtype, device, s)
         grads.clear()
-        inputs.clear()
-        output = torch.empty(n_out, dtype=dtype, device=device)
+        output = rs_input.new_empty(rs_input.shape[1])
         with unit.streams.on("reduce_scatter"):  # after the copy-in above, on the compute stream
             handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
                                          label=unit.name)
@@ -203,17 +200,12 @@ class Reduction:
         self.stage = Stage.REPLICA_HOP
 
     def _start_scatter(self) -> Handle:
-        """Pack the reduced shard replica-major and reduce-scatter it across replicas (see
-        ``replica_slice.py``); ``output`` becomes this replica's part: its slices, then the flags."""
-        unit, params, n = self.unit, self.params, len(self.params)
-        slices = _slices(params)
-        assert slices is not None
-        width = packed_numel(slices)
-        packed = self.output.new_zeros(unit.comm.size("replicate"), width + n)
-        pack_chunks(_parts(self.output, slot_offsets(params), [p.layout.local_shape for p in params]),
-                    slices, packed)
-        packed[:, width:] = self.output[-n:]
-        self.output = self.output.new_empty(width + n)
+        """Reduce-scatter the reduced shard, already packed replica-major by the reduce-scatter inside the node
+        (``_packed_input``), across replicas; ``output`` becomes this replica's part: its slices, then the
+        flags."""
+        unit = self.unit
+        packed = self.output.view(unit.comm.size("replicate"), -1)
+        self.output = self.output.new_empty(packed.shape[1])
         return unit.hop.start_scatter(self.output, packed, unit.comm, unit.key)
 
     def abandon(self) -> None:
@@ -290,6 +282,34 @@ def _slices(params: list[ShardedParam]) -> list[SliceLayout] | None:
 def _parts(buffer: torch.Tensor, offsets: list[int], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     """Views of each parameter's part of a flat reduction buffer."""
     return [buffer[o: o + math.prod(shape)].view(shape) for o, shape in zip(offsets, shapes, strict=True)]
+
+
+def _chunked_input(params: list[ShardedParam], grads: list[torch.Tensor | None], flags: torch.Tensor,
+                   in_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, s: int) -> torch.Tensor:
+    """The reduce-scatter input ``(S, slot + n_flags)``: row r is what rank r receives, its padded chunk of
+    every gradient back to back (the slot layout), then the flags; casts on the way."""
+    inputs = [_reduce_scatter_input(p, g, in_dtype, device, s) for p, g in zip(params, grads, strict=True)]
+    # One copy of the flags in every rank's chunk; contiguous, so _chunk_cat keeps its fast path.
+    inputs.append(flags.expand(s, -1).contiguous())
+    n_out = sum(p.layout.padded_numel for p in params) + len(params)
+    rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
+    torch._chunk_cat(inputs, dim=0, num_chunks=s, out=rs_input)
+    return rs_input
+
+
+def _packed_input(params: list[ShardedParam], slices: list[SliceLayout], grads: list[torch.Tensor | None],
+                  flags: torch.Tensor, dtype: torch.dtype, device: torch.device, s: int) -> torch.Tensor:
+    """The replica-sharded reduce-scatter input ``(S, R x (packed slices + n_flags))``: rank r receives its
+    chunks already packed replica-major, each replica's part ending with the flags, ready to be
+    reduce-scattered across replicas as is (``replica_slice.py``). Same bytes copied as ``_chunked_input``."""
+    r, width, n = slices[0].replicas, packed_numel(slices), len(params)
+    # Zeros: padding rows (and the slots of gradients no rank produced here) must reduce to zero.
+    rs_input = torch.zeros(s, r, width + n, dtype=dtype, device=device)
+    for offset, sl, g in zip(_running_offsets([x.padded_numel for x in slices]), slices, grads, strict=True):
+        if g is not None:
+            pack_gradient(g, sl, rs_input[:, :, offset: offset + sl.padded_numel])
+    rs_input[:, :, width:] = flags
+    return rs_input.view(s, -1)
 
 
 def _reduce_scatter_input(p: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype, device: torch.device,

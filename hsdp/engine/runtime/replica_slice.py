@@ -18,12 +18,14 @@ A 0-d parameter (replicated in the shard group, see ``layout.py``) stays replica
 its averaged gradient reaches every replica, which all step it identically.
 
 Wire layout: a unit's slices are packed replica-major, ``(R, slice_numel + flags)``, each parameter padded
-to ``ceil(padded_rows / R)`` rows so every replica sends and receives the same count (padding zero).
+to ``ceil(padded_rows / R)`` rows so every replica sends and receives the same count (padding zero). The
+reduce-scatter inside the node already delivers that layout (:func:`pack_gradient` builds its input, one copy
+of each gradient, as the plain path's copy-in is), so the shard crosses nodes without being repacked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -111,6 +113,27 @@ def pack_chunks(chunks: list[torch.Tensor], slices: list[SliceLayout], out: torc
             if rem:
                 dest.view(s.replicas, s.padded_rows, -1)[_full(s), :rem].copy_(_rows(chunk, s, tail=True))
         offset += s.padded_numel
+
+
+def pack_gradient(grad: torch.Tensor, s: SliceLayout, out: torch.Tensor) -> None:
+    """Copy a full gradient (``s.shard.global_shape``) into ``out`` ``(S, R, s.padded_numel)``: shard rank
+    ``i``'s chunk split by replica, as :func:`pack_chunks` lays out one chunk, for every ``i`` at once. This is
+    the reduce-scatter input of the replica-sharded path: rank ``i`` receives its chunk already packed.
+    ``out``'s padding must be zero; a replicated (0-d) value goes to every row."""
+    if s.replicated:
+        out.copy_(grad.reshape(1, 1, 1).expand_as(out))
+        return
+    shard, replicas = s.shard, s.replicas
+    rows = grad.reshape(shard.rows, shard.row_numel)
+    per_slice = shard.chunk_rows // replicas
+    if shard.rows == shard.sharding_degree * shard.chunk_rows and per_slice * replicas == shard.chunk_rows:
+        # Every chunk full and split evenly: one strided copy of the whole gradient.
+        out.view(shard.sharding_degree, replicas, s.padded_rows, -1)[:, :, :per_slice].copy_(
+            rows.view(shard.sharding_degree, replicas, per_slice, -1))
+        return
+    for i in range(shard.sharding_degree):
+        layout = replace(s, shard=replace(shard, shard_rank=i))
+        pack_chunks([layout.shard.chunk(grad)], [layout], out[i])
 
 
 def unpack_slices(packed: torch.Tensor, slices: list[SliceLayout], chunks: list[torch.Tensor]) -> None:
