@@ -303,8 +303,9 @@ def _packed_input(params: list[ShardedParam], slices: list[SliceLayout], grads: 
     chunks already packed replica-major, each replica's part ending with the flags, ready to be
     reduce-scattered across replicas as is (``replica_slice.py``). Same bytes copied as ``_chunked_input``."""
     r, width, n = slices[0].replicas, packed_numel(slices), len(params)
-    # Zeros: padding rows (and the slots of gradients no rank produced here) must reduce to zero.
-    rs_input = torch.zeros(s, r, width + n, dtype=dtype, device=device)
+    # Zeros where something is left unwritten: padding rows, and the slots of gradients this rank has not.
+    dense = all(g is not None and sl.even for sl, g in zip(slices, grads, strict=True))
+    rs_input = (torch.empty if dense else torch.zeros)(s, r, width + n, dtype=dtype, device=device)
     for offset, sl, g in zip(_running_offsets([x.padded_numel for x in slices]), slices, grads, strict=True):
         if g is not None:
             pack_gradient(g, sl, rs_input[:, :, offset: offset + sl.padded_numel])

@@ -60,6 +60,13 @@ class SliceLayout:
     def padded_numel(self) -> int:
         return self.padded_rows * self.shard.row_numel
 
+    @property
+    def even(self) -> bool:
+        """Every shard rank's chunk full and split evenly over the replicas: packed without padding."""
+        shard = self.shard
+        return self.replicated or (shard.rows == shard.sharding_degree * shard.chunk_rows
+                                   and shard.chunk_rows % self.replicas == 0)
+
     def row_offset(self, replica_rank: int | None = None) -> int:
         """First row of the slice inside this rank's chunk."""
         r = self.replica_rank if replica_rank is None else replica_rank
@@ -124,12 +131,9 @@ def pack_gradient(grad: torch.Tensor, s: SliceLayout, out: torch.Tensor) -> None
         out.copy_(grad.reshape(1, 1, 1).expand_as(out))
         return
     shard, replicas = s.shard, s.replicas
-    rows = grad.reshape(shard.rows, shard.row_numel)
-    per_slice = shard.chunk_rows // replicas
-    if shard.rows == shard.sharding_degree * shard.chunk_rows and per_slice * replicas == shard.chunk_rows:
-        # Every chunk full and split evenly: one strided copy of the whole gradient.
-        out.view(shard.sharding_degree, replicas, s.padded_rows, -1)[:, :, :per_slice].copy_(
-            rows.view(shard.sharding_degree, replicas, per_slice, -1))
+    if s.even:  # one strided copy of the whole gradient
+        out.view(shard.sharding_degree, replicas, s.padded_rows, -1).copy_(
+            grad.reshape(shard.sharding_degree, replicas, s.padded_rows, -1))
         return
     for i in range(shard.sharding_degree):
         layout = replace(s, shard=replace(shard, shard_rank=i))
