@@ -231,13 +231,6 @@ def _forward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions,
     tl.cpu += costs[0].forward + costs[0].tp_forward  # the root's head and loss, after the blocks
 
 
-@dataclass
-class _Reduction:
-    unit: int
-    scattered: float  # when its reduce-scatter ends
-    hopped: float  # when its inter-node hop ends
-
-
 def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro_batch: int) -> None:
     order = list(range(len(costs) - 1, 0, -1))  # blocks in reverse; the root runs first and stays gathered
     regather = options.reshard_after_forward
@@ -245,7 +238,7 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
     if regather and options.prefetch and order:
         gathered[order[0]] = tl.issue("shard", costs[order[0]].all_gather)
     tl.cpu += costs[0].backward + costs[0].tp_backward
-    pending: list[_Reduction] = []
+    hopped: list[float] = []  # when each unit's inter-node hop ends
     sync = options.syncs_replicas(micro_batch)
 
     def reduce(unit: int) -> None:
@@ -253,8 +246,7 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
             return
         scattered = tl.issue("shard", costs[unit].reduce_scatter)
         # Chained behind its own reduce-scatter, off the training thread (hop stream / hop worker).
-        hopped = tl.issue("replicate", costs[unit].hop, at=scattered) if sync else scattered
-        pending.append(_Reduction(unit, scattered, hopped))
+        hopped.append(tl.issue("replicate", costs[unit].hop, at=scattered) if sync else scattered)
 
     for j, i in enumerate(order):
         if regather:
@@ -268,8 +260,8 @@ def _backward(tl: _Timeline, costs: list[UnitCost], options: TrainOptions, micro
             reduce(i)
     if options.reduces_shards(micro_batch):
         reduce(0)  # the root's gradients: reduced by the end-of-backward callback
-        for r in pending:
-            tl.wait(r.hopped)
+        for end in hopped:
+            tl.wait(end)
 
 
 @dataclass(frozen=True)
