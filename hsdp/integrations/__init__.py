@@ -1,0 +1,10 @@
+"""hsdp inside the training frameworks people already use.
+
+* :mod:`hsdp.integrations.accelerate`: an hsdp model in ``accelerate.Accelerator`` (no DDP wrap;
+  ``save_state``/``load_state`` through hsdp's sharded checkpoints).
+* :mod:`hsdp.integrations.transformers`: ``HSDPTrainer``, a drop-in for ``transformers.Trainer``.
+* :mod:`hsdp.integrations.lightning`: ``HSDPStrategy`` for Lightning's ``Trainer`` and ``Fabric``.
+
+Each module imports its framework on import and is an optional extra (``pip install 'hsdp[hf]'``,
+``'hsdp[lightning]'``); ``import hsdp`` never imports them.
+"""
