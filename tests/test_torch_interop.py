@@ -271,11 +271,45 @@ def _hf_counts(rank: int, world: int) -> dict:
             "hf_trainable": (model.num_parameters(only_trainable=True), plain.num_parameters(only_trainable=True))}
 
 
+def _pickled_on_one_rank(rank: int, world: int, tmp: str) -> dict:
+    """rank 0 torch.saves its state dicts, every rank loads them (the generic framework save paths): the ranks
+    holding other rows refuse with the fix, nothing changes; a rank's own file, or another replica's file of the
+    same shard, loads exactly."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2))
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = batch(0, rank)
+    loss_fn(model(x), y).backward()
+    opt.step()
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{tmp}/rank0.pt")
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{tmp}/own_{rank}.pt")
+    dist.barrier()
+    before = {k: _full(v).clone() for k, v in model.state_dict().items()}
+    from_rank0 = torch.load(f"{tmp}/rank0.pt", weights_only=False)
+    out: dict = {"shard_rank": model.mesh.shard_rank}
+    for what, target in (("model", model), ("optim", opt)):
+        try:
+            target.load_state_dict(from_rank0[what])
+            out[f"{what}_error"] = None
+        except ValueError as e:
+            out[f"{what}_error"] = str(e)
+    out["unchanged"] = _max_diff(model.state_dict(), before)
+    own = torch.load(f"{tmp}/own_{rank}.pt", weights_only=True)  # DTensors load with weights_only too
+    model.load_state_dict(own["model"])
+    opt.load_state_dict(own["optim"])
+    out["own_diff"] = _max_diff(model.state_dict(), before)
+    return out
+
+
 def _all_cases(rank: int, world: int, tmp: str) -> dict:
     return {"clip_2": _clip_training(rank, world, 2.0), "clip_inf": _clip_training(rank, world, math.inf),
             "freeze_diff": _freeze_unfreeze(rank, world), "mixed": _mixed_dtypes(rank, world),
             "wrap": _wrap_forms(rank, world), "zero_dim": _zero_dim(rank, world, f"{tmp}/ckpt"),
-            **_counts_and_state_dicts(rank, world, tmp), **_hf_counts(rank, world)}
+            **_counts_and_state_dicts(rank, world, tmp), **_hf_counts(rank, world),
+            "pickled": _pickled_on_one_rank(rank, world, tmp)}
 
 
 def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None:
@@ -298,4 +332,12 @@ def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None
         assert r["sd_diff"] == 0.0 and r["load_full_diff"] == 0.0 and r["load_sharded_diff"] == 0.0, r
         assert r["saved_shapes"] == (17, 16), r
         assert r["gsd_keys_equal"] and r["gsd_full_plain"] and r["gsd_full_shapes"], r
+        pk = r["pickled"]
+        assert pk["unchanged"] == 0.0 and pk["own_diff"] == 0.0, pk
+        if pk["shard_rank"] == 0:  # rank 0 itself, and rank 2: the same rows in the other replica
+            assert pk["model_error"] is None and pk["optim_error"] is None, pk
+        else:
+            for what in ("model", "optim"):
+                assert "holds the chunk of rank 0" in pk[f"{what}_error"], pk
+                assert "hsdp.save_checkpoint" in pk[f"{what}_error"], pk
         assert r["ssd_model_diff"] == 0.0 and r["ssd_optim_diff"] == 0.0, r

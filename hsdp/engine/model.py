@@ -16,6 +16,7 @@ from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
 from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.runtime.dtensor import as_sharded
+from hsdp.engine.runtime.origin import check_origin, stamp
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.state import HSDPState
 from hsdp.engine.runtime.step_guard import install_unwrapped_step_guard
@@ -242,7 +243,7 @@ class ShardedModel(nn.Module):
         # Mid-step (a unit still unsharded) the slots hold the plain unsharded faces: report the shards.
         for p in self.sharded_params():
             # Not ``detach()``: see [Note: DTensor over a slice of a flat buffer] (torch.save must work).
-            value = p.sharded if keep_vars else p.to_dtensor(p.sharded_local.detach())
+            value = stamp(p.sharded if keep_vars else p.to_dtensor(p.sharded_local.detach()))
             for slot in p.slots:
                 if prefix + slot.fqn in sd:
                     sd[prefix + slot.fqn] = value
@@ -288,6 +289,7 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], pre
             for slot in p.slots:
                 key = prefix + slot.fqn
                 if key in state_dict:
+                    check_origin(state_dict[key], p.device_mesh, f"parameter {key!r}")  # see [Note: pickled chunks]
                     state_dict[key] = as_sharded(state_dict[key], p.layout, p.device_mesh)
 
 

@@ -18,6 +18,7 @@ from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
+from hsdp.engine.runtime.origin import check_origin, stamp
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.step_guard import refusal
 
@@ -141,8 +142,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         by_param = _sharded_by_param(self._hsdp_model)
         params = self._index_params()
         fqn = [by_param[id(p)].fqn for p in params]
-        # Per-parameter state is already DTensor (built like the DTensor parameters): only rename.
-        state = {fqn[idx]: dict(entries) for idx, entries in raw["state"].items()}
+        # Per-parameter state is already DTensor (built like the DTensor parameters): only rename, and stamp
+        # each chunk with its rank's coordinates (see [Note: pickled chunks] in runtime/origin.py).
+        state = {fqn[idx]: {k: stamp(v) for k, v in entries.items()} for idx, entries in raw["state"].items()}
         groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in raw["param_groups"]]
         out = {"state": state, "param_groups": groups}
         hop_state = hop_state_dict(self._hsdp_model.units, self._hsdp_model.mesh)
@@ -180,6 +182,7 @@ def _evaluate(closure: Any) -> Any:
 
 def _as_state(optimizer: ShardedOptimizer, sp: ShardedParam, key: str, value: Any) -> Any:
     """One loaded state entry in the layout this optimizer keeps (the chunk, or the replica slice)."""
+    check_origin(value, sp.device_mesh, f"optimizer state {key!r} of {sp.fqn!r}")
     if sp.slice is not None:
         return as_slice_state(value, sp.layout, sp.slice, sp.device_mesh)
     replicated = state_is_replicated(key, len(sp.layout.global_shape)) and isinstance(optimizer, torch.optim.Adafactor)

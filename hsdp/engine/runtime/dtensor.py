@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.origin import stamp
 from hsdp.engine.runtime.replica_slice import SliceLayout
 
 PLACEMENTS = (Replicate(), Shard(0))
@@ -49,7 +50,7 @@ def sharded_parameter(local: torch.Tensor, device_mesh: DeviceMesh, global_shape
     # nn.Parameter(subclass) detaches (a new wrapper): swap the local tensor in after, not before.
     param = _with_local(nn.Parameter(dtensor, requires_grad=requires_grad), local)
     param._hsdp_sharded = True  # lets a plain optimizer that would mis-step it be refused (optim/sharded_optimizer.py)
-    return param
+    return stamp(param)  # a pickled parameter names its rank's chunk (see origin.py)
 
 
 # [Note: DTensor over a slice of a flat buffer]
