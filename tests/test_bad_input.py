@@ -59,6 +59,8 @@ def _bad_inputs(rank: int, world: int) -> dict[str, str]:
         "not elementwise": lambda: hsdp.ShardedOptimizer(wrapped, torch.optim.LBFGS(wrapped.parameters())),
         "foreign optimizer": lambda: hsdp.ShardedOptimizer(wrapped, torch.optim.SGD(nn.Linear(2, 2).parameters())),
         "plain model": lambda: hsdp.ShardedOptimizer(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters())),
+        "string hop": lambda: hsdp.ShardedModel(nn.Linear(2, 2), mesh=mesh, replica_hop="int8"),
+        "dtype as precision": lambda: hsdp.ShardedModel(nn.Linear(2, 2), mesh=mesh, mixed_precision=torch.bfloat16),
     }
     fixes = {
         "degree too big": "use at most 2", "degree < 1": "below 1",
@@ -67,6 +69,7 @@ def _bad_inputs(rank: int, world: int) -> dict[str, str]:
         "wrong dim names": "mesh_dim_names=('replicate', 'shard')", "wrapped twice": "wrap each model once",
         "degree vs mesh": "pass only one", "not elementwise": "element-wise",
         "foreign optimizer": "model.parameters() after wrapping", "plain model": "wrap the model with ShardedModel",
+        "string hop": "replica_hop=hsdp.Int8ErrorFeedbackHop()", "dtype as precision": "hsdp.MixedPrecision(",
     }
     out = {name: _expect(fn, fixes[name]) for name, fn in checks.items()}
     # After all those errors, the ranks still agree on the next collective: nothing was left half-issued.

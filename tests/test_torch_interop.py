@@ -149,6 +149,39 @@ class ScaledNet(ParityNet):
         return super().forward(ids) * self.logit_scale.exp()
 
 
+class TitanNet(ParityNet):
+    """torchtitan's layout: the blocks in an ``nn.ModuleDict`` keyed "0", "1", ..."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): Block() for i in range(3)})  # type: ignore[assignment]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks.values():
+            x = block(x)
+        x = self.twice(torch.tanh(self.twice(self.frozen(x))))
+        return self.head(self.norm(x) * self.scale)
+
+
+def _default_units(rank: int, world: int) -> dict:
+    """A ModuleDict of blocks is a repeated stack (each block a unit, training equal to one process); a sizeable
+    model whose default leaves one unit holding most parameters warns, naming wrap=."""
+    import warnings
+
+    ref, model, _ = _train_pair(rank, world, TitanNet)
+    out: dict = {"titan_units": [u.key for u in model.units], "titan_diff": _param_diff(ref, model)}
+    mesh = hsdp.init_mesh(2)
+    big = (lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512)),  # no stack: warns
+           lambda: Parent(nn.ModuleDict({str(i): nn.Linear(512, 512) for i in range(4)})))  # 4 units of 25%
+    for name, make, wrap in (("unstacked", big[0], None), ("wrapped", big[0], nn.Linear), ("stacked", big[1], None)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hsdp.ShardedModel(make(), mesh=mesh, wrap=wrap)
+        out[name] = [str(w.message) for w in caught if "default units" in str(w.message)]
+    return out
+
+
 def _zero_dim(rank: int, world: int, tmp: str) -> dict:
     """0-d parameters train like the plain model (clipped by torch's util and hsdp's, alternately) and
     survive a checkpoint."""
@@ -309,7 +342,7 @@ def _all_cases(rank: int, world: int, tmp: str) -> dict:
             "freeze_diff": _freeze_unfreeze(rank, world), "mixed": _mixed_dtypes(rank, world),
             "wrap": _wrap_forms(rank, world), "zero_dim": _zero_dim(rank, world, f"{tmp}/ckpt"),
             **_counts_and_state_dicts(rank, world, tmp), **_hf_counts(rank, world),
-            "pickled": _pickled_on_one_rank(rank, world, tmp)}
+            "pickled": _pickled_on_one_rank(rank, world, tmp), "units": _default_units(rank, world)}
 
 
 def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None:
@@ -332,6 +365,10 @@ def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None
         assert r["sd_diff"] == 0.0 and r["load_full_diff"] == 0.0 and r["load_sharded_diff"] == 0.0, r
         assert r["saved_shapes"] == (17, 16), r
         assert r["gsd_keys_equal"] and r["gsd_full_plain"] and r["gsd_full_shapes"], r
+        u = r["units"]
+        assert u["titan_units"] == ["", "blocks.0", "blocks.1", "blocks.2"] and u["titan_diff"] < 1e-5, u
+        assert len(u["unstacked"]) == 1 and "100% of the parameters" in u["unstacked"][0], u
+        assert "wrap=" in u["unstacked"][0] and u["wrapped"] == [] and u["stacked"] == [], u
         pk = r["pickled"]
         assert pk["unchanged"] == 0.0 and pk["own_diff"] == 0.0, pk
         if pk["shard_rank"] == 0:  # rank 0 itself, and rank 2: the same rows in the other replica

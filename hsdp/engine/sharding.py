@@ -17,6 +17,7 @@ are moved whole. Meta parameters and buffers stay on meta (``hsdp.materialize`` 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,7 +36,7 @@ from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.state import HSDPState
 from hsdp.engine.runtime.unit import ShardUnit
 from hsdp.engine.tensor_parallel import check_tp_params, tp_split
-from hsdp.engine.wrap import ParamAssignment, WrapPolicy, assign_params, select_unit_modules
+from hsdp.engine.wrap import ParamAssignment, WrapPolicy, assign_params, dominant_unit_warning, select_unit_modules
 
 
 def _nested_roots(module: nn.Module) -> list[nn.Module]:
@@ -111,6 +112,9 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
             raise ValueError("nested ShardedModels must share one HSDPMesh: pass mesh= to every wrap")
     unit_modules = select_unit_modules(module, wrap, exclude=nested)
     assignments = assign_params(module, unit_modules, skip=nested)
+    dominant = dominant_unit_warning(module, wrap, assignments)
+    if dominant is not None:
+        warnings.warn(dominant, stacklevel=3)
     by_owner: dict[int, list[ParamAssignment]] = {id(m): [] for m in unit_modules}
     for a in assignments:
         by_owner[id(a.owner)].append(a)

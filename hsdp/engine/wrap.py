@@ -1,8 +1,10 @@
 """Which modules become units, and which unit owns each parameter.
 
-Default: the blocks of every outermost repeated stack (an ``nn.ModuleList`` or ``nn.Sequential`` of two or
-more children of one type, e.g. the transformer blocks) are units; everything else belongs to the root
-unit. A parameter registered in several modules (a tied embedding and LM head) belongs to the deepest unit
+Default: the blocks of every outermost repeated stack (an ``nn.ModuleList``, ``nn.Sequential`` or
+``nn.ModuleDict`` of two or more children of one type, e.g. the transformer blocks; torchtitan keeps its
+layers in a ``ModuleDict``) are units; everything else belongs to the root unit. When the default leaves one
+unit holding most of a sizeable model (no stack found: the whole model gathered at once, no memory saved),
+:func:`dominant_unit_warning` says so, naming ``wrap=``. A parameter registered in several modules (a tied embedding and LM head) belongs to the deepest unit
 that contains all of its registrations, so it is gathered once and is live wherever it is used.
 """
 
@@ -20,7 +22,7 @@ WrapPolicy = (Callable[[nn.Module], bool] | type[nn.Module] | str
 
 
 def _is_repeated_stack(module: nn.Module) -> bool:
-    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+    if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
         return False
     children = list(module.children())
     return len(children) >= 2 and len({type(c) for c in children}) == 1
@@ -87,6 +89,44 @@ def select_unit_modules(root: nn.Module, wrap: WrapPolicy, exclude: Iterable[nn.
         if id(m) not in excluded and not _inside_any(root, m, excluded):
             out.append(m)
     return out
+
+
+# Below this many parameters a single unit costs little memory, and tiny models (embeddings larger than their
+# blocks) would warn for nothing.
+_DOMINANT_MIN_PARAMS = 1_000_000
+_DOMINANT_SHARE = 0.5
+
+
+def dominant_unit_warning(root: nn.Module, wrap: WrapPolicy, assignments: list[ParamAssignment]) -> str | None:
+    """With the default policy (``wrap=None``), a message when one unit owns more than half of a model of at
+    least a million parameters: that unit is all-gathered whole, so per-rank memory at its peak is not cut by
+    the shard degree. ``None`` otherwise (an explicit ``wrap`` is the user's choice)."""
+    if wrap is not None:
+        return None
+    sizes: dict[int, int] = {}
+    for a in assignments:
+        sizes[id(a.owner)] = sizes.get(id(a.owner), 0) + a.param.numel()
+    total = sum(sizes.values())
+    if total < _DOMINANT_MIN_PARAMS:
+        return None
+    owner_id, biggest = max(sizes.items(), key=lambda kv: kv[1])
+    if biggest <= _DOMINANT_SHARE * total:
+        return None
+    name = next((n or type(root).__name__ + " (the root)" for n, m in root.named_modules() if id(m) == owner_id), "?")
+    return (f"hsdp's default units leave {biggest / total:.0%} of the parameters in one unit, {name}: it is "
+            f"all-gathered whole, so sharding saves little memory there. No repeated stack of blocks (ModuleList, "
+            f"Sequential or ModuleDict of one module type) was found; pass wrap= with the block class"
+            f"{_candidates(root, total)}")
+
+
+def _candidates(root: nn.Module, total: int) -> str:
+    """Module classes that repeat and hold a fair share of the parameters: likely blocks, for the message."""
+    counts: dict[str, int] = {}
+    for m in root.modules():
+        if m is not root and sum(p.numel() for p in m.parameters()) >= total / 64:
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    names = sorted(n for n, c in counts.items() if c >= 2)[:4]
+    return f", e.g. wrap={names!r}" if names else ""
 
 
 def _inside_any(root: nn.Module, target: nn.Module, excluded: set[int]) -> bool:
