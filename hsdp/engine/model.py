@@ -295,7 +295,8 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], pre
 
 
 _HOPS_BY_NAME = {"bf16": "hsdp.AllReduceHop(torch.bfloat16)", "bfloat16": "hsdp.AllReduceHop(torch.bfloat16)",
-                 "int8": "hsdp.Int8ErrorFeedbackHop()", "fp32": "hsdp.AllReduceHop()", "allreduce": "hsdp.AllReduceHop()"}
+                 "int8": "hsdp.Int8ErrorFeedbackHop()", "fp32": "hsdp.AllReduceHop()",
+                 "allreduce": "hsdp.AllReduceHop()"}
 
 
 def _check_policies(mixed_precision: Any, replica_hop: Any) -> None:

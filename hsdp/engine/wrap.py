@@ -4,8 +4,10 @@ Default: the blocks of every outermost repeated stack (an ``nn.ModuleList``, ``n
 ``nn.ModuleDict`` of two or more children of one type, e.g. the transformer blocks; torchtitan keeps its
 layers in a ``ModuleDict``) are units; everything else belongs to the root unit. When the default leaves one
 unit holding most of a sizeable model (no stack found: the whole model gathered at once, no memory saved),
-:func:`dominant_unit_warning` says so, naming ``wrap=``. A parameter registered in several modules (a tied embedding and LM head) belongs to the deepest unit
-that contains all of its registrations, so it is gathered once and is live wherever it is used.
+:func:`dominant_unit_warning` says so, naming ``wrap=``.
+
+A parameter registered in several modules (a tied embedding and LM head) belongs to the deepest unit that
+contains all of its registrations, so it is gathered once and is live wherever it is used.
 """
 
 from __future__ import annotations
