@@ -65,7 +65,7 @@ def test_overrides_are_typed_and_applied_in_order() -> None:
     (["foo.x=1"], r"unknown section 'foo'"),
     (["steps=3"], r"write section\.field=value"),
     (["model.preset=huge"], r"model\.preset = 'huge': choose one of .*'tiny'"),
-    (["data.tokenizer=bpe"], r"data\.tokenizer = 'bpe': choose one of \['byte', 'char'\]"),
+    (["data.tokenizer=bpe"], r"data\.tokenizer = 'bpe': choose one of \['auto', 'byte', 'char'\]"),
     (["optim.min_lr=1.0"], r"optim\.min_lr = 1\.0: must not exceed optim\.lr"),
     (["train.stop_after=500"], r"train\.stop_after = 500: exceeds train\.steps"),
     (["parallel.replica_hop=fp8"], r"parallel\.replica_hop = 'fp8'"),

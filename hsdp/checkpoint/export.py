@@ -49,6 +49,7 @@ from hsdp.checkpoint.resolve import Candidate, candidates
 TIED_KEY = "hsdp.tied"
 HF_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
+HF_SINGLE = "model.safetensors"  # from_pretrained reads it before an index: it would shadow an export
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's customary 5GB: every shard stays under the Hub's file limit
 _HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
@@ -108,9 +109,11 @@ def write_hf_folder(weights: Weights, out_dir: str | os.PathLike, config: dict, 
     ``model-0000i-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` each (a larger tensor gets
     a shard of its own) and ``model.safetensors.index.json``; returns the files written. Tied aliases are
     left out (``from_pretrained`` re-ties them). ``out_dir`` and its parents are created; a previous
-    export's shards there are replaced. Each file appears atomically, the index last."""
+    export's shards there are replaced; a ``model.safetensors`` there is refused (see :func:`check_hf_out_dir`).
+    Each file appears atomically, the index last."""
     out_dir = os.fspath(out_dir)
     prepare_out_dir(out_dir)
+    check_hf_out_dir(out_dir)
     stored = {name: t for name, t in weights.tensors.items() if name not in weights.tied}
     shards = _shards(stored, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -161,6 +164,14 @@ def prepare_out_dir(path: str) -> None:
         raise ValueError(f"cannot create output directory {path}: {e.strerror or e}") from None
     if not os.access(path, os.W_OK):
         raise ValueError(f"output directory {path} is not writable: pick another --to")
+
+
+def check_hf_out_dir(path: str) -> None:
+    """``ValueError`` when the folder ``path`` holds a ``model.safetensors``: ``from_pretrained`` would load it
+    instead of the sharded export beside it (e.g. exporting into a copy of the original model folder)."""
+    if os.path.isfile(os.path.join(path, HF_SINGLE)):
+        raise ValueError(f"output directory {path} holds {HF_SINGLE}, which from_pretrained would load instead of "
+                         f"this export: remove it, or pick another --to")
 
 
 def _save_atomically(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:

@@ -26,6 +26,7 @@ examples:
   hsdp train --steps 50 --profile              a short run with a profiler trace
   hsdp train run.toml train.batch_size=16      a config file, then overrides (section.field=value)
   hsdp train --resume                          continue runs/train from its last checkpoint
+  hsdp train model.kind=hf model.path=DIR      a local Hugging Face causal LM folder, with its tokenizer
   torchrun --nnodes 2 --nproc-per-node 8 ... -m hsdp.apps.train run.toml     on a real cluster
 
 Every field and its default: hsdp train --print-config
@@ -70,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="run directory (train.out_dir)")
     p.add_argument("--steps", type=int, help="training steps (train.steps)")
     p.add_argument("--preset", help="model shape (model.preset): tiny, small, bench, gpt2-124m, ..., gpt-1b")
-    p.add_argument("--data", metavar="SOURCE", help="text file, folder, .jsonl or datasets dir (data.source)")
+    p.add_argument("--data", metavar="SOURCE",
+                   help="text file, folder, .jsonl, .parquet (file or folder) or datasets dir (data.source)")
     p.add_argument("--nodes", type=int, help="emulated nodes when starting the ranks itself (parallel.nodes)")
     p.add_argument("--nproc-per-node", type=int, help="ranks per node (parallel.nproc_per_node)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
@@ -151,6 +153,16 @@ def tp_layout_problem(per_node: int, degree: int, tp: int) -> str | None:
     return None
 
 
+def input_problem(config: RunConfig) -> str | None:
+    """Why the data source or the model cannot be read (a missing path, a folder without matching files, a
+    model folder without config.json or tokenizer, a missing package), naming the fix: checked before
+    spawning the ranks, which would each fail alike under a wall of tracebacks."""
+    from hsdp.apps.train.lm import LANGUAGE_MODELS
+    from hsdp.apps.train.sources import source_problem
+
+    return source_problem(config.data) or LANGUAGE_MODELS[config.model.kind].problem(config.model)
+
+
 def run_rank(config: RunConfig, report: Report | None = None) -> int:
     """Run the job as this rank, ending with ``report`` (default: ``hsdp train``'s); 2 (after one message
     from rank 0) when the run may not start, 143 when a SIGTERM stopped it after a checkpoint."""
@@ -181,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_config(path, overrides)
         # Under torchrun each rank checks its run directory itself (and --resume may start fresh there).
         problem = wandb_problem(config) if under_torchrun() else (
-            start_problem(config) or resume_problem(config) or layout_problem(config) or wandb_problem(config))
+            start_problem(config) or resume_problem(config) or layout_problem(config) or wandb_problem(config)
+            or input_problem(config))
     except ValueError as e:
         return _error(str(e))
     if args.print_config:

@@ -9,14 +9,16 @@ command line (``train.steps = 0: must be at least 1``) and how to fix it. Readin
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from hsdp.models import GPTConfig
 
-TOKENIZERS = ("byte", "char")
-DATA_FORMATS = ("auto", "text", "jsonl", "dataset")
+TOKENIZERS = ("auto", "byte", "char")
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "dataset")
+HF_FOLDER_KIND = "hf"  # model.kind whose model, tokenizer and vocabulary come from the folder model.path
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("online", "offline")
 DEFAULT_OUT_DIR = "runs/train"
@@ -41,16 +43,22 @@ def _one_of(section: str, name: str, value: Any, choices: tuple[str, ...]) -> No
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What to train. ``preset`` names a shape of :data:`hsdp.models.PRESETS` (``tiny`` ... ``gpt-1b``);
-    its vocabulary is replaced by the tokenizer's. ``kind``: ``gpt`` (hsdp's own GPT) or ``hf-gpt2``
-    (Hugging Face ``GPT2LMHeadModel`` of the same shape, random weights; needs the ``hf`` extra).
-    ``block_size`` 0 keeps the preset's context length; ``dropout`` applies to both kinds."""
+    """What to train. ``kind``: ``gpt`` (hsdp's own GPT), ``hf-gpt2`` (Hugging Face ``GPT2LMHeadModel`` of the
+    preset's shape, random weights; needs the ``hf`` extra) or ``hf`` (any local Hugging Face causal-LM folder
+    ``path``: its ``config.json``, its weights when it holds ``model.safetensors`` or an index, else random
+    weights from its initialiser, and its own tokenizer; needs the ``hf`` extra). ``preset`` names a shape of
+    :data:`hsdp.models.PRESETS` (``tiny`` ... ``gpt-1b``) for ``gpt`` and ``hf-gpt2``, whose vocabulary is
+    replaced by the tokenizer's; ``hf`` ignores it. ``block_size`` 0 keeps the preset's context length (for
+    ``hf``: the folder's ``max_position_embeddings``, at most 1024). ``dropout`` applies to ``gpt`` and
+    ``hf-gpt2``; an ``hf`` folder keeps the dropout of its ``config.json``. ``path`` is made absolute, so the
+    saved configuration (resume, ``hsdp export``) finds the folder from any directory."""
 
     SECTION: ClassVar[str] = "model"
     preset: str = "tiny"
     kind: str = "gpt"
     block_size: int = 0
     dropout: float = 0.0
+    path: str = ""
 
     def __post_init__(self) -> None:
         # Deferred: both import torch, and configs load without it (`hsdp train --help` stays fast).
@@ -62,6 +70,21 @@ class ModelConfig:
         _at_least(self.SECTION, self, ("block_size",), 0)
         if not 0.0 <= self.dropout < 1.0:
             _fail(self.SECTION, "dropout", self.dropout, "must lie in [0, 1)")
+        self._check_path()
+
+    def _check_path(self) -> None:
+        if self.kind != HF_FOLDER_KIND:
+            if self.path:
+                _fail(self.SECTION, "path", self.path, f"is read only with model.kind = {HF_FOLDER_KIND!r}: set "
+                                                       f"model.kind = {HF_FOLDER_KIND!r}, or drop model.path")
+            return
+        if not self.path:
+            _fail(self.SECTION, "path", self.path, "model.kind = 'hf' trains a local Hugging Face model folder: "
+                                                   "set model.path = DIR (with config.json and a tokenizer)")
+        if self.dropout:
+            _fail(self.SECTION, "dropout", self.dropout, "model.kind = 'hf' keeps the dropout of the folder's "
+                                                         "config.json: set it there, and model.dropout = 0")
+        object.__setattr__(self, "path", os.path.abspath(os.path.expanduser(self.path)))
 
     def shape(self, vocab_size: int) -> GPTConfig:
         """The preset's shape with the tokenizer's vocabulary and the configured context and dropout."""
@@ -76,14 +99,18 @@ class ModelConfig:
 class DataConfig:
     """Where the text comes from. ``source``: ``stdlib`` (the Python standard library's sources, present on
     every machine), a text file, a folder (every file whose name ends in one of ``extensions``, sorted), a
-    ``.jsonl`` file with a ``text_field`` per line, or a ``datasets`` directory (``save_to_disk``; needs
-    the ``datasets`` package). ``format`` ``auto`` tells these apart by the path. The first ``max_bytes``
-    bytes are used; the last ``eval_fraction`` of the tokens is held out for evaluation."""
+    ``.jsonl`` file with a ``text_field`` per line, a ``.parquet`` file or a folder of them (column
+    ``text_field``; needs ``pyarrow``), or a ``datasets`` directory (``save_to_disk``; needs the ``datasets``
+    package). ``format`` ``auto`` tells these apart by the path (a folder holding ``.parquet`` files is
+    parquet). The first ``max_bytes`` bytes of text are used; the last ``eval_fraction`` of the tokens is held
+    out for evaluation. ``tokenizer``: ``auto`` is the model folder's own for ``model.kind = "hf"`` (each
+    document, i.e. file or record, ends with its end-of-text token) and bytes otherwise; ``byte`` (vocabulary
+    256) or ``char`` (the corpus's distinct characters) for the other kinds."""
 
     SECTION: ClassVar[str] = "data"
     source: str = STDLIB
     format: str = "auto"
-    tokenizer: str = "byte"
+    tokenizer: str = "auto"
     max_bytes: int = 2_000_000
     eval_fraction: float = 0.05
     text_field: str = "text"
@@ -252,6 +279,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train.stop_after > self.train.steps:
             _fail("train", "stop_after", self.train.stop_after, f"exceeds train.steps = {self.train.steps}")
+        if self.model.kind == HF_FOLDER_KIND and self.data.tokenizer != "auto":
+            _fail("data", "tokenizer", self.data.tokenizer, "model.kind = 'hf' trains with the model folder's own "
+                                                            "tokenizer: set data.tokenizer = 'auto'")
         if self.parallel.tensor_parallel > 1:
             self._check_tensor_parallel_model()
 

@@ -1,16 +1,16 @@
-"""The text ``hsdp train`` learns from, and its tokenizer.
+"""The tokens ``hsdp train`` learns from, and their tokenizer.
 
-Sources (see :class:`~hsdp.apps.train.config.DataConfig`): the Python standard library's sources (the default:
-every machine has them), a text file, a folder of text files, a ``.jsonl`` file with one record per line,
-or a Hugging Face ``datasets`` directory written by ``save_to_disk``. Tokenizers: bytes (vocabulary 256,
-any text) or characters (the distinct characters of the corpus; smaller vocabulary, longer context per
-token for non-ASCII text). Every rank reads the same corpus the same way, so all agree on the vocabulary.
+The documents come from :mod:`hsdp.apps.train.sources` (the Python standard library's sources by default, a
+text file or folder, a ``.jsonl`` file, parquet, or a ``datasets`` directory). Tokenizers: bytes (vocabulary
+256, any text), characters (the distinct characters of the corpus; smaller vocabulary, longer context per
+token for non-ASCII text), or a model's own (``model.kind = "hf"``: the folder's Hugging Face tokenizer,
+each document followed by its end-of-text token). Every rank reads the same corpus the same way, so all agree
+on the vocabulary. The tokens form one stream that :class:`hsdp.data.text.TokenStream` cuts into
+fixed-length windows (packing: a window may span documents, as the end-of-text tokens mark).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,9 +18,12 @@ import numpy as np
 import torch
 
 from hsdp.apps.train.config import STDLIB, DataConfig
-from hsdp.data.text import ByteTokenizer, as_tokens, default_corpus_bytes, split_tokens
+from hsdp.apps.train.sources import detect_format, documents, is_records, within_budget
+from hsdp.data.text import ByteTokenizer, as_tokens, split_tokens
 
-_DATASET_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+__all__ = ["CharTokenizer", "Corpus", "DocumentTokenizer", "Tokenizer", "char_tokens", "detect_format",
+           "load_corpus", "read_corpus_bytes"]
+
 _RECORD_SEPARATOR = b"\n\n"
 
 
@@ -30,6 +33,15 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Any) -> str: ...
+
+
+class DocumentTokenizer(Tokenizer, Protocol):
+    """A model's own tokenizer: ``encode_documents`` gives the ids of every document, each followed by the
+    end-of-text token when the tokenizer has one; ``name`` describes it."""
+
+    name: str
+
+    def encode_documents(self, texts: list[str]) -> list[int]: ...
 
 
 class CharTokenizer:
@@ -61,91 +73,10 @@ class Corpus:
     description: str
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reading the raw bytes.
-# ---------------------------------------------------------------------------------------------------------
-def detect_format(cfg: DataConfig) -> str:
-    """``text``, ``jsonl`` or ``dataset`` for ``cfg.source`` (``stdlib`` is text)."""
-    if cfg.format != "auto" or cfg.source == STDLIB:
-        return "text" if cfg.format == "auto" else cfg.format
-    if os.path.isdir(cfg.source) and any(os.path.exists(os.path.join(cfg.source, m)) for m in _DATASET_MARKERS):
-        return "dataset"
-    return "jsonl" if cfg.source.endswith((".jsonl", ".ndjson")) else "text"
-
-
-def _text_files(folder: str, extensions: tuple[str, ...]) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out += [os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(extensions)]
-    return out
-
-
-def _read_text(cfg: DataConfig) -> bytes:
-    if cfg.source == STDLIB:
-        return default_corpus_bytes(cfg.max_bytes)
-    paths = _text_files(cfg.source, cfg.extensions) if os.path.isdir(cfg.source) else [cfg.source]
-    if not paths:
-        raise ValueError(f"data.source = {cfg.source!r} holds no file ending in {list(cfg.extensions)}: "
-                         f"set data.extensions")
-    chunks, total = [], 0
-    for path in paths:
-        with open(path, "rb") as f:
-            chunks.append(f.read(cfg.max_bytes - total))
-        total += len(chunks[-1])
-        if total >= cfg.max_bytes:
-            break
-    return b"".join(chunks)
-
-
-def _join_records(texts: Any, cfg: DataConfig) -> bytes:
-    chunks, total = [], 0
-    for text in texts:
-        data = str(text).encode("utf-8") + _RECORD_SEPARATOR
-        chunks.append(data)
-        total += len(data)
-        if total >= cfg.max_bytes:
-            break
-    return b"".join(chunks)[: cfg.max_bytes]
-
-
-def _jsonl_texts(cfg: DataConfig) -> Any:
-    with open(cfg.source, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or cfg.text_field not in record:
-                raise ValueError(f"{cfg.source}:{number} has no field {cfg.text_field!r}: set data.text_field")
-            yield record[cfg.text_field]
-
-
-def _dataset_texts(cfg: DataConfig) -> Any:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"data.source = {cfg.source!r} is a `datasets` directory but the `datasets` package "
-                         f"is not installed: pip install datasets") from None
-    loaded = datasets.load_from_disk(cfg.source)
-    if isinstance(loaded, datasets.DatasetDict):
-        loaded = loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
-    if cfg.text_field not in loaded.column_names:
-        raise ValueError(f"the dataset at {cfg.source!r} has columns {loaded.column_names}, not "
-                         f"{cfg.text_field!r}: set data.text_field")
-    return (row[cfg.text_field] for row in loaded)
-
-
 def read_corpus_bytes(cfg: DataConfig) -> bytes:
-    """The first ``cfg.max_bytes`` bytes of the source (records joined by a blank line)."""
-    if not os.path.exists(cfg.source) and cfg.source != STDLIB:
-        raise ValueError(f"data.source = {cfg.source!r} does not exist: name a text file or folder, or 'stdlib'")
-    kind = detect_format(cfg)
-    if kind == "jsonl":
-        data = _join_records(_jsonl_texts(cfg), cfg)
-    elif kind == "dataset":
-        data = _join_records(_dataset_texts(cfg), cfg)
-    else:
-        data = _read_text(cfg)
+    """The first ``cfg.max_bytes`` bytes of the source (files concatenated, records joined by a blank line)."""
+    separator = _RECORD_SEPARATOR if is_records(cfg) else b""
+    data = b"".join(within_budget(documents(cfg), cfg.max_bytes, separator))
     if not data:
         raise ValueError(f"data.source = {cfg.source!r} holds no text")
     return data
@@ -162,16 +93,32 @@ def char_tokens(text: str) -> tuple[CharTokenizer, torch.Tensor]:
     return CharTokenizer("".join(map(chr, vocab.tolist()))), torch.from_numpy(ids)
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read, tokenize and split the configured source."""
-    data = read_corpus_bytes(cfg)
-    tokenizer: Tokenizer
-    if cfg.tokenizer == "char":
-        tokenizer, tokens = char_tokens(data.decode("utf-8", errors="replace"))
+def _model_tokens(cfg: DataConfig, tokenizer: DocumentTokenizer) -> tuple[int, torch.Tensor]:
+    """``(bytes read, ids)``: the first ``cfg.max_bytes`` bytes of documents, each encoded on its own."""
+    docs = within_budget(documents(cfg), cfg.max_bytes)
+    texts = [d.decode("utf-8", errors="replace") for d in docs]  # the last one may be cut inside a character
+    ids = tokenizer.encode_documents([t for t in texts if t])
+    return sum(map(len, docs)), torch.tensor(ids, dtype=torch.int32)
+
+
+def load_corpus(cfg: DataConfig, tokenizer: DocumentTokenizer | None = None) -> Corpus:
+    """Read, tokenize and split the configured source: with ``tokenizer`` (a model's own) each document is
+    encoded with it, else with ``cfg.tokenizer`` (``auto``: bytes)."""
+    chosen: Tokenizer
+    if tokenizer is not None:
+        size, tokens = _model_tokens(cfg, tokenizer)
+        chosen, kind = tokenizer, tokenizer.name
     else:
-        tokenizer, tokens = ByteTokenizer(), as_tokens(data)
+        data = read_corpus_bytes(cfg)
+        size, kind = len(data), "char" if cfg.tokenizer == "char" else "byte"
+        if kind == "char":
+            chosen, tokens = char_tokens(data.decode("utf-8", errors="replace"))
+        else:
+            chosen, tokens = ByteTokenizer(), as_tokens(data)
+    if not len(tokens):
+        raise ValueError(f"data.source = {cfg.source!r} holds no text")
     train, held_out = split_tokens(tokens, cfg.eval_fraction)
     name = "Python standard library sources" if cfg.source == STDLIB else cfg.source
-    description = (f"{name}: {len(data) / 1e6:.2f} MB, {len(tokens):,} {cfg.tokenizer} tokens "
-                   f"(vocabulary {tokenizer.vocab_size})")
-    return Corpus(train, held_out, tokenizer, description)
+    counted = f"{len(tokens):,} {kind} tokens (" if tokenizer is None else f"{len(tokens):,} tokens ({kind}, "
+    description = f"{name}: {size / 1e6:.2f} MB, {counted}vocabulary {chosen.vocab_size})"
+    return Corpus(train, held_out, chosen, description)

@@ -1,38 +1,68 @@
-"""The language models ``hsdp train`` builds, one adapter per ``model.kind``: build, wrap, logits, loss.
+"""The language models ``hsdp train`` builds, one adapter per ``model.kind``: check, tokenizer, shape, build,
+initialise, wrap, logits, loss.
 
 ``gpt``: :class:`hsdp.models.GPT` (``forward(idx, targets) -> (logits, loss)``). ``hf-gpt2``: a Hugging
 Face ``GPT2LMHeadModel`` of the same shape with random weights (built from a config, nothing is
-downloaded; its tied ``wte``/``lm_head`` matrix stays one parameter under hsdp). Both see the same
-``(x, y)`` batches, ``y`` being ``x`` shifted by one token, and the same loss: mean cross entropy.
+downloaded; its tied ``wte``/``lm_head`` matrix stays one parameter under hsdp). ``hf``: any local Hugging
+Face causal-LM folder (``model.path``) with its own tokenizer and, when it has them, its weights
+(:mod:`hsdp.apps.train.hf_folder`): built on the meta device and given its weights after wrapping. All see
+the same ``(x, y)`` batches, ``y`` being ``x`` shifted by one token, and the same loss: mean cross entropy.
 The kind is looked up once in :data:`LANGUAGE_MODELS`; nothing else in the job dispatches on it, including
 whether it can be tensor-parallel (``parallel.tensor_parallel``): ``gpt`` has :func:`hsdp.tp_plans.gpt_plan`,
-``hf-gpt2`` has no plan and is refused before any rank starts.
+``hf-gpt2`` and ``hf`` have no plan here and are refused before any rank starts.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import functional as F
 
+from hsdp.apps.train import hf_folder
 from hsdp.engine.wrap import WrapPolicy
 from hsdp.models import GPT, GPTConfig, generate
 from hsdp.models.tp_plans import check_gpt_divisible, gpt_plan
 
+if TYPE_CHECKING:
+    from hsdp.apps.train.config import ModelConfig
+    from hsdp.apps.train.corpus import DocumentTokenizer
+    from hsdp.engine.model import ShardedModel
+
 
 class LanguageModel(Protocol):
-    """How the job builds, wraps and runs one kind of model. Every kind takes a GPT shape (the preset's,
-    with the tokenizer's vocabulary) and maps token ids to logits and a next-token loss."""
+    """How the job builds, wraps and runs one kind of model. A kind turns the model section (and the
+    tokenizer's vocabulary) into a shape that has a ``block_size`` (the built-in kinds: the preset's GPT
+    shape), builds it, initialises it after wrapping, and maps token ids to logits and a next-token loss."""
 
     # ShardedModel's units; None: the engine's default, one unit per block of the repeated stack.
     wrap: WrapPolicy
 
-    def build(self, shape: GPTConfig) -> nn.Module:
-        """A freshly initialised model of ``shape`` (from torch's global generator)."""
+    def problem(self, model: ModelConfig) -> str | None:
+        """Why ``model`` cannot be built here (a missing package, a bad folder), naming the fix; ``None`` when
+        it can. Checked before any rank starts; no process group."""
+        ...
+
+    def tokenizer(self, model: ModelConfig) -> DocumentTokenizer | None:
+        """The model's own tokenizer, or ``None`` to use ``data.tokenizer``'s."""
+        ...
+
+    def shape(self, model: ModelConfig, vocab_size: int) -> Any:
+        """What :meth:`build` builds, with a ``block_size`` (the context) and the vocabulary ``vocab_size``."""
+        ...
+
+    def build(self, shape: Any) -> nn.Module:
+        """A model of ``shape``: freshly initialised (from torch's global generator), or with its parameters
+        on the meta device, which :meth:`initialize` fills."""
+        ...
+
+    def initialize(self, model: ShardedModel, shape: Any) -> None:
+        """Give the wrapped model its weights when :meth:`build` left them on the meta device; every rank calls
+        it, with the same generator state."""
         ...
 
     def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
@@ -54,7 +84,23 @@ class LanguageModel(Protocol):
         ...
 
 
-class HsdpGPT:
+class _PresetShaped:
+    """The built-in kinds: the preset's GPT shape, data.tokenizer's tokens, weights drawn by :meth:`build`."""
+
+    def problem(self, model: ModelConfig) -> str | None:
+        return None
+
+    def tokenizer(self, model: ModelConfig) -> DocumentTokenizer | None:
+        return None
+
+    def shape(self, model: ModelConfig, vocab_size: int) -> GPTConfig:
+        return model.shape(vocab_size)
+
+    def initialize(self, model: ShardedModel, shape: Any) -> None:
+        return None  # built with its weights (rank 0's are broadcast by ShardedModel)
+
+
+class HsdpGPT(_PresetShaped):
     """``model.kind = "gpt"``: hsdp's own GPT, whose forward computes the loss itself."""
 
     wrap: WrapPolicy = None
@@ -84,10 +130,20 @@ _NO_GPT2_PLAN = ("Hugging Face GPT-2 has no tensor-parallel plan (hsdp.tp_plans 
                  "Llama): set model.kind = 'gpt', or parallel.tensor_parallel = 1")
 
 
-class HuggingFaceGPT2:
+def _causal_lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # Not the model's own loss (labels=): that would shift by one token again, and ours are shifted already.
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+class HuggingFaceGPT2(_PresetShaped):
     """``model.kind = "hf-gpt2"``: ``GPT2LMHeadModel`` (needs the ``hf`` extra)."""
 
     wrap: WrapPolicy = None
+
+    def problem(self, model: ModelConfig) -> str | None:
+        if importlib.util.find_spec("transformers") is None:
+            return "model.kind = 'hf-gpt2' needs Hugging Face transformers: pip install 'hsdp[hf]'"
+        return None
 
     def build(self, shape: GPTConfig) -> nn.Module:
         try:
@@ -106,9 +162,7 @@ class HuggingFaceGPT2:
         return model(input_ids=idx).logits
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        # Its own loss (labels=) would shift by one token again: ours are shifted already.
-        logits = self.logits(model, x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        return _causal_lm_loss(self.logits(model, x), y)
 
     def tp_problem(self, shape: GPTConfig, tp: int) -> str | None:
         return _NO_GPT2_PLAN
@@ -117,7 +171,47 @@ class HuggingFaceGPT2:
         raise ValueError(_NO_GPT2_PLAN)
 
 
-LANGUAGE_MODELS: dict[str, LanguageModel] = {"gpt": HsdpGPT(), "hf-gpt2": HuggingFaceGPT2()}
+_NO_FOLDER_PLAN = ("model.kind = 'hf' has no tensor-parallel plan in hsdp train (from Python, hsdp.tp_plans.llama_plan "
+                   "splits Llama-style models): set parallel.tensor_parallel = 1")
+
+
+class HuggingFaceFolder:
+    """``model.kind = "hf"``: the causal LM of the folder ``model.path``, with its tokenizer; its weights or its
+    own initialisation, given after wrapping (see :mod:`hsdp.apps.train.hf_folder`)."""
+
+    wrap: WrapPolicy = None
+
+    def problem(self, model: ModelConfig) -> str | None:
+        return hf_folder.folder_problem(model.path, model.block_size)
+
+    def tokenizer(self, model: ModelConfig) -> DocumentTokenizer | None:
+        hf_folder.load_config(model.path)  # a missing folder or config.json is named before the tokenizer
+        return hf_folder.load_tokenizer(model.path)
+
+    def shape(self, model: ModelConfig, vocab_size: int) -> hf_folder.HFShape:
+        return hf_folder.hf_shape(model.path, model.block_size, vocab_size)
+
+    def build(self, shape: hf_folder.HFShape) -> nn.Module:
+        return hf_folder.build_meta(shape)
+
+    def initialize(self, model: ShardedModel, shape: hf_folder.HFShape) -> None:
+        hf_folder.initialize(model, shape)
+
+    def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=idx, use_cache=False).logits  # no key/value cache: training, full sequences
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _causal_lm_loss(self.logits(model, x), y)
+
+    def tp_problem(self, shape: Any, tp: int) -> str | None:
+        return _NO_FOLDER_PLAN
+
+    def parallelize(self, model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+        raise ValueError(_NO_FOLDER_PLAN)
+
+
+LANGUAGE_MODELS: dict[str, LanguageModel] = {"gpt": HsdpGPT(), "hf-gpt2": HuggingFaceGPT2(),
+                                             "hf": HuggingFaceFolder()}
 
 
 def parameter_count(model: nn.Module) -> int:

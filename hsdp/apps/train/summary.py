@@ -82,7 +82,8 @@ def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: Lo
     return {
         "mesh": {"replicas": mesh.replicate_degree, "shards": mesh.sharding_degree, "world": mesh.world_size,
                  **({"tp": mesh.tp_degree} if mesh.tp_degree > 1 else {})},
-        "model": {"preset": cfg.model.preset, "kind": cfg.model.kind, "params": n_params},
+        "model": {"preset": cfg.model.preset, "kind": cfg.model.kind, "params": n_params,
+                  **({"path": cfg.model.path} if cfg.model.path else {})},
         "steps": {"first": start_step + 1, "last": start_step + result.steps, "planned": cfg.train.steps},
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "eval_loss_last": evals[-1] if evals else None,
@@ -111,8 +112,10 @@ def run_table(summary: dict[str, Any], data: str) -> Table:
     m, s = summary["mesh"], summary["steps"]
     tp = f" x {m['tp']} tensor-parallel" if m.get("tp", 1) > 1 else ""
     t.add_row("mesh", f"{m['replicas']} replicas x {m['shards']} shards{tp} ({m['world']} ranks)")
-    t.add_row("model", f"{summary['model']['kind']} '{summary['model']['preset']}', "
-                       f"{summary['model']['params']:,} parameters")
+    model = summary["model"]
+    # An hf folder's path names the model (its preset is unused); Text: a path may contain "[...]".
+    t.add_row("model", Text(f"{model['kind']} '{model.get('path') or model['preset']}', {model['params']:,} "
+                            f"parameters"))
     t.add_row("data", Text(data))  # Text: a path may contain "[...]", which rich would read as markup
     t.add_row("steps", f"{s['first']}..{s['last']} of {s['planned']}")
     if summary["loss_first"] is not None:

@@ -2,9 +2,10 @@
 
 It owns the wrapped model, its optimizer, the two token streams, the run directory, the rank channel,
 rank 0's metrics writer and progress reporter, the profiler and the session's :class:`LoopResult`.
-Construction builds them in a fixed order: mesh -> run directory -> corpus -> model (rank 0's initial
-weights are broadcast) -> tensor-parallel plan (``parallel.tensor_parallel`` > 1) -> ShardedModel -> sharded
-AdamW -> token streams -> resume.
+Construction builds them in a fixed order: mesh -> run directory -> corpus (with the model's own tokenizer
+for ``model.kind = "hf"``) -> model (rank 0's initial weights are broadcast; an ``hf`` folder's model is built
+on the meta device) -> tensor-parallel plan (``parallel.tensor_parallel`` > 1) -> ShardedModel -> its weights
+when built on meta (the folder's, or its own initialisation) -> sharded AdamW -> token streams -> resume.
 
 One step = ``grad_accum`` micro-batches (all but the last inside ``model.no_sync()``, so the inter-node
 hop runs once per step), gradient clipping over the whole sharded gradient, an AdamW step at the
@@ -58,6 +59,18 @@ def _init_mesh(cfg: RunConfig) -> hsdp.HSDPMesh:
     return hsdp.init_mesh(par.sharding_degree or None, tensor_parallel_degree=tp)
 
 
+def _to_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` on this rank's GPU under NCCL, else the CPU. Parameters on the meta device stay there (they
+    get their shards after wrapping); only its real tensors, the buffers, move."""
+    if not any(p.is_meta for p in module.parameters()):
+        return module.to(device)
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta:
+                sub._buffers[name] = buf.to(device)
+    return module
+
+
 class Trainer:
     """Train as ``cfg`` says on this rank; every rank of the job builds one (construction is a collective:
     it creates the mesh, agrees on the run directory, broadcasts the initial weights and resumes).
@@ -70,18 +83,20 @@ class Trainer:
         self.mesh = _init_mesh(cfg)
         self.channel = RankChannel(self.mesh)  # metric averages and records, outside the model's comm stats
         self.run = prepare_run_dir(cfg, self.channel)
-        self.corpus = load_corpus(cfg.data)
         self.lm = LANGUAGE_MODELS[cfg.model.kind]  # the one place the model kind is looked at
-        self.shape = cfg.model.shape(self.corpus.tokenizer.vocab_size)
+        self.corpus = load_corpus(cfg.data, self.lm.tokenizer(cfg.model))
+        self.shape = self.lm.shape(cfg.model, self.corpus.tokenizer.vocab_size)
         # Rank 0's weights are broadcast; the seed makes them reproducible, and the same seed on every rank
-        # gives the tensor-parallel plan identical whole weights to split (norms are taken as each rank has them).
+        # gives the tensor-parallel plan identical whole weights to split (norms are taken as each rank has them)
+        # and a meta-built model's initialisation the same draws on every rank.
         torch.manual_seed(cfg.train.seed)
-        module = self.lm.build(self.shape).to(self.mesh.device)  # this rank's GPU under NCCL, else the CPU
+        module = _to_device(self.lm.build(self.shape), self.mesh.device)
         self.description = describe(module, self.shape.block_size)  # before wrapping renames the class
         self.n_params = parameter_count(module)  # P: every parameter once, whatever T splits later
         if self.mesh.tp_degree > 1:
             module = self.lm.parallelize(module, self.mesh.tp_mesh)
         self.model = self._wrap(module)
+        self.lm.initialize(self.model, self.shape)  # weights of a meta-built model; nothing for the others
         # Per-reader generator state from here on: dropout masks differ across data-parallel ranks, as their
         # data does, and agree across the T ranks of a tensor-parallel group, whose replicated activations
         # (the embeddings' output) must be masked alike for their gradients to agree.
