@@ -22,7 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-Snapshot = Mapping[str, Any]  # CollectiveLedger.snapshot() plus "t" (wall time of publishing)
+from hsdp.engine.faults.stacks import describe_record
+
+# CollectiveLedger.snapshot() plus "main" (stacks.Where.record: where the main thread was) and "t" (wall time
+# of publishing).
+Snapshot = Mapping[str, Any]
 
 
 @dataclass
@@ -133,6 +137,9 @@ def _collective(seq: int, region: str, phase: str) -> str:
 
 
 def _last(snap: Snapshot | None, now: float) -> str:
+    main = snap.get("main") if snap else None
+    if main and main[3]:  # blocked at its last beat in a collective hsdp does not issue (see stacks.py)
+        return f"it is in a collective hsdp does not issue: {describe_record(main)}"
     if snap is None or not snap.get("recent"):
         return "it has issued no collective yet"
     seq, region, phase, age = snap["recent"][-1]

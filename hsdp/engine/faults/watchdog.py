@@ -19,6 +19,12 @@ Hangs without a death (``detect_hangs``): every rank also publishes its collecti
 answered by their watchdog thread, so a rank stuck in Python, I/O or another library's collective still
 answers), and publishes a report naming the late, mismatched or exited ranks, the collective, and the likely
 cause (``hang.py``); every rank then exits as above.
+
+Hangs in collectives hsdp does not issue (DTensor's ``full_tensor()``, a user's ``dist.all_reduce``, a
+barrier): the watchdog also samples where the main thread is once per beat (``stacks.py``) and publishes it
+with the ledger. A rank blocked in one such collective for ``timeout`` judges the others (``foreign.py``):
+ranks blocked as long in a different collective, or gone, end the job with a report as above; ranks in
+the same call, or working outside any collective, do not.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ from types import TracebackType
 
 import torch.distributed as dist
 
+from hsdp.engine.faults.foreign import foreign_report, judge_foreign, working_notice
 from hsdp.engine.faults.hang import judge, report, stuck_transport
 from hsdp.engine.faults.ledger import CollectiveLedger, Entry
+from hsdp.engine.faults.stacks import MainThreadSampler, describe_record, main_thread_stack
 from hsdp.engine.faults.status import EXIT_CODE
 
 FAILED_KEY = "hsdp/failed"
@@ -82,6 +90,9 @@ class Watchdog:
         self._published: tuple | None = None
         self._stack_requests = 0  # requests for this rank's stack answered so far
         self._next_hang_check = 0.0
+        self.sampler = MainThreadSampler()  # where the main thread is, once per beat (foreign collectives)
+        self._next_foreign_check = 0.0
+        self._noticed = -1  # Where.moves of the foreign wait already given a "presumed working" notice
         self._reporter = False  # this rank diagnosed the hang and prints the full report
         self._arrivals: dict[str, int] = {}  # calls of each collective helper so far (see arrive)
 
@@ -133,6 +144,9 @@ class Watchdog:
             gone = [r for r in range(self.world_size) if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)]
         entry = self.ledger.oldest_pending() or (self.ledger.recent[-1] if self.ledger.recent else None)
         where = f" while rank {self.rank} was in {entry.describe()}" if entry else ""
+        main = self.sampler.where
+        if main is not None and main.blocked:  # the last beat saw it in a collective hsdp does not issue
+            where = f" while rank {self.rank} was in {describe_record(main.record(time.monotonic()))}"
         parts = []
         if dead:
             parts.append(f"rank(s) {dead} died (no heartbeat)")
@@ -172,6 +186,7 @@ class Watchdog:
                     self._publish()
                     self._answer_stack_request()
                     self._check_hang()
+                    self._check_foreign()
                 if peer == self.rank or self.store.add(f"hsdp/done/{peer}", 0):
                     continue
                 value = self.store.add(f"hsdp/hb/{peer}", 0)
@@ -189,11 +204,19 @@ class Watchdog:
     # -- hang detection --------------------------------------------------------------------------------
     def _publish(self) -> None:
         """This rank's ledger snapshot to the store: one set per beat, and only when it changed."""
-        snap = self.ledger.snapshot()
-        key = (snap["seq"], snap["waiting"] and snap["waiting"][0], snap["busy"] and snap["busy"][0])
+        self.sampler.sample()
+        snap = self._my_snapshot()
+        main = self.sampler.where
+        key = (snap["seq"], snap["waiting"] and snap["waiting"][0], snap["busy"] and snap["busy"][0],
+               main and main.moves)
         if key != self._published:
-            self.store.set(f"hsdp/prog/{self.rank}", json.dumps({**snap, "t": time.time()}))
+            self.store.set(f"hsdp/prog/{self.rank}", json.dumps(snap))
             self._published = key
+
+    def _my_snapshot(self) -> dict:
+        """The ledger's snapshot, where the main thread was at the last beat, and the wall time."""
+        main = self.sampler.where
+        return {**self.ledger.snapshot(), "main": main and main.record(time.monotonic()), "t": time.time()}
 
     def _answer_stack_request(self) -> None:
         asked = self.store.add(f"hsdp/stackreq/{self.rank}", 0)
@@ -207,10 +230,42 @@ class Watchdog:
         if oldest is None or now < self._next_hang_check or now - oldest.entered < self.policy.timeout:
             return
         self._next_hang_check = now + self.policy.timeout / 2  # not again every beat while it lasts
-        message = self.diagnose(oldest.as_record(now))
+        self._end_with(self.diagnose(oldest.as_record(now)))
+
+    def _end_with(self, message: str | None) -> None:
+        """Publish a hang report (``None``: none yet) and exit, printing the first one published."""
         if message:
             self._reporter = self.publish_failure(message)
             self._exit(message if self._reporter else self.store.get(FAILED_KEY).decode())
+
+    def _check_foreign(self) -> None:
+        """The main thread blocked in a collective hsdp does not issue, unchanged for ``timeout``: judge it."""
+        main, now = self.sampler.where, time.monotonic()
+        if (main is None or not main.blocked or self.ledger.busy_with is not None or now < self._next_foreign_check
+                or now - main.still_since < self.policy.timeout):
+            return
+        self._next_foreign_check = now + self.policy.timeout / 2
+        self._end_with(self.diagnose_foreign(main.moves))
+
+    def diagnose_foreign(self, moves: int) -> str | None:
+        """Read every rank's snapshot and name a hang in this rank's foreign collective (``None``: not one,
+        see ``foreign.py``); the first time the others are only working, the lowest waiting rank says so."""
+        now = time.time()
+        snapshots = {r: self._snapshot_of(r) for r in range(self.world_size) if r != self.rank}
+        snapshots[self.rank] = self._my_snapshot()
+        gone = {r for r in snapshots if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)}
+        verdict = judge_foreign(self.rank, snapshots, gone, self.policy.timeout, now)
+        if verdict.offenders:
+            stacks = self._stacks_of([*verdict.elsewhere, *verdict.in_hsdp, *verdict.working][:4])
+            stacks[self.rank] = main_thread_stack()
+            return foreign_report(self.rank, verdict, snapshots, stacks, now)
+        if (verdict.working and not verdict.pending and self._noticed != moves
+                and self.rank == min(verdict.waiting)):
+            self._noticed = moves  # once per wait
+            mine = snapshots[self.rank]["main"]
+            notice = working_notice(verdict, mine, self._stacks_of(verdict.working[:4]))
+            print(f"[hsdp rank {self.rank}] {notice}", file=sys.stderr, flush=True)
+        return None
 
     def diagnose(self, waited: list) -> str | None:
         """Read every rank's ledger and name the hang (``None``: nobody is late; keep waiting).
@@ -219,7 +274,7 @@ class Watchdog:
         (other shard groups, until the inter-node hop) wait downstream of the real culprit."""
         now = time.time()
         snapshots = {r: self._snapshot_of(r) for r in range(self.world_size) if r != self.rank}
-        snapshots[self.rank] = {**self.ledger.snapshot(), "t": now}
+        snapshots[self.rank] = self._my_snapshot()
         gone = {r for r in snapshots if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)}
         waits = {r: s["waiting"] for r, s in snapshots.items() if s and s.get("waiting") and r not in gone}
         anchor = min(waits, key=lambda r: (waits[r][0], r), default=self.rank)
@@ -305,14 +360,6 @@ class Watchdog:
         print(f"[hsdp rank {self.rank}] aborting: {message}", file=sys.stderr, flush=True)
         self.linger()
         os._exit(EXIT_CODE)  # the main thread may be blocked inside a collective: no clean unwinding
-
-
-def main_thread_stack(limit: int = 12) -> str:
-    """The main thread's Python stack, innermost last (what a stuck rank is doing)."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    if frame is None:
-        return "(no main thread)"
-    return "".join(traceback.format_stack(frame, limit=limit)).rstrip()
 
 
 def _chain_excepthook(watchdog: Watchdog) -> None:
