@@ -161,7 +161,7 @@ def test_hf_folder_trains_from_its_weights_on_2x2(trained: tuple[list[dict], dic
 
 
 def test_export_writes_a_folder_from_pretrained_loads(trained: tuple[list[dict], dict[str, str]],
-                                                      tmp_path: Path) -> None:
+                                                      tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hsdp.apps.cli import main as cli_main
@@ -170,6 +170,7 @@ def test_export_writes_a_folder_from_pretrained_loads(trained: tuple[list[dict],
     _, paths = trained
     run, out = Path(paths["root"]) / "run", tmp_path / "exported"
     assert cli_main(["export", str(run), "--to", "hf", str(out)]) == 0
+    assert "1 weight shard(s), config.json, index, 3 file(s) of the model folder" in capsys.readouterr().out
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
     config = json.loads((out / "config.json").read_text())

@@ -16,7 +16,8 @@ def add_export(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                           "model.load_state_dict(safetensors.torch.load_file(OUT)) accepts "
                                           "(tied weights written under every name). --to hf DIR: a Hugging "
                                           "Face folder (config.json, sharded safetensors, index) that "
-                                          "from_pretrained(DIR) loads, for model.kind = 'hf-gpt2' runs. "
+                                          "from_pretrained(DIR) loads, for model.kind = 'hf-gpt2' and 'hf' runs "
+                                          "(an 'hf' run's folder also gets its model folder's tokenizer). "
                                           "Missing output directories are created. Runs in one process.")
     p.add_argument("checkpoint", help="an hsdp train run directory (e.g. runs/train), its checkpoints "
                                       "directory, or one step_* directory; a run means its latest valid "
@@ -47,7 +48,10 @@ def _export(args: argparse.Namespace) -> int:
         from hsdp.tools.quantities import parse_bytes
 
         files = export_hf(args.checkpoint, target[1], max_shard_bytes=int(parse_bytes(args.max_shard_size)))
-        print(f"wrote {target[1]} (Hugging Face folder: {len(files) - 2} weight shard(s), config.json, index)")
+        shards = sum(f.endswith(".safetensors") for f in files)
+        copied = len(files) - shards - 2  # a model.kind = 'hf' run: its folder's tokenizer and other files
+        print(f"wrote {target[1]} (Hugging Face folder: {shards} weight shard(s), config.json, index"
+              + (f", {copied} file(s) of the model folder: tokenizer, ...)" if copied else ")"))
         return 0
     if len(target) != 1:
         raise ValueError(f"--to {' '.join(target)}: pass one OUT.safetensors file, or hf DIR")
