@@ -56,10 +56,10 @@ def _save_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(folder)
 
 
-def _llama_config(tie: bool, vocab: int = VOCAB) -> object:
+def _llama_config(tie: bool, vocab: int = VOCAB, ffn: int = 64) -> object:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    return LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=ffn,
                        vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=tie, bos_token_id=0,
                        eos_token_id=1)
 
@@ -226,11 +226,16 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("hf_bad")
     paths = {"good": root / "good", "empty": root / "empty", "no_tokenizer": root / "no_tokenizer",
-             "vit": root / "vit", "small_vocab": root / "small_vocab", "bin_only": root / "bin_only"}
+             "vit": root / "vit", "small_vocab": root / "small_vocab", "bin_only": root / "bin_only",
+             "misfit": root / "misfit"}
     for p in paths.values():
         p.mkdir()
-    for name in ("good", "vit", "small_vocab", "bin_only"):
+    for name in ("good", "vit", "small_vocab", "bin_only", "misfit"):
         _save_tokenizer(paths[name])
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM(_llama_config(tie=False)).save_pretrained(paths["misfit"])  # then a config of another shape
+    _llama_config(tie=False, ffn=48).save_pretrained(paths["misfit"])
     _llama_config(tie=False).save_pretrained(paths["good"])
     _llama_config(tie=False).save_pretrained(paths["no_tokenizer"])
     _llama_config(tie=False).save_pretrained(paths["bin_only"])
@@ -264,6 +269,8 @@ def test_bad_model_folders_and_data_are_refused_before_any_rank_starts(
         "not a causal LM": ([*hf, f"model.path={folders['vit']}"], "model type 'vit' (ViTConfig) is not a causal"),
         "vocabulary": ([*hf, f"model.path={folders['small_vocab']}"], "set vocab_size to at least 128"),
         "bin weights": ([*hf, f"model.path={folders['bin_only']}"], "holds pytorch_model.bin but no model.safetensors"),
+        "weights misfit": ([*hf, f"model.path={folders['misfit']}"],
+                           "its weights do not fit its config.json (shape mismatches (6): model.layers.0.mlp"),
         "context": ([*hf, f"model.path={folders['good']}", "model.block_size=65"], "set at most 64"),
         "no path": (hf, "model.path = '': model.kind = 'hf' trains a local Hugging Face model folder"),
         "byte tokens": ([*hf, f"model.path={folders['good']}", "data.tokenizer=byte"], "set data.tokenizer = 'auto'"),

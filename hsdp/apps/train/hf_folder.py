@@ -14,13 +14,18 @@ not ``from_config``'s: that one draws in another order). Parameters are fp32 (mi
 ``parallel.mixed_precision``'s), whatever dtype the folder stores.
 
 :func:`folder_problem` checks the folder before any rank starts: it exists, holds ``config.json`` of a causal
-LM, a tokenizer that loads and fits the config's vocabulary, and safetensors weights if any weights.
-Models that need ``trust_remote_code`` are not supported.
+LM, a tokenizer that loads and fits the config's vocabulary, and, if any weights, safetensors weights whose
+names and shapes (read from the file headers) are the model's. Checkpoint names the model class declares
+ignorable (``_keys_to_ignore_on_load_unexpected``, e.g. an old GPT-2's ``attn.bias``) are dropped, as
+``from_pretrained`` drops them; other renames of legacy checkpoints are not made. Models that need
+``trust_remote_code`` are not supported.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,13 +168,54 @@ def hf_shape(path: str, block_size: int, vocab_size: int) -> HFShape:
 
 def folder_problem(path: str, block_size: int) -> str | None:
     """Why ``path`` cannot be trained as ``model.kind = "hf"`` (``None``: it can), in one line naming the fix;
-    checked before any rank starts (loads the config and the tokenizer, reads no weights)."""
+    checked before any rank starts (loads the config and the tokenizer, builds the model on the meta device and
+    reads the weights' headers, not their values)."""
     try:
         load_config(path)
-        hf_shape(path, block_size, load_tokenizer(path).vocab_size)
+        shape = hf_shape(path, block_size, load_tokenizer(path).vocab_size)
+        if shape.has_weights:
+            check_weights(shape)
     except ValueError as e:
         return str(e)
     return None
+
+
+def _ignorable(model: nn.Module) -> Callable[[str], str | None]:
+    """A ``key_map`` dropping the checkpoint names that the model lacks and its class declares ignorable."""
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    return lambda key: None if key not in names and any(p.search(key) for p in patterns) else key
+
+
+def check_weights(shape: HFShape) -> None:
+    """``ValueError`` naming the fix unless the folder's weights hold every parameter (a tied one under any of
+    its names) and persistent buffer of the model its config builds, with its shape, and nothing else: what
+    :func:`hsdp.load_pretrained` requires, checked from the headers before any rank starts."""
+    from hsdp.engine.init.safetensors_source import SafetensorsSource
+
+    model = build_meta(shape)
+    entries = SafetensorsSource(shape.path, _ignorable(model)).entries
+    holders: dict[int, tuple[tuple[int, ...], list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), (tuple(p.shape), []))[1].append(name)
+    params = {n for _, names in holders.values() for n in names}
+    wanted = [(tuple(t.shape), [n]) for n, t in model.state_dict().items() if n not in params]  # persistent buffers
+    missing, wrong, used = [], [], set()
+    for size, names in [*holders.values(), *wanted]:
+        hits = [n for n in names if n in entries]
+        used.update(hits)
+        if not hits:
+            missing.append(names[0])
+        elif entries[hits[0]].shape != size:
+            wrong.append(f"{hits[0]} {entries[hits[0]].shape} vs {size}")
+    unexpected = sorted(set(entries) - used)
+    parts = [f"{title} ({len(items)}): {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+             for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatches", wrong))
+             if items]
+    if parts:
+        raise ValueError(f"model.path = {shape.path!r}: its weights do not fit its {CONFIG_FILE} (" + "; ".join(parts)
+                         + "): save the weights and the config together (model.save_pretrained(DIR))")
 
 
 def build_meta(shape: HFShape) -> nn.Module:
@@ -192,6 +238,6 @@ def initialize(model: hsdp.ShardedModel, shape: HFShape) -> None:
     """Give the wrapped meta-built model its weights: the folder's (each rank of replica 0 reads its rows) or,
     without any, the model's own ``_init_weights`` module by module (every rank with the same seed)."""
     if shape.has_weights:
-        hsdp.load_pretrained(model, shape.path)
+        hsdp.load_pretrained(model, shape.path, key_map=_ignorable(model))
     else:
         hsdp.materialize(model, init=model._init_weights)
