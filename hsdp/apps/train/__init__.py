@@ -4,6 +4,7 @@
 
     hsdp train                                  # tiny GPT, Python stdlib text, 2 emulated nodes x 2 ranks
     hsdp train run.toml train.steps=1000        # TOML config, then section.field=value overrides
+    hsdp train model.kind=hf model.path=DIR     # a local Hugging Face causal LM folder, its own tokenizer
     torchrun --nnodes N --nproc-per-node G -m hsdp.apps.train run.toml
 
 From Python (on every rank of a launched job)::
@@ -11,8 +12,10 @@ From Python (on every rank of a launched job)::
     from hsdp.apps.train import resolve_config, run_job
     run_job(resolve_config("run.toml", ["train.steps=100"]))
 
-Modules: ``config`` (the typed sections), ``config_io`` (TOML and overrides), ``corpus`` (text sources and
-tokenizers), ``lm`` (one adapter per model kind: build, logits, loss), ``optimizer`` (AdamW and schedule),
+Modules: ``config`` (the typed sections), ``config_io`` (TOML and overrides), ``sources`` (the documents of
+each kind of data source, checked before any rank starts), ``corpus`` (tokenizers and the token stream),
+``lm`` (one adapter per model kind: build, logits, loss), ``hf_folder`` (``model.kind = "hf"``: a local
+Hugging Face causal-LM folder), ``hf_export`` (``hsdp export --to hf``), ``optimizer`` (AdamW and schedule),
 ``trainer`` (the ``Trainer``: steps, evaluation, checkpoints), ``result`` (a session's records),
 ``metrics``, ``wandb_sink`` (Weights & Biases, ``log.wandb``), ``progress``, ``rank_warnings``, ``resume``,
 ``profiling``, ``summary``, ``job`` (one rank's run), ``command`` (the command line), ``report`` (``hsdp

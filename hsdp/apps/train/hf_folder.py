@@ -63,12 +63,13 @@ class HFTokenizer:
         self.name = "the model folder's tokenizer"
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
     def encode_documents(self, texts: list[str]) -> list[int]:
         end = [] if self.eos_id is None else [self.eos_id]
         out: list[int] = []
-        for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
+        # verbose=False: a document longer than the model's context is expected here (windows are cut later).
+        for ids in self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []:
             out += list(ids) + end
         return out
 
