@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "hsdp",
                                  "hsdp.engine.model", "hsdp.checkpoint", "harness",
-                                 "transformers.models.llama.modeling_llama"])
+                                 "transformers.models.llama.modeling_llama", "lightning.pytorch", "lightning.fabric",
+                                 "accelerate", "transformers.trainer"])
 
 
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple, env: dict,

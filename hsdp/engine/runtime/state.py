@@ -147,10 +147,13 @@ class HSDPState:
         if self._in_backward():
             return self._pre_recompute(unit, args, kwargs)
         if unit is self.root_unit:
-            self._repair_torn_step()
-            self._in_forward = True
-            self.buffers.pre_forward()
-            self._pre_seen, self._post_seen = [], []
+            # A call of the root inside its own forward (a LightningModule's training_step, run as the module's
+            # forward, calling self(x)) continues that forward: no repair, which would reshard and regather.
+            if not self._in_forward:
+                self._repair_torn_step()
+                self._in_forward = True
+                self.buffers.pre_forward()
+                self._pre_seen, self._post_seen = [], []
             args, kwargs = self._cast_inputs(unit, args, kwargs)
         if unit not in self._pre_seen:
             self._pre_seen.append(unit)

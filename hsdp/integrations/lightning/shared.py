@@ -1,0 +1,93 @@
+"""The part of the Trainer's and Fabric's HSDP strategies that is the same for both: the existing processes,
+hsdp's mesh, the data-parallel sampler and Lightning's small collectives.
+
+Lightning's Trainer and Fabric take strategies of two unrelated base classes (``lightning.pytorch`` and
+``lightning.fabric`` ``ParallelStrategy``); this mixin comes first in each strategy's bases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+from hsdp.data.sampler import data_parallel_rank, data_parallel_size
+from hsdp.engine.mesh import HSDPMesh
+from hsdp.engine.policy import MixedPrecision
+from hsdp.integrations.lightning.environment import init_process_group
+from hsdp.integrations.lightning.options import HSDPOptions, build_mesh, rank_device
+from hsdp.integrations.lightning.precision import _HSDPPrecisionBase
+
+
+class HSDPStrategyBase:
+    """Environment, mesh, sampler and collectives of an HSDP strategy (a mixin: see the module doc)."""
+
+    options: HSDPOptions
+    _mesh: HSDPMesh | None
+    accelerator: Any
+    global_rank: int
+    local_rank: int
+
+    @property
+    def mesh(self) -> HSDPMesh:
+        """hsdp's mesh, built when Lightning sets up the processes (``fabric.launch()``, ``trainer.fit``)."""
+        if self._mesh is None:
+            raise RuntimeError("the hsdp mesh is built when the processes are set up: call fabric.launch() (or "
+                               "trainer.fit/validate/...) first")
+        return self._mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        kind = getattr(self.accelerator, "name", lambda: "cpu")()  # Lightning's accelerators: "cpu", "cuda", ...
+        return rank_device(self._mesh, kind, self.local_rank)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # torchrun (or the caller) started every process: Lightning launches none
+
+    def set_world_ranks(self) -> None:
+        _set_rank_zero(self.global_rank)  # the Trainer's connector calls it when it is built
+
+    def _setup_hsdp_environment(self) -> None:
+        """Join the process group (unless the caller has) and build hsdp's mesh on it."""
+        init_process_group(self.root_device.type, self.options.timeout)
+        self._mesh = build_mesh(self.options)
+        _set_rank_zero(self.global_rank)
+
+    def _policy(self, plugin: _HSDPPrecisionBase) -> MixedPrecision | None:
+        """An explicit ``mixed_precision=`` wins over the ``precision=`` flag."""
+        return self.options.mixed_precision or plugin.policy
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every (replica, shard) position reads distinct data; the ranks of a tensor-parallel group read one batch."""
+        return {"num_replicas": data_parallel_size(self.mesh), "rank": data_parallel_rank(self.mesh)}
+
+    # -- Lightning's own collectives (metrics, decisions, paths): the world group, outside hsdp's accounting
+    def _all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+
+def _set_rank_zero(rank: int) -> None:
+    # Lightning's rank_zero_only helpers (one object in lightning.fabric, lightning.pytorch and
+    # lightning_utilities) print and log on rank 0 only; its own strategies set the rank here.
+    rank_zero_only.rank = rank  # type: ignore[attr-defined]
