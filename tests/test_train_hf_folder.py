@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -114,8 +115,12 @@ def _worker(rank: int, world: int, paths: dict[str, str]) -> dict:
     text = io.StringIO()
     cfg = resolve_config(None, _job_overrides(paths, os.path.join(paths["root"], "run")))
     summary = run_job(cfg, Console(file=text, width=200, force_terminal=False)).summary
+    # The folder without weights, as a job too: two steps from the model's own initialisation.
+    fresh = resolve_config(None, [*_job_overrides(paths, os.path.join(paths["root"], "fresh")), "train.steps=2",
+                                  f"model.path={paths['random']}", "train.sample_tokens=0", "train.eval_every=0",
+                                  "train.checkpoint_every=0"])
     return {"summary": summary, "console": text.getvalue(), "random": _initial_state(rank, paths["random"]),
-            "loaded": _initial_state(rank, paths["weights"])}
+            "loaded": _initial_state(rank, paths["weights"]), "fresh": run_job(fresh, Console(quiet=True)).summary}
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +220,10 @@ def test_random_init_from_config_vs_weights_from_the_folder(trained: tuple[list[
     assert 0.015 < q.std().item() < 0.025  # initializer_range 0.02, not torch's Linear init (~0.1 here)
     assert torch.equal(random["model.norm.weight"], torch.ones(32))
     assert not torch.equal(random["model.embed_tokens.weight"], random["lm_head.weight"])  # untied config
+    # hsdp train on that folder starts there: near-uniform predictions (std 0.02), loss about ln(vocabulary).
+    fresh = results[0]["fresh"]
+    assert fresh["model"]["path"] == paths["random"] and fresh["steps"]["last"] == 2
+    assert fresh["loss_first"] == pytest.approx(math.log(VOCAB), abs=0.05)
 
 
 # ---------------------------------------------------------------------------------------------------------

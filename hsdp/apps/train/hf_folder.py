@@ -196,7 +196,13 @@ def check_weights(shape: HFShape) -> None:
     from hsdp.engine.init.safetensors_source import SafetensorsSource
 
     model = build_meta(shape)
-    entries = SafetensorsSource(shape.path, _ignorable(model)).entries
+    try:
+        entries = SafetensorsSource(shape.path, _ignorable(model)).entries
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' own error for a truncated or corrupt header
+        raise ValueError(f"model.path = {shape.path!r}: its safetensors weights do not open ({e}): save them "
+                         f"again (model.save_pretrained(DIR))") from None
     holders: dict[int, tuple[tuple[int, ...], list[str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(p), (tuple(p.shape), []))[1].append(name)
@@ -229,10 +235,13 @@ def build_meta(shape: HFShape) -> nn.Module:
     except ImportError:
         raise ValueError(f"model.kind = 'hf' needs accelerate to build the model without memory: {_INSTALL}"
                          ) from None
-    with init_empty_weights(include_buffers=False):
-        model = transformers.AutoModelForCausalLM.from_config(shape.config)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = transformers.AutoModelForCausalLM.from_config(shape.config)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # a config the model class cannot build
+        raise ValueError(f"model.path = {shape.path!r}: {CONFIG_FILE} does not build a model ({e}): fix it") from None
     model.tie_weights()
-    return model.float()  # a meta parameter changes dtype in place of storage: no memory either
+    return model.float()  # fp32 master weights whatever the folder stores; on meta nothing is allocated
 
 
 def initialize(model: hsdp.ShardedModel, shape: HFShape) -> None:
