@@ -304,6 +304,12 @@ def test_bad_model_folders_and_data_are_refused_before_any_rank_starts(
     # A good folder passes the same checks and reaches the launcher.
     assert main([*hf, f"model.path={folders['good']}", f"train.out_dir={tmp_path / 'good'}"]) == 0
     assert len(started) == 1
+    # Under torchrun each rank checks its inputs itself, before it joins the process group.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr("hsdp.apps.train.command.run_rank", lambda *a: pytest.fail("the rank started"))
+    assert main(["--data", "/nonexistent", f"train.out_dir={tmp_path / 'ranked'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "ranked").exists()
 
 
 def _jsonl(tmp_path: Path) -> Path:

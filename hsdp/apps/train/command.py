@@ -191,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
         path, items = split_items(args.items)
         overrides = overrides_from(args) + items
         config = resolve_config(path, overrides)
-        # Under torchrun each rank checks its run directory itself (and --resume may start fresh there).
-        problem = wandb_problem(config) if under_torchrun() else (
+        # Under torchrun each rank checks its run directory itself (and --resume may start fresh there); its
+        # inputs before it joins the process group or writes anything.
+        problem = (wandb_problem(config) or input_problem(config)) if under_torchrun() else (
             start_problem(config) or resume_problem(config) or layout_problem(config) or wandb_problem(config)
             or input_problem(config))
     except ValueError as e:
