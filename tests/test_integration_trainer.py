@@ -10,8 +10,9 @@ batches as one:
   (so each rank read its own part of every global batch); clipping is active; the model was not wrapped in
   DDP and crossed nodes once per optimizer step (one replicate all-reduce per unit and step);
 * ``checkpoint-2`` holds an hsdp checkpoint (no consolidated weights, no ``optimizer.pt``) next to Trainer's
-  scheduler, per-rank RNG and state files; a new trainer on a model with other weights resumed from it logs
-  the straight run's last losses and ends on its parameters;
+  scheduler, per-rank RNG and state files; a new trainer on a model with other weights, with
+  ``shard_optimizer_across_replicas`` and ``gradient_checkpointing`` on, resumed from it logs the straight run's
+  last losses and ends on its parameters;
 * ``save_model()`` (every rank) writes a folder ``from_pretrained`` loads equal to ``hsdp.full_state_dict``, with
   ``config.json`` naming ``LlamaForCausalLM`` and the tied head stored once;
 * the big-model path: the tiny config's parameters built on the meta device, wrapped, ``hsdp.load_pretrained`` from that
@@ -39,14 +40,14 @@ ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE":
        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-def _args(output_dir: str, per_device: int):
+def _args(output_dir: str, per_device: int, **overrides: object):
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=per_device,
                              per_device_eval_batch_size=per_device, gradient_accumulation_steps=ACCUM,
                              max_steps=STEPS, learning_rate=1e-3, max_grad_norm=0.5, logging_steps=1,
                              save_strategy="steps", save_steps=SAVE_EVERY, report_to="none", disable_tqdm=True,
-                             use_cpu=True, seed=0)
+                             use_cpu=True, seed=0, **overrides)
 
 
 def _logged(trainer) -> dict:
@@ -74,10 +75,10 @@ def _reference(tmp: str) -> dict:
         GradientState._reset_state()
 
 
-def _trainer(model, output_dir: str, **hsdp_options):
+def _trainer(model, output_dir: str, args: dict | None = None, **hsdp_options):
     from hsdp.integrations.transformers import HSDPTrainer
 
-    return HSDPTrainer(model=model, args=_args(output_dir, MICRO), train_dataset=CausalLMData(TOKENS),
+    return HSDPTrainer(model=model, args=_args(output_dir, MICRO, **(args or {})), train_dataset=CausalLMData(TOKENS),
                        eval_dataset=CausalLMData(EVAL_TOKENS), **hsdp_options)
 
 
@@ -108,10 +109,14 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
         with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
             out["stored"] = sorted(f.keys())
 
+    # Resumed with two options that must not change the numbers: the hsdp checkpoint loads into the
+    # replica-sliced optimizer, and HF's activation checkpointing recomputes exactly.
     resumed_model = tiny_llama(1)
-    resumed = _trainer(resumed_model, os.path.join(tmp, "resumed"), mesh=hsdp.init_mesh(sharding_degree=2))
+    resumed = _trainer(resumed_model, os.path.join(tmp, "resumed"), {"gradient_checkpointing": True},
+                       mesh=hsdp.init_mesh(sharding_degree=2), shard_optimizer_across_replicas=True)
     resumed.train(resume_from_checkpoint=os.path.join(tmp, "run", f"checkpoint-{SAVE_EVERY}"))
     out["resumed"] = _logged(resumed)
+    out["resumed_options"] = resumed_model.shards_optimizer_across_replicas and resumed_model.is_gradient_checkpointing
     resumed_full = hsdp.full_state_dict(resumed_model)
     if rank == 0:
         out["resumed_params"] = max_abs_diff(resumed_full, full)
@@ -148,9 +153,16 @@ def test_hsdp_trainer_trains_checkpoints_and_resumes_like_one_process(tmp_path) 
     # The resumed log starts with the checkpoint's own history (trainer_state.json), then its own steps.
     assert r0["resumed"]["losses"] == pytest.approx(r0["losses"], abs=1e-6)
     assert r0["resumed"]["norms"] == pytest.approx(r0["norms"], abs=1e-6)
-    assert r0["resumed_params"] < 1e-6
+    assert r0["resumed_params"] < 1e-6 and r0["resumed_options"]
 
     assert r0["loaded"] == 0.0
     assert r0["architectures"] == ["LlamaForCausalLM"]
     assert "lm_head.weight" not in r0["stored"] and "model.embed_tokens.weight" in r0["stored"]
     assert r0["meta_eval"] == pytest.approx(r0["eval"], abs=1e-6)
+
+
+def test_hsdp_trainer_refuses_torch_compile_before_any_collective(tmp_path) -> None:
+    from hsdp.integrations.transformers import HSDPTrainer
+
+    with pytest.raises(ValueError, match="compile its blocks"):
+        HSDPTrainer(model=tiny_llama(0), args=_args(str(tmp_path), MICRO, torch_compile=True))

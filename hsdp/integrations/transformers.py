@@ -23,27 +23,31 @@ callbacks, schedulers, ``max_grad_norm``, ``gradient_accumulation_steps``, ``gra
   ``resume_from_checkpoint`` reads them back with ``hsdp.load_checkpoint`` (onto any mesh shape) and Trainer
   skips the batches already seen, so a resumed run continues exactly; ``load_best_model_at_end`` reads the
   model part;
+* the gradient norm (logged, and clipped to ``max_grad_norm``) is ``hsdp.clip_grad_norm_``'s: the whole model's,
+  tied weights once, in one all-reduce inside the node;
 * ``save_model()`` writes a Hugging Face folder with every rank taking part
   (``hsdp.integrations.hf_folder.save_pretrained``: the original architecture name, tied weights once).
 
 Unchanged and checked in ``tests/test_integration_trainer.py``: accelerate's data loader gives each rank its own
-part of the global batch (hsdp's data-parallel rank is the global rank without tensor parallelism), the
-gradient norm and clipping are the whole model's (accelerate's DTensor-aware ``clip_grad_norm_``),
+part of the global batch (hsdp's data-parallel rank is the global rank without tensor parallelism),
 accumulation micro-batches run under accelerate's ``no_sync``, which calls ``model.no_sync()``: reduce-scatter
 inside the node on every micro-batch, one inter-node all-reduce per optimizer step.
 
-Big models (a 7B-class config does not fit whole on every rank): build on the meta device, wrap, load the
-weights shard by shard, then hand the wrapped model over::
+Big models (a 7B-class config does not fit whole on every rank): build the parameters on the meta device,
+wrap, load the weights shard by shard, then hand the wrapped model over::
 
     mesh = hsdp.init_mesh(sharding_degree=8)            # before the Trainer: the process group from torchrun
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))   # shapes only, no memory
+    with accelerate.init_empty_weights():               # parameters on meta (no memory), buffers real
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))
+    model.tie_weights()                                 # init_empty_weights re-created the tied head apart
     model = hsdp.ShardedModel(model, mesh=mesh, mixed_precision=hsdp.MixedPrecision(torch.bfloat16))
     hsdp.load_pretrained(model, folder)                 # each rank reads only its rows of the safetensors
     trainer = HSDPTrainer(model=model, args=args, train_dataset=...)
 
-Per-rank memory is then the shards (1/S of parameters, gradients and AdamW state) plus one unit gathered at a
-time, never the full model; ``save_model`` consolidates on rank 0's host memory.
+``init_empty_weights`` rather than ``torch.device("meta")``: Llama's rotary tables are buffers computed at
+construction and never stored, so ``load_pretrained`` cannot fill them on meta. Per-rank memory is then the
+shards (1/S of parameters, gradients and AdamW state) plus one unit gathered at a time, never the full model;
+``save_model`` consolidates on rank 0's host memory.
 
 Not supported (``ValueError`` naming the fix): ``fp16`` (use ``bf16``, or ``hsdp.MixedPrecision``),
 ``torch_compile`` (compile the blocks: ``for layer in model.model.layers: layer.compile()``), Trainer's FSDP and
@@ -65,6 +69,7 @@ from hsdp.checkpoint import load_checkpoint, save_checkpoint
 from hsdp.checkpoint.lease import release_lease
 from hsdp.checkpoint.resolve import candidates
 from hsdp.engine.agreement import on_rank0
+from hsdp.engine.clip import clip_grad_norm_
 from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import ReplicaHop
 from hsdp.engine.mesh import HSDPMesh
@@ -124,6 +129,16 @@ class HSDPTrainer(Trainer):
         if not isinstance(optimizer, ShardedOptimizer):
             self.optimizer = ShardedOptimizer(self.model, optimizer)
         return self.optimizer
+
+    # -- clipping: hsdp's norm ------------------------------------------------------------------------------
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        # The number accelerate's DTensor-aware clip_grad_norm_ gives, in one all-reduce over the shard group (the
+        # whole mesh with shard_optimizer_across_replicas, where DTensor would issue two and warn), counted in
+        # model.comm_stats().
+        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        return clip_grad_norm_(self.model, float("inf")) if grad_norm is None else grad_norm
 
     def _sharded_optimizer(self) -> ShardedOptimizer | None:
         optimizer = self.optimizer
