@@ -3,7 +3,8 @@
 * :mod:`hsdp.integrations.accelerate`: an hsdp model in ``accelerate.Accelerator`` (no DDP wrap;
   ``save_state``/``load_state`` through hsdp's sharded checkpoints).
 * :mod:`hsdp.integrations.transformers`: ``HSDPTrainer``, a drop-in for ``transformers.Trainer``.
-* :mod:`hsdp.integrations.lightning`: ``HSDPStrategy`` for Lightning's ``Trainer`` and ``Fabric``.
+* :mod:`hsdp.integrations.lightning`: ``HSDPStrategy`` for Lightning's ``Trainer``, ``HSDPFabricStrategy`` for
+  ``Fabric`` (Lightning checkpoints as hsdp checkpoints; ``bf16-mixed`` as ``hsdp.MixedPrecision``).
 
 Each module imports its framework on import and is an optional extra (``pip install 'hsdp[hf]'``,
 ``'hsdp[lightning]'``); ``import hsdp`` never imports them.
