@@ -128,6 +128,10 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     folder = hsdp_accelerate.save_pretrained(model, os.path.join(tmp, "hf"))
     if rank == 0:
         out["params"] = full
+        # On a GPU full_state_dict copies each name to the CPU on its own: the tie must be restored for HF.
+        copies = {k: v.clone() for k, v in full.items()}
+        hsdp_accelerate.tie_aliases(model, copies)
+        out["retied"] = copies["lm_head.weight"] is copies["model.embed_tokens.weight"]
         out["loaded"] = max_abs_diff(LlamaForCausalLM.from_pretrained(folder).state_dict(), full)
         with open(os.path.join(folder, "config.json")) as f:
             out["architectures"] = json.load(f)["architectures"]
@@ -175,6 +179,6 @@ def test_accelerate_trains_saves_and_resumes_like_one_process(tmp_path) -> None:
     assert resumed["norms"] == pytest.approx(straight["norms"][SAVE_AFTER:], abs=1e-6)
     assert r0["resumed_params"] < 1e-6
 
-    assert r0["loaded"] == 0.0
+    assert r0["loaded"] == 0.0 and r0["retied"]
     assert r0["architectures"] == ["LlamaForCausalLM"]
     assert "lm_head.weight" not in r0["stored"] and "model.embed_tokens.weight" in r0["stored"]

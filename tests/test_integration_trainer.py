@@ -161,8 +161,10 @@ def test_hsdp_trainer_trains_checkpoints_and_resumes_like_one_process(tmp_path) 
     assert r0["meta_eval"] == pytest.approx(r0["eval"], abs=1e-6)
 
 
-def test_hsdp_trainer_refuses_torch_compile_before_any_collective(tmp_path) -> None:
-    from hsdp.integrations.transformers import HSDPTrainer
+def test_hsdp_trainer_refuses_compile_and_foreign_checkpoints_before_any_collective(tmp_path) -> None:
+    from hsdp.integrations.transformers import HSDPTrainer, resume_dir
 
     with pytest.raises(ValueError, match="compile its blocks"):
         HSDPTrainer(model=tiny_llama(0), args=_args(str(tmp_path), MICRO, torch_compile=True))
+    with pytest.raises(ValueError, match="not written by HSDPTrainer"):  # before any collective: no mesh here
+        resume_dir(str(tmp_path))

@@ -68,9 +68,10 @@ from hsdp.checkpoint import load_checkpoint, save_checkpoint
 from hsdp.checkpoint.lease import release_lease
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
-from hsdp.integrations.hf_folder import save_pretrained
+from hsdp.integrations.hf_folder import save_pretrained, tie_aliases
 
-__all__ = ["checkpoint_dir", "prepare", "prepare_model", "register_hooks", "save_pretrained"]
+__all__ = ["check_accelerator", "checkpoint_dir", "prepare", "prepare_model", "register_hooks", "save_pretrained",
+           "tie_aliases"]
 
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 

@@ -80,7 +80,7 @@ from hsdp.engine.wrap import WrapPolicy
 from hsdp.integrations.accelerate import check_accelerator, checkpoint_dir, prepare_model
 from hsdp.integrations.hf_folder import architecture_name, save_pretrained
 
-__all__ = ["HSDPTrainer"]
+__all__ = ["HSDPTrainer", "resume_dir"]
 
 
 class HSDPTrainer(Trainer):
@@ -189,13 +189,12 @@ class HSDPTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # Called before the optimizer exists; the hsdp checkpoint holds both, so both are read together in
         # _load_optimizer_and_scheduler (Trainer calls it on every resume, after creating the optimizer).
-        if not os.path.isdir(checkpoint_dir(resume_from_checkpoint)):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)  # a plain Trainer checkpoint
+        resume_dir(resume_from_checkpoint)  # only the check: refuse a checkpoint of another trainer early
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not os.path.isdir(checkpoint_dir(checkpoint)):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        run_dir = checkpoint_dir(checkpoint)
+        if checkpoint is None:
+            return
+        run_dir = resume_dir(checkpoint)
         optimizer = self._sharded_optimizer() if _holds_optimizer(self.model, run_dir) else None
         load_checkpoint(run_dir, self.model, optimizer)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -219,6 +218,17 @@ def _check_args(args: Any) -> None:
                          "training: for layer in model.model.layers: layer.compile()")
     if args.fsdp or args.deepspeed or getattr(args, "parallelism_config", None) is not None:
         raise ValueError("HSDPTrainer shards the model with hsdp: leave fsdp, deepspeed and parallelism_config unset")
+
+
+def resume_dir(checkpoint: str | os.PathLike) -> str:
+    """The hsdp run directory inside the Trainer checkpoint ``checkpoint``; ``ValueError`` naming the fix for a
+    checkpoint without one (written by a plain Trainer: its ``optimizer.pt`` is one process's state)."""
+    run_dir = checkpoint_dir(checkpoint)
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"no hsdp checkpoint at {run_dir}: the checkpoint was not written by HSDPTrainer (a plain "
+                         f"Trainer's optimizer.pt is one process's state); resume from an HSDPTrainer checkpoint, or "
+                         f"start from its weights (hsdp.load_pretrained) with a fresh optimizer")
+    return run_dir
 
 
 def _changed(options: dict[str, Any]) -> bool:
