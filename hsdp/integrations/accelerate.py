@@ -40,8 +40,10 @@ Accumulation: ``accelerator.accumulate(model)`` / ``accelerator.no_sync(model)``
 multi-process runs (accelerate looks the method up on the model), hsdp's: each micro-batch is reduce-scattered
 inside the node and the inter-node all-reduce runs once per optimizer step. Clipping:
 ``accelerator.clip_grad_norm_`` computes the norm over DTensor gradients (the whole model's, tied weights once);
-``hsdp.clip_grad_norm_(model, max_norm)`` is the same number, reduced in the shard group only and counted in
-``model.comm_stats()``.
+``hsdp.clip_grad_norm_(model, max_norm)`` is the same number in one all-reduce inside the node, counted in
+``model.comm_stats()`` (with ``shard_optimizer_across_replicas`` DTensor issues two all-reduces and warns; hsdp's
+issues one). Mixed precision: ``Accelerator(mixed_precision="bf16")`` autocasts the forward as for any model;
+``hsdp.MixedPrecision`` also gathers and reduces in bf16.
 
 Not supported (``ValueError`` naming the fix): accelerate's DeepSpeed, FSDP, Megatron-LM and XLA modes (hsdp
 shards the model itself), ``mixed_precision="fp16"`` (accelerate's GradScaler sees one rank's shards: use bf16,
