@@ -54,6 +54,11 @@ def _gpt(seed: int = 0) -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
 
 
+def _meta_gpt() -> torch.nn.Module:
+    with torch.device("meta"):
+        return _gpt()
+
+
 def _dataset(n: int = SAMPLES) -> TensorDataset:
     ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=torch.Generator().manual_seed(7))
     return TensorDataset(ids[:, :-1], ids[:, 1:])
@@ -184,6 +189,17 @@ def _bf16_and_sampler_checks(rank: int) -> None:
         _close(loss.detach(), expected.detach(), tol=0.0)
         assert float(loss) != float(plain(x, y)[1])  # bf16 compute really ran
 
+    # fabric.init_module(empty_init=True): built on meta, materialised at setup (reset_parameters, this seed).
+    with fabric.init_module(empty_init=True):
+        meta = _gpt(seed=3)
+    assert meta.tok_emb.weight.is_meta
+    materialised = fabric.setup_module(meta)
+    by_hand = hsdp.ShardedModel(_meta_gpt(), mesh=fabric.strategy.mesh)
+    torch.manual_seed(3)
+    hsdp.materialize(by_hand)
+    ours, theirs = hsdp.full_state_dict(materialised.module), hsdp.full_state_dict(by_hand)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
     tp = L.Fabric(accelerator="cpu", strategy=HSDPFabricStrategy(sharding_degree=1, tensor_parallel_degree=2))
     tp.launch()
     assert tp.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": rank // 2}
@@ -212,6 +228,9 @@ class LitGPT(L.LightningModule):
         loss = self(*batch)
         self.losses.append(loss.detach().clone())
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(*batch), sync_dist=True)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if hasattr(self, "reset_comm_stats"):  # a ShardedModel (not the one-device reference)
@@ -257,6 +276,11 @@ def _trainer_checks(rank: int, tmp: str, fabric_gathers: int, fabric_hops: tuple
     _close(mean, torch.stack(ref.losses))
     _close(torch.stack(lit.norms), torch.stack(ref.norms))
     full = hsdp.full_state_dict(lit)
+    # A second stage on the same Trainer: the same mesh and wrapped module, the step redirected under no_grad.
+    val = trainer.validate(lit, DataLoader(data, batch_size=PER_RANK), verbose=False)[0]["val_loss"]
+    ref_val = L.Trainer(accelerator="cpu", devices=1, **QUIET).validate(
+        ref, DataLoader(data, batch_size=PER_RANK * WORLD), verbose=False)[0]["val_loss"]
+    _close(torch.tensor(val), torch.tensor(ref_val))
     hops = [_hops(s) for s in lit.stats]
     assert all(h[:2] == (0, 0) and h[2] > 0 for h in hops[0::2]), hops
     assert all(h == fabric_hops for h in hops[1::2]), (hops, fabric_hops)  # the same model's one crossing

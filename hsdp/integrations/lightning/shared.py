@@ -51,9 +51,11 @@ class HSDPStrategyBase:
         _set_rank_zero(self.global_rank)  # the Trainer's connector calls it when it is built
 
     def _setup_hsdp_environment(self) -> None:
-        """Join the process group (unless the caller has) and build hsdp's mesh on it."""
+        """Join the process group (unless the caller has) and build hsdp's mesh on it, once: the Trainer sets up
+        again for each ``fit``/``validate``/..., and the wrapped model stays on the first mesh."""
         init_process_group(self.root_device.type, self.options.timeout)
-        self._mesh = build_mesh(self.options)
+        if self._mesh is None:
+            self._mesh = build_mesh(self.options)
         _set_rank_zero(self.global_rank)
 
     def _policy(self, plugin: _HSDPPrecisionBase) -> MixedPrecision | None:
