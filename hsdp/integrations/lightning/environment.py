@@ -1,4 +1,5 @@
-"""The processes torchrun started: Lightning launches nothing and takes ranks from the process group.
+"""The processes torchrun started: Lightning launches nothing and takes ranks from the process group; this
+rank's device.
 
 Lightning's own environments derive the world from its ``devices`` and ``num_nodes`` flags and, unless
 they find a launcher's variables, start the processes themselves. An hsdp job is always started outside
@@ -13,8 +14,11 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
+
+from hsdp.engine.mesh import HSDPMesh
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -70,3 +74,10 @@ def init_process_group(device_type: str, timeout: timedelta) -> None:
                          f"{missing} are missing: launch with `torchrun --nproc-per-node G script.py` (or "
                          f"`hsdp launch`), or call torch.distributed.init_process_group() before fit/launch")
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+
+
+def rank_device(mesh: HSDPMesh | None, accelerator_type: str, local_rank: int) -> torch.device:
+    """This rank's device: the mesh's once it exists, else the one Lightning's accelerator will use."""
+    if mesh is not None:
+        return mesh.device
+    return torch.device("cuda", local_rank) if accelerator_type == "cuda" else torch.device("cpu")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -116,10 +115,3 @@ def wrap_module(module: nn.Module, mesh: HSDPMesh, options: HSDPOptions,
     if any(p.device.type == "meta" for p in model.parameters()):
         materialize(model)
     return model
-
-
-def rank_device(mesh: HSDPMesh | None, accelerator_type: str, local_rank: int) -> torch.device:
-    """This rank's device: the mesh's once it exists, else the one Lightning's accelerator will use."""
-    if mesh is not None:
-        return mesh.device
-    return torch.device("cuda", local_rank) if accelerator_type == "cuda" else torch.device("cpu")

@@ -30,7 +30,7 @@ SUPPORTED = ("32-true", "bf16-mixed")
 BF16_MIXED = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
 
 
-class _HSDPPrecisionBase:
+class HSDPPrecisionBase:
     """What both frameworks' HSDP precision plugins share: the flag, its policy, the model to clip."""
 
     precision: str
@@ -51,7 +51,7 @@ class _HSDPPrecisionBase:
         self._model = model
 
 
-class HSDPPrecision(_HSDPPrecisionBase, TrainerPrecision):
+class HSDPPrecision(HSDPPrecisionBase, TrainerPrecision):
     """The Trainer's precision plugin under ``HSDPStrategy``: no autocast (hsdp casts, see the module doc);
     ``gradient_clip_val`` by norm clips through ``hsdp.clip_grad_norm_`` (the norm of the whole gradient, reduced
     in the node only, counted in ``model.comm_stats()``)."""
@@ -63,12 +63,12 @@ class HSDPPrecision(_HSDPPrecisionBase, TrainerPrecision):
         clip_grad_norm_(self._model, clip_val)
 
 
-class HSDPFabricPrecision(_HSDPPrecisionBase, FabricPrecision):
+class HSDPFabricPrecision(HSDPPrecisionBase, FabricPrecision):
     """Fabric's precision plugin under ``HSDPFabricStrategy``: no autocast, inputs and outputs unchanged (hsdp
     casts them); ``fabric.clip_gradients`` goes through the strategy (``hsdp.clip_grad_norm_``)."""
 
 
-def as_hsdp_precision(plugin: Any, kind: type[_HSDPPrecisionBase]) -> Any:
+def as_hsdp_precision(plugin: Any, kind: type[HSDPPrecisionBase]) -> Any:
     """The ``kind`` plugin for the one Lightning's connector chose from ``precision=``; ``ValueError`` for
     others (raised while the Trainer or Fabric is built, before any process group exists)."""
     if plugin is None or isinstance(plugin, kind):

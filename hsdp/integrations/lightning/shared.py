@@ -17,9 +17,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from hsdp.data.sampler import data_parallel_rank, data_parallel_size
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
-from hsdp.integrations.lightning.environment import init_process_group
-from hsdp.integrations.lightning.options import HSDPOptions, build_mesh, rank_device
-from hsdp.integrations.lightning.precision import _HSDPPrecisionBase
+from hsdp.integrations.lightning.environment import init_process_group, rank_device
+from hsdp.integrations.lightning.options import HSDPOptions, build_mesh
+from hsdp.integrations.lightning.precision import HSDPPrecisionBase
 
 
 class HSDPStrategyBase:
@@ -58,7 +58,7 @@ class HSDPStrategyBase:
             self._mesh = build_mesh(self.options)
         _set_rank_zero(self.global_rank)
 
-    def _policy(self, plugin: _HSDPPrecisionBase) -> MixedPrecision | None:
+    def _policy(self, plugin: HSDPPrecisionBase) -> MixedPrecision | None:
         """An explicit ``mixed_precision=`` wins over the ``precision=`` flag."""
         return self.options.mixed_precision or plugin.policy
 
