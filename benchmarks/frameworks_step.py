@@ -89,11 +89,50 @@ def _run_hand(steps: int, clock: _Clock) -> None:
 
 
 def _run_trainer(steps: int, clock: _Clock) -> None:
-    raise NotImplementedError("filled in with hsdp.integrations.transformers")
+    import torch
+    from transformers import TrainerCallback, TrainingArguments
+
+    from hsdp.integrations.transformers import HSDPTrainer
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, *args: object, **kwargs: object) -> None:
+            clock.tick()
+
+    world = int(os.environ["WORLD_SIZE"])
+    # Trainer's defaults, but for logging, saving and evaluation (a benchmark measures steps) and the plain AdamW
+    # of the hand loop (Trainer's default may be the fused one).
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=PER_RANK,
+                             learning_rate=1e-4, max_grad_norm=1.0, optim="adamw_torch", logging_steps=10**6,
+                             save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+                             use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+    HSDPTrainer(model=_llama(), args=args, train_dataset=_dataset(steps, world), sharding_degree=2,
+                callbacks=[Tick()]).train()
 
 
 def _run_lightning(steps: int, clock: _Clock) -> None:
-    raise NotImplementedError("filled in with hsdp.integrations.lightning")
+    import lightning as L
+    import torch
+
+    from hsdp.integrations.lightning import HSDPStrategy
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _llama()
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def on_train_batch_end(self, *args: object) -> None:  # after this batch's optimizer step
+            clock.tick()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    loader = torch.utils.data.DataLoader(_dataset(steps, int(os.environ["WORLD_SIZE"])), batch_size=PER_RANK)
+    L.Trainer(accelerator="cuda" if torch.cuda.is_available() else "cpu", strategy=HSDPStrategy(sharding_degree=2),
+              max_steps=steps, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0).fit(Lit(), loader)
 
 
 RUNNERS: dict[str, Callable[[int, _Clock], None]] = {"hand": _run_hand, "trainer": _run_trainer,
