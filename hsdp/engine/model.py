@@ -13,7 +13,7 @@ from hsdp.engine.class_swap import swap_class
 from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
-from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
+from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
 from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.runtime.dtensor import as_sharded
 from hsdp.engine.runtime.origin import check_origin, stamp
@@ -96,7 +96,7 @@ class ShardedModel(nn.Module):
             )
         if not isinstance(module, nn.Module):
             raise ValueError(f"ShardedModel wraps an nn.Module, got {type(module).__name__}")
-        _check_policies(mixed_precision, replica_hop)
+        check_policies(mixed_precision, replica_hop)
         mesh = _resolve_mesh(sharding_degree, mesh)
         options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop(),
                               broadcast_buffers, shard_optimizer_across_replicas)
@@ -292,23 +292,6 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], pre
                 if key in state_dict:
                     check_origin(state_dict[key], p.device_mesh, f"parameter {key!r}")  # see [Note: pickled chunks]
                     state_dict[key] = as_sharded(state_dict[key], p.layout, p.device_mesh)
-
-
-_HOPS_BY_NAME = {"bf16": "hsdp.AllReduceHop(torch.bfloat16)", "bfloat16": "hsdp.AllReduceHop(torch.bfloat16)",
-                 "int8": "hsdp.Int8ErrorFeedbackHop()", "fp32": "hsdp.AllReduceHop()",
-                 "allreduce": "hsdp.AllReduceHop()"}
-
-
-def _check_policies(mixed_precision: Any, replica_hop: Any) -> None:
-    """Refuse policy arguments of the wrong kind at wrap (a string hop would fail only in the first backward,
-    inside a hook, on every rank at once)."""
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise ValueError(f"mixed_precision takes hsdp.MixedPrecision(param_dtype=..., reduce_dtype=...), got "
-                         f"{mixed_precision!r}: e.g. mixed_precision=hsdp.MixedPrecision(param_dtype=torch.bfloat16)")
-    if replica_hop is not None and not callable(getattr(replica_hop, "start", None)):
-        hint = _HOPS_BY_NAME.get(str(replica_hop).lower(), "hsdp.AllReduceHop(), hsdp.AllReduceHop(torch.bfloat16) "
-                                 "or hsdp.Int8ErrorFeedbackHop()")
-        raise ValueError(f"replica_hop takes a hop object, got {replica_hop!r}: pass replica_hop={hint}")
 
 
 def _resolve_mesh(sharding_degree: int | None, mesh: HSDPMesh | None) -> HSDPMesh:

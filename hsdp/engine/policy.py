@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,3 +40,21 @@ class MixedPrecision:
 
 
 FULL_PRECISION = MixedPrecision()
+
+
+_HOPS_BY_NAME = {"bf16": "hsdp.AllReduceHop(torch.bfloat16)", "bfloat16": "hsdp.AllReduceHop(torch.bfloat16)",
+                 "int8": "hsdp.Int8ErrorFeedbackHop()", "fp32": "hsdp.AllReduceHop()",
+                 "allreduce": "hsdp.AllReduceHop()"}
+
+
+def check_policies(mixed_precision: Any, replica_hop: Any, where: str = "ShardedModel") -> None:
+    """``ValueError`` naming the object to pass for policy arguments of the wrong kind (a string hop would fail
+    only in the first backward, inside a hook); ``where`` names the call in the message (a framework's strategy
+    checks in its constructor, before any rank communicates)."""
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(f"{where}(mixed_precision=...) takes hsdp.MixedPrecision(param_dtype=..., reduce_dtype=...), "
+                         f"got {mixed_precision!r}: e.g. hsdp.MixedPrecision(param_dtype=torch.bfloat16)")
+    if replica_hop is not None and not callable(getattr(replica_hop, "start", None)):
+        hint = _HOPS_BY_NAME.get(str(replica_hop).lower(), "hsdp.AllReduceHop(), hsdp.AllReduceHop(torch.bfloat16) "
+                                 "or hsdp.Int8ErrorFeedbackHop()")
+        raise ValueError(f"{where}(replica_hop=...) takes a hop object, got {replica_hop!r}: pass replica_hop={hint}")

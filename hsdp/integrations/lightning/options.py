@@ -26,7 +26,7 @@ from hsdp.engine.mesh import (
     init_mesh,
 )
 from hsdp.engine.model import ShardedModel
-from hsdp.engine.policy import MixedPrecision
+from hsdp.engine.policy import MixedPrecision, check_policies
 from hsdp.engine.wrap import WrapPolicy
 
 # The dims of the mesh Lightning's ModelParallelStrategy builds: data_parallel does not say which ranks
@@ -60,12 +60,7 @@ class HSDPOptions:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"HSDPStrategy({name}={value!r}): pass a positive int, or None for hsdp's default "
                                  f"(ranks per node)")
-        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
-            raise ValueError(f"HSDPStrategy(mixed_precision={self.mixed_precision!r}): pass an hsdp.MixedPrecision, "
-                             f"e.g. hsdp.MixedPrecision(param_dtype=torch.bfloat16), or use precision='bf16-mixed'")
-        if isinstance(self.replica_hop, str):
-            raise ValueError(f"HSDPStrategy(replica_hop={self.replica_hop!r}): pass a hop object, e.g. "
-                             f"hsdp.AllReduceHop(torch.bfloat16) or hsdp.Int8ErrorFeedbackHop()")
+        check_policies(self.mixed_precision, self.replica_hop, where="HSDPStrategy")
         if not isinstance(self.checkpoint_options, CheckpointOptions):
             raise ValueError("HSDPStrategy(checkpoint_options=...): pass an hsdp.CheckpointOptions")
         if self.device_mesh is not None:
