@@ -5,24 +5,35 @@ rank whose main thread has been blocked in one torch.distributed collective for 
 every group's sequence number unchanged) judges every other rank from their published samples:
 
 * **with it**: inside the same torch.distributed API (``barrier``, ``DTensor.full_tensor``, a
-  distributed-checkpoint ``save``), blocked or not. All ranks in one call is a legitimate long wait (a big
-  gather, or rank 0 writing files inside ``dcp.save`` while the others wait in its barrier) and is never
-  reported, however long; a stuck transport there is left to the process group's own timeout.
+  distributed-checkpoint ``save``), blocked or not;
 * **elsewhere**: blocked for ``timeout`` too, in a different collective (another torch.distributed API,
-  or one of hsdp's): the two can never pair, a certain deadlock;
-* **gone**: it exited normally, a certain deadlock;
-* **pending**: in a different collective for less than ``timeout`` so far: judged again later;
-* **working**: in no collective. It may be doing what the others
-  wait for (rank 0 writing a checkpoint while the others sit in ``accelerator.wait_for_everyone()``), so it
-  is not a culprit: once, the lowest waiting rank prints a notice naming it and its stack, and everyone
-  keeps waiting. Should it stop for good, the heartbeat (dead or stopped process) or the process group's
-  timeout ends the job. This differs from hsdp's own collectives on purpose: those run in the training
-  step, where no rank has a reason to be away for ``timeout``;
+  or one of hsdp's);
+* **gone**: it exited normally;
+* **pending**: in a different collective for less than ``timeout`` so far;
+* **working**: in no collective;
 * **busy**: inside hsdp's declared single-rank work (``Comm.busy``).
 
-With any rank elsewhere or gone, the report names every group of ranks and where it is, the stacks of
-this rank and of (up to a few) ranks elsewhere or working, and the likely cause; every rank then exits
-as for hsdp's own hangs. The functions here are pure (snapshots in, text out), tested without processes.
+The job is ended only when the wait can never end: some rank is elsewhere or gone, and none is pending,
+working or busy. Every live rank then sits still in a collective, and not all in the same one.
+
+* All ranks in one API is a legitimate long wait (a big gather; rank 0 writing files inside ``dcp.save``
+  while the others wait in its barrier) and is never reported, however long: a stuck transport there is
+  left to the process group's own timeout.
+* A working rank may be what the blocked ones wait for, directly (rank 0 writing a checkpoint while the
+  others sit in ``accelerator.wait_for_everyone()``) or through a subgroup (ranks 2, 3 in a world
+  ``all_reduce`` wait for ranks 0, 1, whose shard-group gather waits for rank 1, still computing): while
+  one works nothing is reported. Once per wait the lowest waiting rank prints a notice naming the working
+  ranks and their stacks. Should one stop for good (a deadlocked data loader), hsdp does not end the job:
+  the heartbeat does if the process dies or is stopped, the process group's timeout otherwise. This
+  differs from hsdp's own collectives on purpose: those run in the training step, where no rank has a
+  reason to be away for ``timeout``.
+* Without the groups a collective runs on (a stack does not say), a gather on a subgroup that legitimately
+  takes longer than ``timeout`` while every other rank already waits in a different collective is
+  reported as a hang. Keep ``timeout`` well above the longest single collective.
+
+The report names every group of ranks and where it is, the stacks of this rank and of (up to a few)
+ranks elsewhere, and the likely cause; every rank then exits as for hsdp's own hangs. The functions here
+are pure (snapshots in, text out), tested without processes.
 """
 
 from __future__ import annotations
@@ -50,8 +61,9 @@ class ForeignVerdict:
     busy: dict[int, list[Any]] = field(default_factory=dict)
 
     @property
-    def offenders(self) -> bool:
-        return bool(self.elsewhere or self.in_hsdp or self.gone)
+    def deadlocked(self) -> bool:
+        """Some rank can never join, and no rank is still on its way (see the module docstring)."""
+        return bool(self.elsewhere or self.in_hsdp or self.gone) and not (self.working or self.pending or self.busy)
 
 
 def aged(record: list[Any] | None, snap: Snapshot, now: float) -> list[Any] | None:
@@ -104,8 +116,6 @@ def foreign_report(me: int, v: ForeignVerdict, snapshots: Mapping[int, Snapshot 
         lines.append(f"  rank(s) {_ranks(ranks)} are in hsdp's {text}")
     if v.gone:
         lines.append(f"  rank(s) {_ranks(v.gone)} exited normally without entering it")
-    if v.working:
-        lines.append(f"  rank(s) {_ranks(v.working)} are in no collective (presumed working)")
     for text, ranks in _grouped(dict(stacks)):
         lines.append(f"  rank(s) {_ranks(ranks)} now at:\n" + _indent(text))
     lines.append("likely cause: " + foreign_cause(mine, v))
@@ -132,9 +142,9 @@ def foreign_cause(mine: list[Any], v: ForeignVerdict) -> str:
 
 def working_notice(v: ForeignVerdict, mine: list[Any], stacks: Mapping[int, str]) -> str:
     """One notice, not an error: ranks wait in a foreign collective for ranks that are in no collective."""
-    text = (f"note: rank(s) {_ranks(v.waiting)} have waited {mine[4]:.0f} s in {describe_record(mine)} for "
-            f"rank(s) {_ranks(v.working)}, which are in no collective: presumed to be working alone (e.g. "
-            f"writing a checkpoint), so not ended as a hang")
+    text = (f"note: rank(s) {_ranks(v.waiting)} have waited {mine[4]:.0f} s in {describe_record(mine)}; they "
+            f"wait for rank(s) {_ranks(v.working)}, which are in no collective: presumed to be working alone "
+            f"(e.g. writing a checkpoint), so not ended as a hang")
     for stack, ranks in _grouped(dict(stacks)):
         text += f"\n  rank(s) {_ranks(ranks)} now at:\n" + _indent(stack)
     return text

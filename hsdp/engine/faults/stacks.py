@@ -38,8 +38,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class MainThreadSampler:
         if frame is None:
             self.where = None
             return None
-        entry, op, site, frames = self._locate(frame)
+        entry, op, site, frames = locate(frame, self._kind)
         signature = hash((frames, issued_collectives()))
         now = time.monotonic()
         last = self.where
@@ -104,29 +105,42 @@ class MainThreadSampler:
         self.where = Where(entry or op, op, site, bool(op), still, moves)
         return self.where
 
-    def _locate(self, frame: FrameType | None) -> tuple[str, str, str, tuple]:
-        """Walk outward from the innermost frame: entry, blocking op, call site, and the (code, lasti) pairs."""
-        entry = op = site = ""
-        inner = True  # still in the innermost run of frames inside torch
-        frames = []
-        while frame is not None:
-            code = frame.f_code
-            frames.append((id(code), frame.f_lasti))
-            kind = self._kind(code.co_filename)
-            if inner and kind == OTHER:
-                inner, site = False, f"{_short(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
-            elif inner and kind == BLOCKING and not op:
-                op = code.co_name
-            if kind >= DIST and "<locals>" not in code.co_qualname:  # a decorator's wrapper is not the API
-                entry = code.co_qualname
-            frame = frame.f_back
-        return entry, op, site, tuple(frames)
-
     def _kind(self, filename: str) -> int:
         kind = self._kinds.get(filename)
         if kind is None:
             kind = self._kinds[filename] = _kind_of(filename)
         return kind
+
+
+def locate(frame: FrameType | None, kind_of: Callable[[str], int]) -> tuple[str, str, str, tuple]:
+    """Walk outward from the innermost ``frame``: the entry, the blocking op, the call site (see :class:`Where`)
+    and the frames' (code, instruction) pairs."""
+    entry = op = site = ""
+    inner = True  # still in the innermost run of frames inside torch
+    frames = []
+    while frame is not None:
+        code = frame.f_code
+        frames.append((id(code), frame.f_lasti))
+        kind = kind_of(code.co_filename)
+        if inner and kind == OTHER:
+            inner, site = False, f"{_short(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        elif inner and kind == BLOCKING and not op:
+            op = code.co_name
+        if kind >= DIST and "<locals>" not in code.co_qualname:  # a decorator's wrapper is not the API
+            entry = code.co_qualname
+        frame = frame.f_back
+    return entry, op, site, tuple(frames)
+
+
+def raised_in_collective(tb: TracebackType | None) -> str:
+    """:func:`describe_record` of the torch.distributed collective an exception was raised from (the innermost
+    frames of its traceback), ``""`` if none: a peer that exited makes gloo raise there before a beat sees it."""
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    entry, op, site, _ = locate(tb.tb_frame, _kind_of)
+    return describe_record([entry or op, op, site]) if op else ""
 
 
 def issued_collectives() -> int:

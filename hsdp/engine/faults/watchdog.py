@@ -23,8 +23,8 @@ cause (``hang.py``); every rank then exits as above.
 Hangs in collectives hsdp does not issue (DTensor's ``full_tensor()``, a user's ``dist.all_reduce``, a
 barrier): the watchdog also samples where the main thread is once per beat (``stacks.py``) and publishes it
 with the ledger. A rank blocked in one such collective for ``timeout`` judges the others (``foreign.py``):
-ranks blocked as long in a different collective, or gone, end the job with a report as above; ranks in
-the same call, or working outside any collective, do not.
+when every live rank has sat as long in a collective, not all in the same one, or has exited, the job
+ends with a report as above; ranks all in the same call, or any rank working outside a collective, do not.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch.distributed as dist
 from hsdp.engine.faults.foreign import foreign_report, judge_foreign, working_notice
 from hsdp.engine.faults.hang import judge, report, stuck_transport
 from hsdp.engine.faults.ledger import CollectiveLedger, Entry
-from hsdp.engine.faults.stacks import MainThreadSampler, describe_record, main_thread_stack
+from hsdp.engine.faults.stacks import MainThreadSampler, describe_record, main_thread_stack, raised_in_collective
 from hsdp.engine.faults.status import EXIT_CODE
 
 FAILED_KEY = "hsdp/failed"
@@ -58,7 +58,8 @@ _BY_STORE: dict[int, Watchdog] = {}
 @dataclass(frozen=True)
 class FaultPolicy:
     """``timeout``: seconds without a heartbeat before a rank is declared dead, and seconds a collective may
-    wait for a late or mismatched rank before the job is ended as hung; ``interval``: beat period;
+    wait for a late or mismatched rank before the job is ended as hung (hsdp's own collectives, and those of
+    other libraries that some ranks call alone: ``hsdp.engine.faults.foreign``); ``interval``: beat period;
     ``detect_hangs``: whether to watch collectives at all (off: only dead ranks are caught);
     ``watch_launcher``: end the rank when its launcher dies (``hsdp.engine.faults.launcher``);
     ``lease_stale_after``: how old a run directory's lease may get before another job takes it over
@@ -136,17 +137,13 @@ class Watchdog:
         except Exception:
             return []
 
-    def peer_cause(self) -> str:
+    def peer_cause(self, tb: TracebackType | None = None) -> str:
         """Why a collective of this rank failed, when a peer is to blame: dead ranks (silent heartbeat) or
         ranks that already exited normally, and the collective this rank was in; ``""`` otherwise."""
         dead, gone = self.silent_ranks(), []
         with contextlib.suppress(Exception):
             gone = [r for r in range(self.world_size) if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)]
-        entry = self.ledger.oldest_pending() or (self.ledger.recent[-1] if self.ledger.recent else None)
-        where = f" while rank {self.rank} was in {entry.describe()}" if entry else ""
-        main = self.sampler.where
-        if main is not None and main.blocked:  # the last beat saw it in a collective hsdp does not issue
-            where = f" while rank {self.rank} was in {describe_record(main.record(time.monotonic()))}"
+        where = self._where_failed(tb)
         parts = []
         if dead:
             parts.append(f"rank(s) {dead} died (no heartbeat)")
@@ -156,6 +153,17 @@ class Watchdog:
         elif dead and where:
             parts[-1] += where
         return "; ".join(parts)
+
+    def _where_failed(self, tb: TracebackType | None) -> str:
+        """`` while rank R was in <collective>``: hsdp's pending one, else the foreign one the error came from
+        (``tb``) or the last beat saw, else hsdp's last; ``""`` if none."""
+        main = self.sampler.where
+        foreign = raised_in_collective(tb) or (describe_record(main.record(0.0)) if main and main.blocked else "")
+        entry = self.ledger.oldest_pending()
+        if entry is None and not foreign and self.ledger.recent:
+            entry = self.ledger.recent[-1]
+        what = entry.describe() if entry is not None else foreign
+        return f" while rank {self.rank} was in {what}" if what else ""
 
     def linger(self) -> None:
         """Stay two beats after a failure: this process may host the store (rank 0 without torchrun),
@@ -207,8 +215,9 @@ class Watchdog:
         self.sampler.sample()
         snap = self._my_snapshot()
         main = self.sampler.where
+        # Where the main thread is matters to the others only as its API and whether (since when) it is blocked.
         key = (snap["seq"], snap["waiting"] and snap["waiting"][0], snap["busy"] and snap["busy"][0],
-               main and main.moves)
+               main and (main.entry, main.blocked and main.still_since))
         if key != self._published:
             self.store.set(f"hsdp/prog/{self.rank}", json.dumps(snap))
             self._published = key
@@ -250,13 +259,10 @@ class Watchdog:
     def diagnose_foreign(self, moves: int) -> str | None:
         """Read every rank's snapshot and name a hang in this rank's foreign collective (``None``: not one,
         see ``foreign.py``); the first time the others are only working, the lowest waiting rank says so."""
-        now = time.time()
-        snapshots = {r: self._snapshot_of(r) for r in range(self.world_size) if r != self.rank}
-        snapshots[self.rank] = self._my_snapshot()
-        gone = {r for r in snapshots if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)}
+        now, (snapshots, gone) = time.time(), self._all_snapshots()
         verdict = judge_foreign(self.rank, snapshots, gone, self.policy.timeout, now)
-        if verdict.offenders:
-            stacks = self._stacks_of([*verdict.elsewhere, *verdict.in_hsdp, *verdict.working][:4])
+        if verdict.deadlocked:
+            stacks = self._stacks_of([*verdict.elsewhere, *verdict.in_hsdp][:4])
             stacks[self.rank] = main_thread_stack()
             return foreign_report(self.rank, verdict, snapshots, stacks, now)
         if (verdict.working and not verdict.pending and self._noticed != moves
@@ -272,10 +278,7 @@ class Watchdog:
 
         Judged against the earliest collective any rank waits in, not this rank's: ranks that ran ahead
         (other shard groups, until the inter-node hop) wait downstream of the real culprit."""
-        now = time.time()
-        snapshots = {r: self._snapshot_of(r) for r in range(self.world_size) if r != self.rank}
-        snapshots[self.rank] = self._my_snapshot()
-        gone = {r for r in snapshots if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)}
+        now, (snapshots, gone) = time.time(), self._all_snapshots()
         waits = {r: s["waiting"] for r, s in snapshots.items() if s and s.get("waiting") and r not in gone}
         anchor = min(waits, key=lambda r: (waits[r][0], r), default=self.rank)
         if anchor != self.rank:
@@ -293,6 +296,12 @@ class Watchdog:
                     f"{Entry.describe_record(waited)}: the process died or was stopped")
         stacks = self._stacks_of(verdict.late[:4])
         return report(anchor, waited, verdict, snapshots, stacks, now)
+
+    def _all_snapshots(self) -> tuple[dict[int, dict | None], set[int]]:
+        """Every rank's published snapshot (this rank's fresh), and the ranks that exited normally."""
+        snapshots = {r: self._snapshot_of(r) for r in range(self.world_size) if r != self.rank}
+        snapshots[self.rank] = self._my_snapshot()
+        return snapshots, {r for r in snapshots if r != self.rank and self.store.add(f"hsdp/done/{r}", 0)}
 
     def _snapshot_of(self, rank: int) -> dict | None:
         key = f"hsdp/prog/{rank}"
@@ -371,7 +380,7 @@ def _chain_excepthook(watchdog: Watchdog) -> None:
         raised = f"rank {watchdog.rank} raised {kind.__name__}: {str(value)[:300]}{where}"
         # A collective that fails because a peer died or left names an address, not the peer: name the rank,
         # and the collective this rank was in.
-        cause = watchdog.peer_cause() if isinstance(value, RuntimeError) else ""
+        cause = watchdog.peer_cause(tb) if isinstance(value, RuntimeError) else ""
         if cause:
             raised = f"{cause}; {raised}"
         watchdog.publish_failure(raised)
