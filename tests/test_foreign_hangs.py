@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,9 @@ _FAKE_API = ("class DTensor:\n"
              "    def full_tensor(self, lock):\n"
              "        return _ops_call(wait_tensor, lock)\n")
 _FAKE_OPS = "def _ops_call(fn, lock):\n    return fn(lock)\n"
+_FAKE_DISPATCH = ("class OpDispatcher:\n"
+                  "    def dispatch(self, lock):\n"
+                  "        return wait_tensor(lock)\n")
 
 
 def _fake_torch() -> dict:
@@ -41,6 +45,7 @@ def _fake_torch() -> dict:
     exec(compile(_FAKE_WAIT, stacks._BLOCKING[1], "exec"), names)
     exec(compile(_FAKE_OPS, os.path.join(stacks._TORCH, "_ops.py"), "exec"), names)
     exec(compile(_FAKE_API, os.path.join(stacks._DIST, "tensor", "_api.py"), "exec"), names)
+    exec(compile(_FAKE_DISPATCH, stacks._DISPATCH, "exec"), names)
     return names
 
 
@@ -72,6 +77,26 @@ def test_the_sampler_sees_a_blocking_call_its_api_caller_and_how_long_it_stays_s
         f"DTensor.full_tensor (waiting in wait_tensor), called from {first.site}")
 
 
+def test_an_operator_on_a_dtensor_and_an_error_raised_in_a_collective_are_named() -> None:
+    fake, lock = _fake_torch(), threading.Lock()
+    lock.acquire()
+    thread = threading.Thread(target=fake["OpDispatcher"]().dispatch, args=(lock,), daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    where = MainThreadSampler(thread).sample()
+    lock.release()
+    thread.join()
+    assert (where.entry, where.op, where.blocked) == ("DTensor operator", "wait_tensor", True), where
+
+    # Raised from C inside the wait, as gloo raises from C++ when a peer closed its connection.
+    broken = types.SimpleNamespace(acquire=threading.Lock().release)  # releasing an unheld lock raises
+    with pytest.raises(RuntimeError) as error:
+        _caller(fake["DTensor"](), broken)
+    raised = stacks.raised_in_collective(error.value.__traceback__)
+    assert raised.startswith("DTensor.full_tensor (waiting in wait_tensor), called from tests/test_foreign_hangs.py:")
+    assert raised.endswith("in _caller"), raised
+
+
 def test_the_sampler_of_a_thread_outside_torch_distributed_sees_no_collective() -> None:
     event = threading.Event()
     thread = threading.Thread(target=event.wait, daemon=True)
@@ -91,7 +116,7 @@ def snap(main_record: list | None = None, waiting: list | None = None, busy: lis
 
 
 GATHER = main("DTensor.full_tensor", "wait_tensor", 6.0)
-BARRIER = main("barrier", "barrier", 6.0)
+BARRIER = main("dist.barrier", "barrier", 6.0)
 
 
 def test_each_rank_is_classified_against_a_foreign_wait() -> None:
@@ -99,7 +124,7 @@ def test_each_rank_is_classified_against_a_foreign_wait() -> None:
         0: snap(GATHER),
         1: snap(main("DTensor.full_tensor", "", 2.0, blocked=False)),  # same API, between two gathers: with it
         2: snap(BARRIER),  # blocked as long in another collective: a deadlock
-        3: snap(main("barrier", "barrier", 1.0)),  # only just arrived there: judged later
+        3: snap(main("dist.barrier", "barrier", 1.0)),  # only just arrived there: judged later
         4: snap(),  # exited
         5: snap(main("", "", 0.0, blocked=False)),  # in no collective: presumed working
         6: snap(busy=["writing the manifest", 7.0]),
@@ -128,12 +153,12 @@ def test_the_foreign_report_names_every_group_its_stack_and_the_cause() -> None:
     stacks_ = {0: '  File "train.py", line 40, in save\n    p.full_tensor()', 1: '  File "train.py", line 44'}
     text = foreign_report(1, v, snapshots, stacks_, 101.0)
     first = text.splitlines()[0]
-    assert first == ("hang: rank(s) 1, 2, 3 waited 7 s in barrier, a collective hsdp does not issue; "
+    assert first == ("hang: rank(s) 1, 2, 3 waited 7 s in dist.barrier, a collective hsdp does not issue; "
                      "in a different collective: rank(s) 0"), first
     assert ("rank(s) 0 are in a different collective: DTensor.full_tensor (waiting in wait_tensor), called "
             "from train.py:40 in save, for 7 s") in text
     assert "rank(s) 0 now at:" in text and "p.full_tensor()" in text
-    assert "likely cause: ranks called different collectives (barrier on rank(s) 1, 2, 3; " in text
+    assert "likely cause: ranks called different collectives (dist.barrier on rank(s) 1, 2, 3; " in text
     assert "DTensor.full_tensor on rank(s) 0)" in text and "write on rank 0 only" in text
     gone = judge_foreign(0, {0: snap(GATHER), 1: snap(), 2: snap()}, gone={1, 2}, timeout=TIMEOUT, now=100.0)
     text = foreign_report(0, gone, snapshots, {0: "stack"}, 100.0)
@@ -145,13 +170,13 @@ def test_the_foreign_report_names_every_group_its_stack_and_the_cause() -> None:
 def test_the_working_notice_and_hsdp_own_report_name_the_foreign_call() -> None:
     v = judge_foreign(1, {0: snap(main("", "", 9.0, blocked=False)), 1: snap(BARRIER)}, set(), TIMEOUT, 100.0)
     notice = working_notice(v, BARRIER, {0: '  File "train.py", line 12, in save\n    f.write(blob)'})
-    assert notice.startswith("note: rank(s) 1 have waited 6 s in barrier, called from train.py:40 in save; they "
+    assert notice.startswith("note: rank(s) 1 have waited 6 s in dist.barrier, called from train.py:40 in save; they "
                              "wait for rank(s) 0, which are in no collective"), notice
     assert "f.write(blob)" in notice
     waited = [12, "hsdp::all_gather[shard] root", "", 6.0]
     snapshots = {0: snap(waiting=waited), 1: {**snap(BARRIER), "seq": 11}}
     text = report(0, waited, judge(0, waited, snapshots, set()), snapshots, {}, 100.0)
-    assert ("rank(s) 1 never entered it; it is in a collective hsdp does not issue: barrier, called from "
+    assert ("rank(s) 1 never entered it; it is in a collective hsdp does not issue: dist.barrier, called from "
             "train.py:40 in save") in text, text
 
 
@@ -183,9 +208,9 @@ def _run(case: str) -> tuple[list[subprocess.Popen], list[str], float]:
 
 # (case, what the report must say, exit codes of ranks 1-3): rank 0 alone in a foreign collective.
 MISUSES = [
-    ("full_tensor_barrier", ["waited", "DTensor.full_tensor", "barrier", "p.full_tensor()", "in wait_tensor",
+    ("full_tensor_barrier", ["waited", "DTensor.full_tensor", "dist.barrier", "p.full_tensor()", "in wait_tensor",
                              "likely cause: ranks called different collectives"], 75),
-    ("all_reduce_barrier", ["all_reduce", "barrier", "dist.all_reduce(torch.ones(4))",
+    ("all_reduce_barrier", ["dist.all_reduce", "dist.barrier", "dist.all_reduce(torch.ones(4))",
                             "likely cause: ranks called different collectives"], 75),
     # Either hsdp's report (exit 75) or, when gloo notices the closed connections first, the error it raises
     # (exit 1) completed by the watchdog's "rank(s) [1, 2, 3] exited normally while rank 0 was in ...".

@@ -124,7 +124,7 @@ def foreign_report(me: int, v: ForeignVerdict, snapshots: Mapping[int, Snapshot 
 
 def foreign_cause(mine: list[Any], v: ForeignVerdict) -> str:
     entries = [mine[0], *(m[0] for m in v.elsewhere.values())]
-    gathers = any(e.startswith("DTensor.") for e in entries) or mine[1] == "wait_tensor"
+    gathers = any(e.startswith("DTensor") for e in entries) or mine[1] == "wait_tensor"
     hint = (" A sharded model's parameters are DTensors: saving them (save_pretrained, full_tensor(), a state "
             "dict) gathers every parameter, so call it on every rank (or hsdp.full_state_dict on every rank) "
             "and write on rank 0 only") if gathers else ""

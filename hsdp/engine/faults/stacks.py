@@ -7,7 +7,8 @@ frames (``sys._current_frames()``; the main thread blocked in C++ has released t
 and keeps one :class:`Where`:
 
 * ``entry``: the torch.distributed API the thread is inside, its outermost frame there that is not a
-  decorator's wrapper (``DTensor.full_tensor``, ``barrier``, ``save`` of distributed checkpointing);
+  decorator's wrapper (``DTensor.full_tensor``, ``dist.barrier``, ``save`` of distributed checkpointing,
+  ``DTensor operator`` for an operator on a DTensor that redistributes it);
   ``""`` when it is in none. Two ranks with the same entry are in the same operation.
 * ``blocked``: whether it waits on a collective of torch.distributed right now: the innermost run of
   frames inside torch reaches c10d's API (``distributed_c10d.py``) or the functional collectives'
@@ -40,7 +41,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ _DIST = os.path.join(_TORCH, "distributed") + os.sep
 # The modules whose functions wait for a collective to complete: c10d's API (every collective, barrier,
 # object collective, new_group) and the functional collectives (DTensor's redistribute ends in wait_tensor).
 _BLOCKING = (os.path.join(_DIST, "distributed_c10d.py"), os.path.join(_DIST, "_functional_collectives.py"))
+_DISPATCH = os.path.join(_DIST, "tensor", "_dispatch.py")  # DTensor's operator dispatcher
 OTHER, TORCH, DIST, BLOCKING = range(4)  # what a source file is, innermost knowledge first
 
 
@@ -73,7 +75,7 @@ class Where:
 def describe_record(record: list[Any]) -> str:
     """``DTensor.full_tensor (waiting in wait_tensor), called from train.py:40 in save``."""
     entry, op, site = record[:3]
-    waiting = f" (waiting in {op})" if op and op != entry else ""
+    waiting = f" (waiting in {op})" if op and op != entry.rpartition(".")[2] else ""
     called = f", called from {site}" if site else ""
     return f"{entry or 'no torch.distributed call'}{waiting}{called}"
 
@@ -127,9 +129,19 @@ def locate(frame: FrameType | None, kind_of: Callable[[str], int]) -> tuple[str,
         elif inner and kind == BLOCKING and not op:
             op = code.co_name
         if kind >= DIST and "<locals>" not in code.co_qualname:  # a decorator's wrapper is not the API
-            entry = code.co_qualname
+            entry = _api_name(code)
         frame = frame.f_back
     return entry, op, site, tuple(frames)
+
+
+def _api_name(code: CodeType) -> str:
+    """How users call it: ``dist.barrier``, ``DTensor.full_tensor``; an operator on a DTensor (``t[-1]``, which
+    may redistribute) enters through DTensor's dispatcher, named ``DTensor operator``."""
+    if code.co_filename.startswith(_BLOCKING[0]):
+        return f"dist.{code.co_qualname}"
+    if code.co_filename.startswith(_DISPATCH):
+        return "DTensor operator"
+    return code.co_qualname
 
 
 def raised_in_collective(tb: TracebackType | None) -> str:
