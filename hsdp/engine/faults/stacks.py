@@ -28,8 +28,10 @@ creation, store-based barriers, and any ``Work.wait()`` under ``TORCH_NCCL_BLOCK
 ``work.wait()`` called by user code on a handle it holds (``async_op=True``) is a C++ call from the user's
 line, also not ``blocked``. A training loop run outside the main thread is not sampled.
 
-Cost: one walk of the main thread's frames per beat (a few microseconds per frame, measured in the
-report of issue 26), nothing on the main thread; no frame or local is kept between beats.
+Cost: one walk of the main thread's frames per beat on the watchdog thread, nothing on the main thread
+(measured, torch 2.13 CPU: 12-24 us per sample 20-60 frames deep, 37-59 us at 150, of which under 1 us
+reads the sequence numbers; at the default 1 s beat the GIL is held for < 1e-4 of the time). No frame or
+local is kept between beats: only strings, and a hash of the stack.
 """
 
 from __future__ import annotations
