@@ -118,12 +118,14 @@ def _group_step(comm: Comm, group: dict, items: list[_Item]) -> None:
                 parts.append(it.grad.float().square().sum(dim=0))
                 parts.append(local_of(it.state["row_var"]).float().sum().reshape(1))
     sums = _Sums(comm, parts)
-    # Phase 2: the updates; one more all-reduce for their sums of squares (the clipping RMS).
+    # Phase 2: the updates; one more all-reduce for their sums of squares (the clipping RMS). Torch's
+    # per-parameter scalars (step size, clipping denominator) stay on the device as 0-d fp32 tensors: no
+    # host read per parameter (a device sync each on CUDA).
     alphas, updates, update_sq = [], [], []
     for it in items:
         numel = math.prod(it.sp.layout.global_shape)
         rho = min(lr, 1 / (it.step ** 0.5))
-        alphas.append(max(eps2, math.sqrt(sums.scalar()) / numel ** 0.5) * rho)
+        alphas.append(sums.scalar().sqrt().div_(numel ** 0.5).clamp_(min=eps2).mul_(rho))
         if wd != 0:
             it.param.mul_(1 - lr * wd)
         var_estimate = _variance_estimate(it, sums, beta2_decay, eps1)
@@ -133,8 +135,9 @@ def _group_step(comm: Comm, group: dict, items: list[_Item]) -> None:
     totals = _Sums(comm, update_sq)
     for it, alpha, update in zip(items, alphas, updates, strict=True):
         numel = math.prod(it.sp.layout.global_shape)
-        denom = max(1.0, math.sqrt(totals.scalar()) / (numel ** 0.5 * d))
-        it.param.add_(update, alpha=-alpha / denom)
+        denom = totals.scalar().sqrt().div_(numel ** 0.5 * d).clamp_(min=1.0)
+        # In fp32 as torch's Python-float alpha is (not rounded to a low-precision parameter's dtype).
+        it.param.sub_(update.float().mul_(alpha / denom))
 
 
 def _counted_once(it: _Item, local_sum: torch.Tensor) -> torch.Tensor:
@@ -155,7 +158,7 @@ def _variance_estimate(it: _Item, sums: _Sums, beta2_decay: float, eps1: float) 
     if grad.dim() == 2:
         rows = it.sp.layout.rows
         col_var.lerp_(sums.tensor(grad.size(-1)).to(grad.dtype).div(rows).view(1, -1), beta)
-        row_mean = torch.tensor(sums.scalar() / rows, dtype=grad.dtype, device=grad.device)
+        row_mean = sums.scalar().div(rows).to(grad.dtype)
     else:  # dim -2 is not the sharded dim: torch's own local reductions
         col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), beta)
         row_mean = row_var.mean(dim=-2, keepdim=True)
@@ -163,18 +166,17 @@ def _variance_estimate(it: _Item, sums: _Sums, beta2_decay: float, eps1: float) 
 
 
 class _Sums:
-    """The concatenated fp32 ``parts`` summed over the shard group, read back in order: scalars from one
-    host copy (one device sync), vectors as device slices."""
+    """The concatenated fp32 ``parts`` summed over the shard group, read back in order as device views (0-d
+    scalars, 1-D vectors): no host copy, so no device sync."""
 
     def __init__(self, comm: Comm, parts: list[torch.Tensor]) -> None:
         self._flat = torch.cat(parts)
         comm.all_reduce(self._flat, "shard", op=dist.ReduceOp.SUM, label="adafactor")
-        self._host = self._flat.tolist()
         self._at = 0
 
-    def scalar(self) -> float:
+    def scalar(self) -> torch.Tensor:
         self._at += 1
-        return self._host[self._at - 1]
+        return self._flat[self._at - 1]
 
     def tensor(self, n: int) -> torch.Tensor:
         self._at += n
