@@ -12,36 +12,20 @@ fixed-length windows (packing: a window may span documents, as the end-of-text t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from hsdp.apps.train.config import STDLIB, DataConfig
 from hsdp.apps.train.sources import detect_format, documents, is_records, within_budget
+from hsdp.apps.train.tokenizing import DocumentTokenizer, Tokenizer
 from hsdp.data.text import ByteTokenizer, as_tokens, split_tokens
 
 __all__ = ["CharTokenizer", "Corpus", "DocumentTokenizer", "Tokenizer", "char_tokens", "detect_format",
            "load_corpus", "read_corpus_bytes"]
 
 _RECORD_SEPARATOR = b"\n\n"
-
-
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Any) -> str: ...
-
-
-class DocumentTokenizer(Tokenizer, Protocol):
-    """A model's own tokenizer: ``encode_documents`` gives the ids of every document, each followed by the
-    end-of-text token when the tokenizer has one; ``name`` describes it."""
-
-    name: str
-
-    def encode_documents(self, texts: list[str]) -> list[int]: ...
 
 
 class CharTokenizer:

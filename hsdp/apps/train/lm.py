@@ -29,9 +29,19 @@ from hsdp.models import GPT, GPTConfig, generate
 from hsdp.models.tp_plans import check_gpt_divisible, gpt_plan
 
 if TYPE_CHECKING:
-    from hsdp.apps.train.config import ModelConfig
-    from hsdp.apps.train.corpus import DocumentTokenizer
+    from hsdp.apps.train.tokenizing import DocumentTokenizer
     from hsdp.engine.model import ShardedModel
+
+
+class ModelSection(Protocol):
+    """What an adapter reads of the model section (``config.ModelConfig``): a protocol, so this module does not
+    import the configuration, which looks the kinds up here."""
+
+    kind: str
+    path: str
+    block_size: int
+
+    def shape(self, vocab_size: int) -> GPTConfig: ...
 
 
 class LanguageModel(Protocol):
@@ -42,16 +52,16 @@ class LanguageModel(Protocol):
     # ShardedModel's units; None: the engine's default, one unit per block of the repeated stack.
     wrap: WrapPolicy
 
-    def problem(self, model: ModelConfig) -> str | None:
+    def problem(self, model: ModelSection) -> str | None:
         """Why ``model`` cannot be built here (a missing package, a bad folder), naming the fix; ``None`` when
         it can. Checked before any rank starts; no process group."""
         ...
 
-    def tokenizer(self, model: ModelConfig) -> DocumentTokenizer | None:
+    def tokenizer(self, model: ModelSection) -> DocumentTokenizer | None:
         """The model's own tokenizer, or ``None`` to use ``data.tokenizer``'s."""
         ...
 
-    def shape(self, model: ModelConfig, vocab_size: int) -> Any:
+    def shape(self, model: ModelSection, vocab_size: int) -> Any:
         """What :meth:`build` builds, with a ``block_size`` (the context) and the vocabulary ``vocab_size``."""
         ...
 
@@ -87,13 +97,13 @@ class LanguageModel(Protocol):
 class _PresetShaped:
     """The built-in kinds: the preset's GPT shape, data.tokenizer's tokens, weights drawn by :meth:`build`."""
 
-    def problem(self, model: ModelConfig) -> str | None:
+    def problem(self, model: ModelSection) -> str | None:
         return None
 
-    def tokenizer(self, model: ModelConfig) -> DocumentTokenizer | None:
+    def tokenizer(self, model: ModelSection) -> DocumentTokenizer | None:
         return None
 
-    def shape(self, model: ModelConfig, vocab_size: int) -> GPTConfig:
+    def shape(self, model: ModelSection, vocab_size: int) -> GPTConfig:
         return model.shape(vocab_size)
 
     def initialize(self, model: ShardedModel, shape: Any) -> None:
@@ -140,7 +150,7 @@ class HuggingFaceGPT2(_PresetShaped):
 
     wrap: WrapPolicy = None
 
-    def problem(self, model: ModelConfig) -> str | None:
+    def problem(self, model: ModelSection) -> str | None:
         if importlib.util.find_spec("transformers") is None:
             return "model.kind = 'hf-gpt2' needs Hugging Face transformers: pip install 'hsdp[hf]'"
         return None
@@ -181,14 +191,14 @@ class HuggingFaceFolder:
 
     wrap: WrapPolicy = None
 
-    def problem(self, model: ModelConfig) -> str | None:
+    def problem(self, model: ModelSection) -> str | None:
         return hf_folder.folder_problem(model.path, model.block_size)
 
-    def tokenizer(self, model: ModelConfig) -> DocumentTokenizer | None:
+    def tokenizer(self, model: ModelSection) -> DocumentTokenizer | None:
         hf_folder.load_config(model.path)  # a missing folder or config.json is named before the tokenizer
         return hf_folder.load_tokenizer(model.path)
 
-    def shape(self, model: ModelConfig, vocab_size: int) -> hf_folder.HFShape:
+    def shape(self, model: ModelSection, vocab_size: int) -> hf_folder.HFShape:
         return hf_folder.hf_shape(model.path, model.block_size, vocab_size)
 
     def build(self, shape: hf_folder.HFShape) -> nn.Module:

@@ -28,12 +28,13 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hsdp.checkpoint import CheckpointOptions, load_checkpoint, save_checkpoint
 from hsdp.checkpoint.lease import release_lease
+from hsdp.engine.collectives import Comm
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
+from hsdp.integrations.lightning.shared import broadcast_object
 
 LIGHTNING_KEY = "lightning"  # the entry of extra.json holding Lightning's state
 
@@ -56,9 +57,8 @@ def load_lightning_checkpoint(path: str | os.PathLike, model: ShardedModel, opti
     extra = load_checkpoint(path, model, optimizer, options=options)
     blob = extra.get(LIGHTNING_KEY) if isinstance(extra, dict) else None
     # Saved by rank 0 only (Lightning's state is the same on every rank): rank 0's reaches the others.
-    holder = [blob]
-    dist.broadcast_object_list(holder, src=0)
-    return {} if holder[0] is None else decode(holder[0], weights_only)
+    blob = broadcast_object(Comm(model.mesh), blob, src=0)
+    return {} if blob is None else decode(blob, weights_only)
 
 
 def encode(metadata: dict[str, Any]) -> str:

@@ -7,14 +7,15 @@ Lightning's Trainer and Fabric take strategies of two unrelated base classes (``
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from hsdp.data.sampler import data_parallel_rank, data_parallel_size
+from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
 from hsdp.integrations.lightning.environment import init_process_group, rank_device
@@ -73,20 +74,29 @@ class HSDPStrategyBase:
             return tensor
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    # Through hsdp's Comm (the one caller of collectives), so the hang ledger sees them; a Comm of their own keeps
+    # them out of the model's comm_stats(). Before the mesh exists there is no process group to wait on.
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        if self._mesh is not None:
+            self._control().barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
+        if self._mesh is None:
             return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
+        return broadcast_object(self._control(), obj, src)
+
+    def _control(self) -> Comm:
+        comm = getattr(self, "_control_comm", None)
+        if comm is None or comm.mesh is not self._mesh:
+            comm = self._control_comm = Comm(self.mesh)
+        return comm
+
+
+def broadcast_object(comm: Comm, obj: Any, src: int = 0) -> Any:
+    """``obj`` of global rank ``src``, pickled (Lightning's decisions, paths and states; trusted, as
+    ``dist.broadcast_object_list`` trusts them)."""
+    data = pickle.dumps(obj) if comm.mesh.rank == src else None
+    return pickle.loads(comm.broadcast_bytes(data, src_group_rank=src))
 
 
 def _set_rank_zero(rank: int) -> None:
