@@ -28,6 +28,11 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
 
     Non-finite norm: ``"warn"`` clips nothing and warns; ``"skip"`` also drops every gradient (sets it to
     ``None``) so the next ``optimizer.step()`` changes nothing; ``"error"`` raises ``FloatingPointError``.
+
+    Host reads: with ``"warn"`` none. The scale is chosen on the device (1 for a non-finite norm) and the
+    warning is raised at the next backward's one host read (it names the step late, it costs no device
+    sync now); a run that ends right after the bad step does not warn. ``"skip"`` and ``"error"`` must
+    know now and read the norm (one device sync per call on CUDA).
     """
     if not isinstance(model, ShardedModel):
         raise ValueError("hsdp.clip_grad_norm_ expects a ShardedModel; use torch.nn.utils.clip_grad_norm_ otherwise")
@@ -44,14 +49,24 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     grads = [g for g in (p.grad_local for p in counted if not _tp_split(p.layout)) if g is not None]
     with model.comm.phase("hsdp.clip_grad_norm_"):
         total = _total_norm(model, grads, split, float(norm_type), "world" if sliced else "shard")
-    if not torch.isfinite(total):
+    every = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
+    if on_nonfinite == "warn":
+        model._hsdp_state.deferred_reads.append((total, _warn_if_nonfinite))
+    elif not torch.isfinite(total):
         _handle_nonfinite(model, total, on_nonfinite)
         return total
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    every = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
+    # Non-finite (only reachable with "warn"): scale by 1, i.e. clip nothing, without asking the host.
+    coef = torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + 1e-6), max=1.0), 1.0)
     if every:
         torch._foreach_mul_(every, coef.to(every[0].device))
     return total
+
+
+def _warn_if_nonfinite(value: float) -> None:
+    if not math.isfinite(value):
+        warnings.warn(f"the total gradient norm of the last hsdp.clip_grad_norm_ was {value}: nothing was "
+                      "clipped, the optimizer stepped on it; lower the LR or check the data", RuntimeWarning,
+                      stacklevel=2)
 
 
 def _tp_split(layout: ShardLayout) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -246,21 +247,32 @@ class Reduction:
         self.stage = Stage.DONE
 
 
-def drop_unused_grads(reductions: list[Reduction]) -> None:
+def drop_unused_grads(reductions: list[Reduction], deferred: list[DeferredRead] | None = None) -> None:
     """After every reduction of a backward finished: the step's one host read, of all the "has gradient"
     flags at once. A parameter no rank produced a gradient for gets ``grad = None`` back (DDP's semantics for
     unused parameters) where this backward created its gradient; one that already had a gradient got zeros
-    added, which leaves it as it was."""
+    added, which leaves it as it was.
+
+    ``deferred``: values queued since the last read (``(1-element tensor, callback)``, e.g. the last
+    ``clip_grad_norm_``'s total norm), read in the same copy and handed to their callbacks, then cleared."""
     done = [r for r in reductions if r.flags is not None]
-    if not done:
+    pending = deferred if deferred else []
+    if not done and not pending:
         return
-    used = (torch.cat([r.flags for r in done]) > 0).tolist()
-    flat = iter(used)
+    # fp32: the flags may be bf16, a deferred value must keep its precision.
+    values = torch.cat([r.flags.float() for r in done] + [t.float().reshape(1) for t, _ in pending]).tolist()
+    flat = iter(values)
     for r in done:
         for p, created in zip(r.params, r.created, strict=True):
-            if not next(flat) and created:
+            if not next(flat) > 0 and created:
                 p.sharded.grad = None
         r.flags = None
+    for (_, callback), value in zip(pending, flat, strict=True):
+        callback(value)
+    pending.clear()
+
+
+DeferredRead = tuple[torch.Tensor, Callable[[float], None]]
 
 
 def _flags(grads: list[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

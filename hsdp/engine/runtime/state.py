@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.buffers import BufferSync
-from hsdp.engine.runtime.reduction import Reduction, drop_unused_grads, reduce_grads
+from hsdp.engine.runtime.reduction import DeferredRead, Reduction, drop_unused_grads, reduce_grads
 from hsdp.engine.runtime.slice_gather import SliceGathers
 from hsdp.engine.runtime.streams import Streams
 from hsdp.engine.runtime.unit import ShardedState, ShardUnit
@@ -95,6 +95,9 @@ class HSDPState:
         self.requires_all_reduce = True
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
+        # Device values whose check can wait for the next backward's host read (hsdp.clip_grad_norm_'s
+        # non-finite warning): one read per step instead of one more.
+        self.deferred_reads: list[DeferredRead] = []
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
         # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
         # gloo's reduce-scatter work reports completion only once waited: nothing to poll), the mesh's hop
@@ -310,7 +313,7 @@ class HSDPState:
             reduction.start_replica_hop()
         for reduction in self._pending:
             reduction.finish()
-        drop_unused_grads(self._pending)  # the backward's one host read
+        drop_unused_grads(self._pending, self.deferred_reads)  # the backward's one host read
         self._pending.clear()
         self._reset_step()
 
