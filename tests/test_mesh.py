@@ -145,3 +145,22 @@ def test_tp_layout_is_chunks_of_the_tp_piece_uneven_included() -> None:
     col = ShardLayout((4, 1), 2, 0, TPSplit(Shard(1), (4, 2), 2, 1))
     assert col.placements == (Replicate(), Shard(0), Shard(1))
     assert torch.equal(col.chunk_of_full(torch.arange(8).view(4, 2)), torch.tensor([[1], [3]]))
+
+
+def test_hsdp_initialised_nccl_group_binds_the_local_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert mesh_module.process_group_kwargs(False, {"LOCAL_RANK": "3"}) == {"backend": "gloo"}
+    assert mesh_module.process_group_kwargs(True, {}) == {"backend": "nccl"}
+    assert mesh_module.process_group_kwargs(True, {"LOCAL_RANK": "3"}) == {
+        "backend": "nccl", "device_id": torch.device("cuda", 3)}
+    # The wiring, without a GPU: what init_process_group and set_device receive.
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(mesh_module.dist, "init_process_group", lambda **kw: calls.append(("init", kw)))
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "LOCAL_RANK": "1"}
+    for key, value in torchrun.items():
+        monkeypatch.setenv(key, value)
+    mesh_module._init_process_group(mesh_module.DEFAULT_TIMEOUT)
+    assert calls == [("set_device", torch.device("cuda", 1)),
+                     ("init", {"timeout": mesh_module.DEFAULT_TIMEOUT, "backend": "nccl",
+                               "device_id": torch.device("cuda", 1)})]

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -286,8 +287,21 @@ def _init_process_group(timeout: timedelta) -> None:
             f"launch with `torchrun --nproc-per-node G script.py` (or `hsdp launch`), or call "
             f"torch.distributed.init_process_group() before building the mesh"
         )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=timeout)
+    kwargs = process_group_kwargs(torch.cuda.is_available(), os.environ)
+    if "device_id" in kwargs:
+        torch.cuda.set_device(kwargs["device_id"])
+    dist.init_process_group(timeout=timeout, **kwargs)
+
+
+def process_group_kwargs(cuda_available: bool, env: Mapping[str, str]) -> dict[str, Any]:
+    """``init_process_group`` arguments when hsdp initialises the default group: NCCL with a GPU, else gloo.
+    On NCCL with torchrun's ``LOCAL_RANK``, ``device_id`` binds the rank's GPU at init (NCCL then creates its
+    communicator eagerly on that device instead of guessing one at the first collective)."""
+    if not cuda_available:
+        return {"backend": "gloo"}
+    if "LOCAL_RANK" not in env:
+        return {"backend": "nccl"}
+    return {"backend": "nccl", "device_id": torch.device("cuda", int(env["LOCAL_RANK"]))}
 
 
 def init_mesh(
