@@ -154,7 +154,7 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Run the step's micro-batches; returns this rank's mean loss (detached)."""
         accum = self.cfg.train.grad_accum
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)  # summed on the device: no sync
         for micro in range(accum):
             x, y = self.train_stream.batch((step - 1) * accum + micro)  # the data position is a function of the step
             x, y = x.to(self.mesh.device), y.to(self.mesh.device)
@@ -162,10 +162,10 @@ class Trainer:
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = self.lm.loss(self.model, x, y)
                 (loss / accum).backward()
-            total += loss.detach().double().cpu()
+            total += loss.detach().double()
         return total / accum
 
-    def _optimizer_step(self, step: int) -> tuple[torch.Tensor, float, float]:
+    def _optimizer_step(self, step: int) -> tuple[float, float, float]:
         """One optimizer step; ``(this rank's loss, grad norm before clipping, seconds)``."""
         start = time.perf_counter()
         set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.train.steps))
@@ -174,9 +174,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._forward_backward(step)
         max_norm = self.cfg.optim.grad_clip or math.inf  # inf: measure the norm, scale nothing
-        grad_norm = float(hsdp.clip_grad_norm_(self.model, max_norm))
+        grad_norm = hsdp.clip_grad_norm_(self.model, max_norm)
         self.optimizer.step()
-        return loss, grad_norm, time.perf_counter() - start
+        # The step's one read for the record: loss and norm in one copy, after the step (it also makes the
+        # timing include the device's work).
+        loss_value, norm_value = torch.stack([loss, grad_norm.double()]).tolist()
+        return loss_value, norm_value, time.perf_counter() - start
 
     def step(self, step: int, stop_requested: bool) -> tuple[dict[str, Any], bool]:
         """Run step ``step`` and measure it: its metrics record, and ``True`` when some rank asked to stop
@@ -185,7 +188,7 @@ class Trainer:
         self.model.reset_comm_stats()
         loss, grad_norm, seconds = self._optimizer_step(step)
         comm = comm_totals(self.model.comm_stats(), waits_block=self.mesh.device.type == "cpu")
-        mean_loss, stop_votes = self.channel.mean([loss.item(), float(stop_requested)])
+        mean_loss, stop_votes = self.channel.mean([loss, float(stop_requested)])
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optim.lr or set optim.grad_clip")
         stream = self.train_stream  # world_size: the R x S data-parallel readers (a TP group reads one batch)
