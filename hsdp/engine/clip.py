@@ -49,7 +49,6 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     grads = [g for g in (p.grad_local for p in counted if not _tp_split(p.layout)) if g is not None]
     with model.comm.phase("hsdp.clip_grad_norm_"):
         total = _total_norm(model, grads, split, float(norm_type), "world" if sliced else "shard")
-    every = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
     if on_nonfinite == "warn":
         model._hsdp_state.deferred_reads.append((total, _warn_if_nonfinite))
     elif not torch.isfinite(total):
@@ -57,6 +56,7 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
         return total
     # Non-finite (only reachable with "warn"): scale by 1, i.e. clip nothing, without asking the host.
     coef = torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + 1e-6), max=1.0), 1.0)
+    every = [g for g in (p.grad_local for p in model.sharded_params()) if g is not None]
     if every:
         torch._foreach_mul_(every, coef.to(every[0].device))
     return total
