@@ -69,6 +69,9 @@ class _Work:
     def is_completed(self) -> bool:
         return self.finished
 
+    def wait(self) -> bool:
+        return True
+
 
 def test_the_ledger_tracks_pending_collectives_phases_and_busy_regions() -> None:
     ledger = CollectiveLedger()
@@ -88,3 +91,33 @@ def test_the_ledger_tracks_pending_collectives_phases_and_busy_regions() -> None
     assert [r[:3] for r in snapshot["recent"]] == [[1, "hsdp::all_gather[shard] root", ""],
                                                    [2, "hsdp::all_gather[shard] blocks.0", "hsdp.full_state_dict"]]
     assert ledger.snapshot()["busy"] is None
+
+
+class _Event:
+    """A CUDA event's polling face (``query``)."""
+
+    def __init__(self) -> None:
+        self.completed = False
+
+    def query(self) -> bool:
+        return self.completed
+
+
+def test_a_collective_waited_on_a_stream_stays_pending_until_its_completion_event_fires() -> None:
+    """On CUDA ``Handle.wait()`` only makes a stream wait: the host moves on while NCCL may still be stuck, so
+    the ledger keeps the entry, with the event recorded after the wait in place of the work (and its buffers),
+    and the watchdog retires it once the event completes. Where the wait blocks until completion (gloo, no
+    ``completion``), waiting retires it at once."""
+    from hsdp.engine.collectives import Handle
+
+    ledger = CollectiveLedger()
+    event = _Event()
+    cuda_work, gloo_work = _Work(), _Work()
+    on_cuda = ledger.enter("hsdp::all_reduce[replicate] blocks.0", cuda_work)
+    Handle(cuda_work, retire=lambda marker: ledger.done_when(on_cuda, marker), completion=lambda: event).wait()
+    assert ledger.oldest_pending() is on_cuda and on_cuda.work is event, "retired when the wait was enqueued"
+    event.completed = True
+    assert ledger.oldest_pending() is None and on_cuda.work is None
+    on_gloo = ledger.enter("hsdp::all_reduce[replicate] blocks.1", gloo_work)
+    Handle(gloo_work, retire=lambda marker: ledger.done_when(on_gloo, marker)).wait()
+    assert on_gloo.seq not in ledger.pending

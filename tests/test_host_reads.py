@@ -9,8 +9,10 @@ optimizer's ``step`` counters, which torch keeps on the CPU (``capturable=False`
 wait for the device. ``.cpu()`` / ``.to("cpu")`` copies are not counted: nothing in a step calls them.
 
 The count is over the second step (the first builds optimizer state). The one read allowed is the
-backward's "has gradient" flags (``drop_unused_grads``): DDP's ``grad = None`` for unused parameters
-needs the host to know which ones were used. All cases run in one spawn.
+backward's "has gradient" flags (``drop_unused_grads``), made only where some parameter had no gradient
+on this rank (DDP's ``grad = None`` for unused parameters then needs the host to know whether another rank
+used it), else ``hsdp.clip_grad_norm_``'s deferred norm check just before the optimizer step. All cases
+run in one spawn.
 """
 
 from __future__ import annotations
@@ -102,9 +104,11 @@ CASES = [("AdamW", "hsdp"), ("AdamW", "torch"), ("Adafactor", "none"), ("Adafact
 
 def _deferred_warning(rank: int) -> dict[str, object]:
     """hsdp.clip_grad_norm_ with a NaN gradient (default ``"warn"``): nothing scaled, no warning in the call,
-    the warning at the next backward (whose host read carries the norm)."""
+    the warning when the optimizer steps (every parameter had a gradient: the backward read nothing, the
+    norm is read just before the step)."""
     torch.manual_seed(0)
     model = hsdp.ShardedModel(Net(), mesh=hsdp.init_mesh(2))
+    opt = hsdp.ShardedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.0))
     x = torch.randn(8, 16)
     model(x).sum().backward()
     model.head.weight.grad.to_local().fill_(float("nan"))  # on every rank: as after a sync
@@ -116,7 +120,7 @@ def _deferred_warning(rank: int) -> dict[str, object]:
                    for b, p in zip(before, model.parameters(), strict=True))
     with warnings.catch_warnings(record=True) as later:
         warnings.simplefilter("always")
-        model(x).sum().backward()
+        opt.step()
     return {"nan": torch.isnan(norm).item(), "unscaled": unscaled, "in_call": [str(w.message) for w in in_call],
             "later": [str(w.message) for w in later if issubclass(w.category, RuntimeWarning)]}
 
@@ -125,13 +129,15 @@ def _all(rank: int, world: int) -> dict[str, object]:
     return {"reads": {f"{o} + {c} clip": _count(rank, o, c) for o, c in CASES}, "warn": _deferred_warning(rank)}
 
 
-def test_at_most_one_host_read_per_step_and_the_clip_warning_comes_at_the_next_backward() -> None:
+def test_at_most_one_host_read_per_step_and_the_clip_warning_comes_at_the_optimizer_step() -> None:
     results = run_distributed(_all, 4)
     over = {f"rank {r}, {case}": sites for r, res in enumerate(results) for case, sites in res["reads"].items()
             if len(sites) > 1}
     assert not over, "more than one host read in a step:\n" + "\n".join(
         f"{where}: {len(sites)}: {sites}" for where, sites in over.items())
     for res in results:
+        # Every parameter had a gradient on every rank: the flags need no read; without clipping, nothing is read.
+        assert res["reads"]["Adafactor + none clip"] == [], res["reads"]
         warn = res["warn"]
         assert warn["nan"] and warn["unscaled"] and warn["in_call"] == [], warn
         assert len(warn["later"]) == 1 and "gradient norm of the last hsdp.clip_grad_norm_ was nan" in warn["later"][0]

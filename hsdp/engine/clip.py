@@ -30,9 +30,9 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     ``None``) so the next ``optimizer.step()`` changes nothing; ``"error"`` raises ``FloatingPointError``.
 
     Host reads: with ``"warn"`` none. The scale is chosen on the device (1 for a non-finite norm) and the
-    warning is raised at the next backward's one host read (it names the step late, it costs no device
-    sync now); a run that ends right after the bad step does not warn. ``"skip"`` and ``"error"`` must
-    know now and read the norm (one device sync per call on CUDA).
+    warning is raised at hsdp's next host read (the end of a backward that reads the "has gradient" flags,
+    else just before the optimizer step: at most one per step), costing no device sync now.
+    ``"skip"`` and ``"error"`` must know now and read the norm (one device sync per call on CUDA).
     """
     if not isinstance(model, ShardedModel):
         raise ValueError("hsdp.clip_grad_norm_ expects a ShardedModel; use torch.nn.utils.clip_grad_norm_ otherwise")

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,14 @@ class Handle:
 
     def __init__(self, work: dist.Work | None = None, stats: OpStats | None = None,
                  on_done: Callable[[], None] | None = None, after: list[Handle] | None = None,
-                 region: str = "", retire: Callable[[], None] | None = None, cuda_timed: bool = False) -> None:
+                 region: str = "", retire: Callable[[Any], None] | None = None, cuda_timed: bool = False,
+                 completion: Callable[[], Any] | None = None) -> None:
         self._work = work
-        self._retire = retire  # takes the collective out of the ledger's pending set once waited
+        # Takes the collective out of the ledger's pending set once waited: at once where the wait blocks until
+        # it completed (gloo), or, given ``completion`` (CUDA: an event recorded on the waiting stream), when
+        # that marker says so, so that a stuck NCCL collective stays pending for the hang watchdog.
+        self._retire = retire
+        self._completion = completion
         self._region = region  # the collective's profiler region; waiting shows as "<region> wait"
         self._stats = stats
         self._after = after or []
@@ -81,15 +87,19 @@ class Handle:
                 blocked = None if self._start is None or on_a_hop_worker() else time.perf_counter()
                 self._work.wait()
                 self.book_blocked(blocked)
+        marker = None
         if self._stats is not None and self._start_event is not None:
             # After the wait: the current stream now waits for the collective, so this event completes
             # only once it has. No host synchronisation here: the pair is resolved when the stats are read.
-            self._stats.book_events(self._start_event, recorded_event())
+            marker = recorded_event()
+            self._stats.book_events(self._start_event, marker)
             self._start_event = None
         elif self._stats is not None and self._start is not None:
             self._stats.book(time.perf_counter() - self._start)
         if self._retire is not None:
-            self._retire()
+            if marker is None and self._completion is not None and self._work is not None:
+                marker = self._completion()
+            self._retire(marker if self._completion is not None else None)
         self.done = True
         # A finished work still references its input and output buffers: drop it so they can be freed.
         self._work, self._after = None, []
@@ -119,6 +129,14 @@ class Chained:
     def settle(self) -> None:
         """Wait without raising (after an error elsewhere, whose report matters more)."""
         self._future.exception()
+
+
+def _completion_event() -> torch.cuda.Event:
+    """An event on the current stream right after it was made to wait for a collective: it completes when the
+    collective does (a wait on CUDA only enqueues; the host moves on)."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _divide(output: torch.Tensor, divisor: float) -> None:
@@ -335,8 +353,9 @@ class Comm:
                 entry = self._ledger.enter(region, work)
             else:  # on the hop worker: book to the entry chain() reserved
                 entry.work, self._worker_local.booked = work, True
-            retire = functools.partial(self._ledger.done, entry)
-        handle = Handle(work, stats, on_done=on_done, region=region, retire=retire, cuda_timed=self._cuda)
+            retire = functools.partial(self._ledger.done_when, entry)
+        handle = Handle(work, stats, on_done=on_done, region=region, retire=retire, cuda_timed=self._cuda,
+                        completion=_completion_event if self._cuda else None)
         if not async_op:
             handle.wait()
         return handle

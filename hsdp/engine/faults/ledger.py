@@ -38,7 +38,7 @@ class Entry:
     region: str  # "hsdp::<op>[<group>] <label>"
     phase: str  # the public helper it runs in ("hsdp.save_checkpoint"), "" in the training step
     entered: float  # time.monotonic() when issued
-    work: Any = None  # the torch.distributed Work, while pending (dropped when done: it holds buffers)
+    work: Any = None  # while pending: the Work, or once waited on CUDA its completion event (see done_when)
 
     def describe(self) -> str:
         return Entry.describe_record([self.seq, self.region, self.phase])
@@ -75,6 +75,16 @@ class CollectiveLedger:
     def done(self, entry: Entry) -> None:
         entry.work = None
         self.pending.pop(entry.seq, None)
+
+    def done_when(self, entry: Entry, marker: Any = None) -> None:
+        """The entry's collective was waited. Without ``marker`` that wait returned once it completed: retire it.
+        With one (on CUDA, an event the waiting stream records: the wait only ordered the stream, NCCL may still
+        be running) it stays pending, holding the marker instead of the work and its buffers, until the
+        watchdog sees the marker complete (:meth:`oldest_pending`): a stuck NCCL collective is reported."""
+        if marker is None:
+            self.done(entry)
+        else:
+            entry.work = marker
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -120,7 +130,9 @@ class CollectiveLedger:
 
 
 def _completed(work: Any) -> bool:
+    """Whether a pending entry's work (a ``torch.distributed`` Work) or completion marker (a CUDA event) is done."""
     try:
-        return bool(work.is_completed())
+        poll = getattr(work, "is_completed", None) or work.query
+        return bool(poll())
     except Exception:  # a backend without completion polling: only the waiting side retires it
         return False

@@ -53,6 +53,9 @@ def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str,
                               f"starting it from zero", stacklevel=3)
                 continue
             flat[off: off + p.layout.local_numel] = local.reshape(-1)
+        # Read next by the hop stream, which replaces it with the next residual: without this the allocator
+        # could hand the block to a later unit's backward before the hop stream has read it.
+        unit.streams.release_after(flat, "replica_hop")
         unit.hop.load_state_dict({unit.key: flat})
 
 

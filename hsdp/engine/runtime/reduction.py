@@ -84,6 +84,7 @@ def reduce_grads(unit: ShardUnit, sync_shards: bool = True, sync_replicas: bool 
 class Stage(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     REPLICA_HOP = "replica_hop"
+    SUMMED = "summed"  # a micro-batch without the replica sync: added to the unit's partial sum
     DONE = "done"
 
 
@@ -97,12 +98,13 @@ class Reduction:
         self.output = output  # 1D: this rank's reduced slot, then one flag per parameter
         self.sync_replicas = sync_replicas
         self._handle = handle
-        self._rs_input: torch.Tensor | None = None  # held until the reduce-scatter is waited (streams.py)
+        self._rs_input: torch.Tensor | None = None  # CUDA: held until the compute stream waited (release_input)
         # CUDA: the ends of the reduce-scatter and of the hop on their streams (streams.py, Streams.record).
         self._scattered: torch.cuda.Event | None = None
         self._hopped: torch.cuda.Event | None = None
         self.stage = Stage.REDUCE_SCATTER
         self._chained: Chained | None = None  # CPU: the hop issued by the hop worker (hop_worker.py)
+        self.missing = False  # some parameter had no gradient on this rank (its flag needs reading)
         # Set by finish: the reduced flags, and which parameters this reduction gave their first gradient.
         self.flags: torch.Tensor | None = None
         self.created: list[bool] = []
@@ -119,6 +121,7 @@ class Reduction:
         in_dtypes = {g.dtype for g in grads if g is not None}
         in_dtype = in_dtypes.pop() if len(in_dtypes) == 1 else dtype
         flags = _flags(grads, in_dtype, device)
+        missing = any(g is None for g in grads)
         slices = _slices(params)
         if slices is None:
             rs_input = _chunked_input(params, grads, flags, in_dtype, dtype, device, s)
@@ -129,14 +132,28 @@ class Reduction:
         with unit.streams.on("reduce_scatter"):  # after the copy-in above, on the compute stream
             handle = comm.reduce_scatter(output, rs_input.view(-1), "shard", op=dist.ReduceOp.AVG, async_op=True,
                                          label=unit.name)
+            if unit.streams.enabled:
+                # The reduce-scatter stream waits for the collective (no host block): the event below then
+                # marks the collective's end, which the compute stream waits for before dropping the input.
+                handle.wait()
             scattered = unit.streams.record("reduce_scatter")
         reduction = cls(unit, params, output, handle, sync_replicas)
-        reduction._scattered = scattered
+        reduction._scattered, reduction.missing = scattered, missing
         if unit.streams.enabled:
-            # Held until the hop stream is ordered after the reduce-scatter (streams.py). Without streams the
+            # Held until the compute stream waited for the reduce-scatter (release_input). Without streams the
             # collective's own work holds it, and drops it as soon as it completes: hold nothing more.
             reduction._rs_input = rs_input
         return reduction
+
+    def release_input(self) -> None:
+        """Drop the reduce-scatter input (a whole unit of gradients) once the compute stream is ordered after
+        the collective reading it, as FSDP2 does: called when the next unit's reduction starts, before it
+        allocates. The allocator can then hand the block to that unit at once, so at most two inputs are ever
+        held, however far the host runs ahead of the device (``record_stream`` would hold each one until the
+        device got there)."""
+        if self._rs_input is not None:
+            self.unit.streams.wait(self._scattered)
+            self._rs_input = None
 
     def start_replica_hop(self) -> None:
         """Wait for the reduce-scatter and start the inter-node hop. The wait blocks the host where the
@@ -161,18 +178,32 @@ class Reduction:
             self._start_replica_hop()
 
     def _start_replica_hop(self) -> None:
-        streams, reduced = self.unit.streams, self.output
+        streams = self.unit.streams
         self._handle.wait()
         self._handle = Handle()
         streams.wait(self._scattered)
-        # Release the reduce-scatter input (a full unit of gradients) now, not at the end of backward.
-        if self._rs_input is not None:
-            streams.release_after(self._rs_input, "replica_hop")
-            self._rs_input = None
         self._hop()
+        if streams.enabled and self.stage is Stage.REPLICA_HOP:
+            # Converted unit by unit on the hop stream, so each reduce-dtype shard is released here rather than
+            # beside the gradients at the end of backward. The wait costs no overlap: one group's collectives
+            # run one after the other anyway.
+            self._handle.wait()
+            self._handle = Handle()
+            self._to_grad_dtype()
         self._hopped = streams.record("replica_hop")
-        if self.output is not reduced:  # replaced (a partial sum, a cast, a packing): read by the hop stream
-            streams.release_after(reduced, "replica_hop")
+
+    def _set_output(self, tensor: torch.Tensor) -> None:
+        """Replace ``output`` on the hop stream: the old one (maybe allocated on the compute stream, as the
+        reduce-scatter output or a partial sum moved by ``.to()`` is) may still be read by the hop stream's
+        queued work, so the allocator must not hand its block out before the hop stream gets there."""
+        self.unit.streams.release_after(self.output, "replica_hop")
+        self.output = tensor
+
+    def _to_grad_dtype(self) -> None:
+        """The reduced shard in the sharded parameters' dtype (their gradients' dtype)."""
+        dtype = self.params[0].dtype
+        if self.output.dtype != dtype:
+            self._set_output(self.output.to(dtype))
 
     def _hop(self) -> None:
         unit = self.unit
@@ -184,13 +215,14 @@ class Reduction:
                 unit.partial += self.output
             if not self.sync_replicas:
                 # Summed into the partial: do not hold the buffer until the end of backward (a view would).
-                self.output = self.output.new_empty(0)
-                self.stage = Stage.DONE
+                self._set_output(self.output.new_empty(0))
+                self.stage = Stage.SUMMED
                 return
-            self.output, unit.partial = unit.partial, None
+            self._set_output(unit.partial)
+            unit.partial = None
         hop_dtype = unit.policy.reduce(self.params[0].dtype)  # a sync after fp32 partial sums: back to it
         if self.output.dtype != hop_dtype:
-            self.output = self.output.to(hop_dtype)
+            self._set_output(self.output.to(hop_dtype))
         # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces.
         if _slices(self.params) is None and unit.tp_replicated and unit.hop.state_dict() is None:
             self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
@@ -206,7 +238,7 @@ class Reduction:
         flags."""
         unit = self.unit
         packed = self.output.view(unit.comm.size("replicate"), -1)
-        self.output = self.output.new_empty(packed.shape[1])
+        self._set_output(self.output.new_empty(packed.shape[1]))
         return unit.hop.start_scatter(self.output, packed, unit.comm, unit.key)
 
     def abandon(self) -> None:
@@ -219,7 +251,7 @@ class Reduction:
         self.unit.streams.wait(self._scattered)
         self.unit.streams.wait(self._hopped)
         self._rs_input = None
-        self.output = self.output.new_empty(0)
+        self.output = self.output.new_empty(0)  # the compute stream waited for both streams: drop at once
         self.stage = Stage.DONE
 
     def finish(self) -> None:
@@ -227,10 +259,16 @@ class Reduction:
         if self.stage is Stage.DONE:
             return
         self.start_replica_hop()
-        if self.stage is Stage.DONE:
+        self.release_input()
+        if self.stage is Stage.SUMMED:
+            # No replica sync this micro-batch, but the hop stream still wrote the partial sum: order the compute
+            # stream after it, or a read or free of the partial (a torn step, a .to()) would race it.
+            self.unit.streams.wait(self._hopped)
+            self.stage = Stage.DONE
             return
         self._handle.wait()
         self.unit.streams.wait(self._hopped)
+        self._to_grad_dtype()  # on CUDA done unit by unit on the hop stream already
         n = len(self.params)
         slices = _slices(self.params)
         if slices is None:
@@ -248,10 +286,10 @@ class Reduction:
 
 
 def drop_unused_grads(reductions: list[Reduction], deferred: list[DeferredRead] | None = None) -> None:
-    """After every reduction of a backward finished: the step's one host read, of all the "has gradient"
-    flags at once. A parameter no rank produced a gradient for gets ``grad = None`` back (DDP's semantics for
-    unused parameters) where this backward created its gradient; one that already had a gradient got zeros
-    added, which leaves it as it was.
+    """After every reduction of a backward finished, where some parameter had no gradient on this rank: the
+    step's one host read, of all the "has gradient" flags at once. A parameter no rank produced a gradient
+    for gets ``grad = None`` back (DDP's semantics for unused parameters) where this backward created its
+    gradient; one that already had a gradient got zeros added, which leaves it as it was.
 
     ``deferred``: values queued since the last read (``(1-element tensor, callback)``, e.g. the last
     ``clip_grad_norm_``'s total norm), read in the same copy and handed to their callbacks, then cleared."""

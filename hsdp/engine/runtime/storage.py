@@ -75,12 +75,13 @@ def convert_units(units: list[ShardUnit], fn: Convert, mesh: HSDPMesh) -> None:
         plans.append((unit, new, grads))
     for unit, new, grads in plans:
         unit.adopt_flat(new, grads)
-        # Partial sums of unsynchronised micro-batches follow the device; they stay at least fp32.
+        # Partial sums of unsynchronised micro-batches follow the shards; they stay at least fp32, converted
+        # directly (not through fn: a .to(bfloat16) there would round them first).
         if unit.partial is not None:
-            unit.partial = _at_least_fp32(fn(unit.partial))
+            unit.partial = _following(unit.partial, new)
         for p in unit.params:
             if p.grad_acc is not None:
-                p.grad_acc = _at_least_fp32(fn(p.grad_acc))
+                p.grad_acc = _following(p.grad_acc, new)
 
 
 def allocate_shards(unit: ShardUnit, mesh: HSDPMesh) -> None:
@@ -114,5 +115,6 @@ def _check_converted(unit: ShardUnit, flat: torch.Tensor, new: object, mesh: HSD
                          f"on that device (init_mesh with the matching backend)")
 
 
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+def _following(t: torch.Tensor, shards: torch.Tensor) -> torch.Tensor:
+    """A partial sum on the shards' device, in their dtype or fp32, whichever is wider."""
+    return t.to(device=shards.device, dtype=torch.promote_types(shards.dtype, torch.float32))

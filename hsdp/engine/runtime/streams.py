@@ -9,16 +9,27 @@ own internal stream, but that stream first waits for the stream the collective i
   collective never reads the live shard a plain optimizer may edit in place) and the all-gather. It waits
   for the compute stream first (the shard's last update); the compute stream waits for the gather only in
   ``wait_for_unshard``, right before the unit's forward or backward needs the parameters.
-* ``reduce_scatter``: the reduce-scatter of a unit's gradients, after the compute stream copied them in.
+* ``reduce_scatter``: the reduce-scatter of a unit's gradients, after the compute stream copied them in. The
+  stream waits for the collective itself, so its event marks the collective's end.
 * ``replica_hop``: the inter-node hop; it waits for its own reduce-scatter, not for the compute stream, so it
-  is chained right behind it while the backward of earlier units goes on. The compute stream waits for the
-  hops only at the end of backward.
+  is chained right behind it while the backward of earlier units goes on; it also adds micro-batches'
+  partial sums and casts the reduced shard to the gradients' dtype, unit by unit. The compute stream waits
+  for the hops at the end of backward, synchronised or not.
 
-The buffer rule: every buffer a side stream touches is allocated on the compute stream and referenced until
-the compute stream has waited for its last use, with one exception made safe by ``record_stream``: the
-reduce-scatter input, released as soon as the hop stream has waited for the reduce-scatter (so that a
-unit's gradients are not held until the end of backward). The caching allocator then reuses no block
-early, whatever the process group does with its own references.
+The buffer rule: a buffer a side stream touches is allocated on the compute stream and referenced until the
+compute stream has waited for its last use, with two exceptions:
+
+* the reduce-scatter input (a whole unit of gradients) is dropped when the *next* unit's reduction starts,
+  after the compute stream waited for this one's reduce-scatter (FSDP2's ``reduce_scatter_state``): at most
+  two are held, however far the host runs ahead of the device;
+* a shard-sized buffer the hop stream replaces (the reduce-scatter output once cast or summed, a partial
+  sum, a residual loaded from a checkpoint) is handed to ``record_stream`` (:meth:`Streams.release_after`):
+  the allocator reuses its block only once the hop stream got past its last use.
+
+A buffer the hop stream allocates (a cast, a residual) is used by the compute stream only after it waited
+for the hop; its block goes back to the hop stream's pool, whose next use is ordered after the compute
+stream through the next reduce-scatter. ``tests/stream_model.py`` checks all of this on CPU against a model
+of the allocator and of stream order.
 
 On CPUs (gloo) there is one stream: every method here is a no-op and the runtime behaves as if it did not
 exist; a wait there blocks the host instead, so the hop stream's job (wait for a reduce-scatter, then issue
