@@ -66,7 +66,8 @@ export HSDP_GPU_CHECK_DIR="$work"  # tests/test_cuda_mesh.py leaves its memory n
 echo "== CUDA tests (pytest -m cuda, at most 3 minutes)"
 pytest_cmd=("$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --junitxml "$work/pytest.xml" tests/)
 set +e
-timeout -k 5 180 "${pytest_cmd[@]}" 2>&1 | tee "$work/pytest.log"
+# cuBLAS deterministic whatever the streams (tests/test_cuda_races.py compares runs bit for bit).
+CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout -k 5 180 "${pytest_cmd[@]}" 2>&1 | tee "$work/pytest.log"
 pytest_rc=${PIPESTATUS[0]}
 set -e
 skipped=0

@@ -63,7 +63,7 @@ def test_a_fake_2x4_mesh_rank_on_cuda_syncs_only_as_intended_and_peaks_like_fsdp
     # parameters, gradients, optimizer state and communication buffers, not activations, make the peak.
     ranks = [0, 7]
     model = ["--dim", "1024", "--hidden", "4099", "--depth", "8", "--batch", "256"]
-    results = _run(["--device", "cuda", "--ranks", *map(str, ranks), "--memory", *model], timeout=150)
+    results = _run(["--device", "cuda", "--ranks", *map(str, ranks), "--memory", *model], timeout=100)
     _check_ranks(results, ranks)
     peak = results[0]["peak_bytes"]
     ratio = peak["hsdp"] / peak["fsdp2"]

@@ -282,7 +282,7 @@ def test_the_cuda_sanitizer_finds_no_race_in_two_steps(tmp_path: Path, config: s
         env.pop(var, None)
     env["LOCAL_RANK"] = "0"
     proc = subprocess.run([sys.executable, "-W", "ignore", str(SANITIZED), "--store", str(tmp_path / "store"),
-                           "--config", config], capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+                           "--config", config], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     output = proc.stdout + proc.stderr
     assert CSAN_RACE not in output, output[-12000:]
     assert proc.returncode == 0, f"exit {proc.returncode}\n{output[-12000:]}"
