@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import hsdp
-from hsdp.engine.runtime import state as runtime_state
+from hsdp.engine.runtime import step_read
 
 pytestmark = [
     pytest.mark.cuda,
@@ -116,7 +116,7 @@ def _sync_debug_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Any host sync raises, but the one hsdp intends: the step's read of the "has gradient" flags of every
     reduction of a backward (``drop_unused_grads``, before the optimizer step), counted in the yielded list."""
     allowed: list[int] = []
-    original = getattr(runtime_state, "drop_unused_grads", None)
+    original = getattr(step_read, "drop_unused_grads", None)
     if original is not None:
         def drop_unused_grads(*args: object, **kwargs: object) -> None:
             allowed.append(1)
@@ -125,7 +125,7 @@ def _sync_debug_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
                 original(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("error")
-        monkeypatch.setattr(runtime_state, "drop_unused_grads", drop_unused_grads)
+        monkeypatch.setattr(step_read, "drop_unused_grads", drop_unused_grads)
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield allowed

@@ -50,7 +50,7 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     with model.comm.phase("hsdp.clip_grad_norm_"):
         total = _total_norm(model, grads, split, float(norm_type), "world" if sliced else "shard")
     if on_nonfinite == "warn":
-        model._hsdp_state.deferred_reads.append((total, _warn_if_nonfinite))
+        model._hsdp_state.step_read.defer(total, _warn_if_nonfinite)
     elif not torch.isfinite(total):
         _handle_nonfinite(model, total, on_nonfinite)
         return total

@@ -15,6 +15,7 @@ from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
 from hsdp.engine.replicas import check_replica_shards
+from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.dtensor import as_sharded
 from hsdp.engine.runtime.origin import check_origin, stamp
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -140,6 +141,20 @@ class ShardedModel(nn.Module):
         """``False``: the next backwards reduce-scatter inside the node into an fp32 partial sum but skip
         the inter-node hop; the first backward with ``True`` sends the sum across nodes once."""
         self._hsdp_state.requires_all_reduce = requires
+
+    def set_batch_weight(self, weight: float | torch.Tensor | None) -> None:
+        """Weight this rank's next backwards (until set again) as ``weight`` samples or tokens of the global
+        batch: the reduced gradient becomes the ``weight``-weighted average over all ranks (and over the
+        micro-batches of an accumulation window) of each backward's gradient, i.e. the gradient of one
+        process's mean loss over the concatenated uneven batches. Backward each micro-batch's *mean* loss, not
+        divided by the micro-batch count: the weighted average does that division. ``weight`` is a positive
+        number or a 1-element tensor (a token count on the device: no host sync); ``None`` returns to the
+        plain average, which equals weights of 1 bit for bit.
+
+        Every rank must set a weight before its backwards, or none: a mix (or a tensor weight that is zero,
+        negative or non-finite) raises ``ValueError`` at the step's host read, before ``optimizer.step()``
+        applies the gradient. See ``hsdp/engine/runtime/batch_weight.py`` for how the weights travel."""
+        self._hsdp_state.batch_weight = batch_weight.checked(weight)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -45,7 +45,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hsdp
 from hsdp.engine.runtime import reduction as runtime_reduction
-from hsdp.engine.runtime import state as runtime_state
+from hsdp.engine.runtime import step_read as runtime_step_read
 
 REPLICAS, SHARDS = 2, 4
 READS = ("item", "tolist", "numpy", "__array__", "__bool__", "__float__", "__int__", "__index__")
@@ -159,7 +159,7 @@ def host_reads(device: torch.device, optimizer: torch.optim.Optimizer) -> Iterat
 
     # Both bindings: the runtime calls it through the state module (or reduction's own, wherever it moves).
     patched = [(mod, "drop_unused_grads", mod.drop_unused_grads)
-               for mod in (runtime_state, runtime_reduction) if hasattr(mod, "drop_unused_grads")]
+               for mod in (runtime_step_read, runtime_reduction) if hasattr(mod, "drop_unused_grads")]
     patched += [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in READS]
     for owner, name, original in patched:
         setattr(owner, name, allowed(original) if name == "drop_unused_grads" else counted(name, original))

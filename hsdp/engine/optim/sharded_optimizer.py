@@ -82,7 +82,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
-        self._hsdp_model._hsdp_state.read_deferred()  # also torch's step pre-hook, which these paths may skip
+        self._hsdp_model._hsdp_state.step_read.before_step()  # as torch's step pre-hook, which these may skip
         if self._hsdp_sharded_step is not None:  # Adafactor, Muon: see adafactor.py, muon.py
             result = _evaluate(closure)
             self._hsdp_sharded_step(self, self._hsdp_model)

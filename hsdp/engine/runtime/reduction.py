@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from hsdp.engine.collectives import Chained, Handle
 from hsdp.engine.hops import start_split_over_tp
+from hsdp.engine.runtime import batch_weight
+from hsdp.engine.runtime.batch_weight import SLOTS, Weight
 from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
@@ -55,7 +57,8 @@ def _running_offsets(numels: list[int]) -> list[int]:
     return offsets
 
 
-def reduce_grads(unit: ShardUnit, sync_shards: bool = True, sync_replicas: bool = True) -> Reduction | None:
+def reduce_grads(unit: ShardUnit, sync_shards: bool = True, sync_replicas: bool = True,
+                 weight: Weight | None = None) -> Reduction | None:
     """Take a unit's unsharded gradients, reshard it, and start their reduce-scatter; ``None`` when nothing
     is communicated.
 
@@ -65,20 +68,26 @@ def reduce_grads(unit: ShardUnit, sync_shards: bool = True, sync_replicas: bool 
     Every rank that ran this unit in forward must call this, even when its own gradients are all
     ``None``: it then contributes zeros, and the gradient stays ``None`` only if no rank had one.
     ``sync_shards=False`` keeps fp32 unsharded sums instead (no communication this micro-batch);
-    ``sync_replicas=False`` reduce-scatters but defers the inter-node hop.
+    ``sync_replicas=False`` reduce-scatters but defers the inter-node hop. ``weight``: this backward's batch
+    weight (``batch_weight.py``; ``None``: the plain average).
     """
     trainable = reduced_params(unit)
     if not trainable:
         unit.reshard()
         return None
+    if weight is not None:
+        for p in trainable:
+            p.scale_unsharded_grad(weight)
     if not sync_shards:
         for p in trainable:
             p.accumulate_unsharded_grad()
+        unit.window_weight = batch_weight.add(unit.window_weight, weight)
         unit.reshard()
         return None
     grads = [p.take_unsharded_grad() for p in trainable]
     unit.reshard()
-    return Reduction.start(unit, trainable, grads, sync_replicas)
+    window, unit.window_weight = unit.window_weight, None
+    return Reduction.start(unit, trainable, grads, sync_replicas, weight, window)
 
 
 class Stage(enum.Enum):
@@ -95,8 +104,11 @@ class Reduction:
                  sync_replicas: bool) -> None:
         self.unit = unit
         self.params = params
-        self.output = output  # 1D: this rank's reduced slot, then one flag per parameter
+        self.output = output  # 1D: this rank's reduced slot, then one flag per parameter and the weight slots
+        self.n_extra = len(params) + SLOTS  # the values after the slot (batch_weight.py)
         self.sync_replicas = sync_replicas
+        self.weighted = False  # this rank weighted its batch: divide by the averaged weight once reduced
+        self._converted = False
         self._handle = handle
         self._rs_input: torch.Tensor | None = None  # CUDA: held until the compute stream waited (release_input)
         # CUDA: the ends of the reduce-scatter and of the hop on their streams (streams.py, Streams.record).
@@ -111,7 +123,7 @@ class Reduction:
 
     @classmethod
     def start(cls, unit: ShardUnit, params: list[ShardedParam], grads: list[torch.Tensor | None],
-              sync_replicas: bool) -> Reduction:
+              sync_replicas: bool, weight: Weight | None = None, window: Weight | None = None) -> Reduction:
         """Copy ``grads`` into the reduce-scatter input and issue it. Consumes ``grads`` (the list is
         emptied): the unsharded gradients are freed before the output is allocated, as in FSDP2."""
         comm, s = unit.comm, unit.sharding_degree
@@ -120,7 +132,8 @@ class Reduction:
         # _chunk_cat casts into its output, but needs one input dtype (fp32 sums may meet bf16 grads).
         in_dtypes = {g.dtype for g in grads if g is not None}
         in_dtype = in_dtypes.pop() if len(in_dtypes) == 1 else dtype
-        flags = _flags(grads, in_dtype, device)
+        # In the reduction's dtype: a weight (a token count) must not round to the gradients' bf16 on the way.
+        flags = batch_weight.extras(_flags(grads, dtype, device), weight, window)
         missing = any(g is None for g in grads)
         slices = _slices(params)
         if slices is None:
@@ -138,7 +151,7 @@ class Reduction:
                 handle.wait()
             scattered = unit.streams.record("reduce_scatter")
         reduction = cls(unit, params, output, handle, sync_replicas)
-        reduction._scattered, reduction.missing = scattered, missing
+        reduction._scattered, reduction.missing, reduction.weighted = scattered, missing, weight is not None
         if unit.streams.enabled:
             # Held until the compute stream waited for the reduce-scatter (release_input). Without streams the
             # collective's own work holds it, and drops it as soon as it completes: hold nothing more.
@@ -189,7 +202,7 @@ class Reduction:
             # run one after the other anyway.
             self._handle.wait()
             self._handle = Handle()
-            self._to_grad_dtype()
+            self._finish_values()
         self._hopped = streams.record("replica_hop")
 
     def _set_output(self, tensor: torch.Tensor) -> None:
@@ -199,11 +212,17 @@ class Reduction:
         self.unit.streams.release_after(self.output, "replica_hop")
         self.output = tensor
 
-    def _to_grad_dtype(self) -> None:
-        """The reduced shard in the sharded parameters' dtype (their gradients' dtype)."""
+    def _finish_values(self) -> None:
+        """Once: the reduced shard in the sharded parameters' dtype (their gradients'), divided by the averaged
+        batch weight where this rank weighted its batch."""
+        if self._converted:
+            return
+        self._converted = True
         dtype = self.params[0].dtype
         if self.output.dtype != dtype:
             self._set_output(self.output.to(dtype))
+        if self.weighted:
+            batch_weight.normalize_(self.output, self.n_extra)
 
     def _hop(self) -> None:
         unit = self.unit
@@ -227,7 +246,7 @@ class Reduction:
         if _slices(self.params) is None and unit.tp_replicated and unit.hop.state_dict() is None:
             self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
         elif _slices(self.params) is None:
-            self._handle = unit.hop.start(self.output, len(self.params), unit.comm, unit.key)
+            self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key)
         else:
             self._handle = self._start_scatter()
         self.stage = Stage.REPLICA_HOP
@@ -268,8 +287,7 @@ class Reduction:
             return
         self._handle.wait()
         self.unit.streams.wait(self._hopped)
-        self._to_grad_dtype()  # on CUDA done unit by unit on the hop stream already
-        n = len(self.params)
+        self._finish_values()  # on CUDA done unit by unit on the hop stream already
         slices = _slices(self.params)
         if slices is None:
             parts = _parts(self.output, slot_offsets(self.params), [p.layout.local_shape for p in self.params])
@@ -281,7 +299,7 @@ class Reduction:
         self.created = [p.grad_local is None for p in self.params]
         for p, part in zip(self.params, parts, strict=True):
             p.accumulate_grad(part)
-        self.flags = self.output[-n:]
+        self.flags = self.output[-self.n_extra: -SLOTS]
         self.stage = Stage.DONE
 
 
@@ -305,9 +323,10 @@ def drop_unused_grads(reductions: list[Reduction], deferred: list[DeferredRead] 
             if not next(flat) > 0 and created:
                 p.sharded.grad = None
         r.flags = None
-    for (_, callback), value in zip(pending, flat, strict=True):
+    callbacks = [callback for _, callback in pending]
+    pending.clear()  # before the callbacks: one may raise (a failed check), and must not be read again
+    for callback, value in zip(callbacks, flat, strict=True):
         callback(value)
-    pending.clear()
 
 
 DeferredRead = tuple[torch.Tensor, Callable[[float], None]]
@@ -340,10 +359,12 @@ def _chunked_input(params: list[ShardedParam], grads: list[torch.Tensor | None],
     every gradient back to back (the slot layout), then the flags; casts on the way."""
     inputs = [_reduce_scatter_input(p, g, in_dtype, device, s) for p, g in zip(params, grads, strict=True)]
     # One copy of the flags in every rank's chunk; contiguous, so _chunk_cat keeps its fast path.
-    inputs.append(flags.expand(s, -1).contiguous())
-    n_out = sum(p.layout.padded_numel for p in params) + len(params)
+    inputs.append(flags.to(in_dtype).expand(s, -1).contiguous())
+    n_out = sum(p.layout.padded_numel for p in params) + flags.numel()
     rs_input = torch.empty(s, n_out, dtype=dtype, device=device)
     torch._chunk_cat(inputs, dim=0, num_chunks=s, out=rs_input)
+    if in_dtype != dtype:
+        rs_input[:, -flags.numel():] = flags  # exact: the weight slot, not its rounding to in_dtype
     return rs_input
 
 
@@ -352,7 +373,7 @@ def _packed_input(params: list[ShardedParam], slices: list[SliceLayout], grads: 
     """The replica-sharded reduce-scatter input ``(S, R x (packed slices + n_flags))``: rank r receives its
     chunks already packed replica-major, each replica's part ending with the flags, ready to be
     reduce-scattered across replicas as is (``replica_slice.py``). Same bytes copied as ``_chunked_input``."""
-    r, width, n = slices[0].replicas, packed_numel(slices), len(params)
+    r, width, n = slices[0].replicas, packed_numel(slices), flags.numel()
     # Zeros where something is left unwritten: padding rows, and the slots of gradients this rank has not.
     dense = all(g is not None and sl.even for sl, g in zip(slices, grads, strict=True))
     rs_input = (torch.empty if dense else torch.zeros)(s, r, width + n, dtype=dtype, device=device)

@@ -185,6 +185,12 @@ class ShardedParam:
             grad = acc if grad is None else acc.add_(grad)
         return grad
 
+    def scale_unsharded_grad(self, weight: float | torch.Tensor) -> None:
+        """Multiply this backward's unsharded gradient by the rank's batch weight, in place (batch_weight.py)."""
+        grad = self._local_grad()
+        if grad is not None:
+            grad.mul_(weight)
+
     def accumulate_unsharded_grad(self) -> None:
         """Move the unsharded gradient into the fp32 sum (no communication this micro-batch)."""
         grad, self.unsharded.grad = self._local_grad(), None

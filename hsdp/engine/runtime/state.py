@@ -38,18 +38,18 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
+from hsdp.engine.runtime.batch_weight import Weight
 from hsdp.engine.runtime.buffers import BufferSync
-from hsdp.engine.runtime.reduction import DeferredRead, Reduction, drop_unused_grads, reduce_grads
+from hsdp.engine.runtime.reduction import Reduction, reduce_grads
 from hsdp.engine.runtime.slice_gather import SliceGathers
+from hsdp.engine.runtime.step_read import StepRead
 from hsdp.engine.runtime.streams import Streams
 from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
@@ -95,14 +95,10 @@ class HSDPState:
         # set_requires_all_reduce (micro-batches of gradient accumulation).
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        self.batch_weight: Weight | None = None  # ShardedModel.set_batch_weight (batch_weight.py)
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
-        # Device values whose check can wait for the step's host read, if any (hsdp.clip_grad_norm_'s
-        # non-finite warning): read with the "has gradient" flags, or else before the optimizer step.
-        self.deferred_reads: list[DeferredRead] = []
-        self._read_this_step = False  # the end of a backward since the last optimizer step read the flags
-        hook = register_optimizer_step_pre_hook(_reading_deferred(self))  # any optimizer: a plain one too
-        weakref.finalize(self, hook.remove)
+        self.step_read = StepRead()  # the step's one host read, if any (step_read.py)
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
         # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
         # gloo's reduce-scatter work reports completion only once waited: nothing to poll), the mesh's hop
@@ -300,7 +296,7 @@ class HSDPState:
     def _reduce(self, unit: ShardUnit) -> None:
         if self._pending:
             self._pending[-1].release_input()  # before this unit allocates its own (reduction.release_input)
-        reduction = reduce_grads(unit, self.requires_gradient_sync, self.requires_all_reduce)
+        reduction = reduce_grads(unit, self.requires_gradient_sync, self.requires_all_reduce, self.batch_weight)
         unit.used_in_grad_forward = False
         if reduction is None:
             return
@@ -320,21 +316,11 @@ class HSDPState:
             reduction.start_replica_hop()
         for reduction in self._pending:
             reduction.finish()
-        # The host reads the flags only where it cannot know them: when some parameter had no gradient on this
-        # rank. Where every one had, every reduced flag is positive (an average of non-negative flags, one
-        # of them 1): no read, and the host runs on into clipping and the optimizer step.
-        if any(r.missing for r in self._pending):
-            drop_unused_grads(self._pending, self.deferred_reads)  # the step's one host read
-            self._read_this_step = True
-        self._pending.clear()
-        self._reset_step()
-
-    def read_deferred(self) -> None:
-        """Before an optimizer step: read the deferred values unless this step read the flags already (they
-        then wait for the next read): at most one host read per step either way."""
-        if self.deferred_reads and not self._read_this_step:
-            drop_unused_grads([], self.deferred_reads)
-        self._read_this_step = False
+        try:
+            self.step_read.after_backward(self._pending, self.batch_weight)  # may raise a deferred check
+        finally:
+            self._pending.clear()
+            self._reset_step()
 
     def _reset_step(self) -> None:
         for unit in self.units:
@@ -436,13 +422,3 @@ def _registration_order(units: list[ShardUnit]) -> list[ShardUnit]:
         by_module.setdefault(id(unit.module), []).append(unit)
     return [unit for group in by_module.values() for unit in reversed(group)]
 
-
-def _reading_deferred(state: HSDPState) -> Callable[..., None]:
-    """A torch optimizer step pre-hook running ``state.read_deferred``, holding ``state`` weakly."""
-    ref = weakref.ref(state)
-
-    def hook(*_: object) -> None:
-        live = ref()
-        if live is not None:
-            live.read_deferred()
-    return hook

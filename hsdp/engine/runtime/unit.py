@@ -44,6 +44,8 @@ class ShardUnit:
         self.name = f"{type(module).__name__}({key or 'root'})"
         # fp32 reduce-scattered gradient sum of micro-batches that did not sync replicas (1D, flags last).
         self.partial: torch.Tensor | None = None
+        # What the micro-batches kept unsharded since the last reduce-scatter weighed (batch_weight.py).
+        self.window_weight: float | torch.Tensor | None = None
         self._gather_handle: Handle | None = None
         self._gather_buffer: torch.Tensor | None = None
         self._gather_input: torch.Tensor | None = None
