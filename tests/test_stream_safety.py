@@ -67,6 +67,11 @@ def _scenario(name: str, rank: int) -> dict:
             model, opt = _model(replica_hop=hsdp.Int8ErrorFeedbackHop())
             opt.load_state_dict(saved)
             _train(model, opt, rank, 1, stream)
+        elif name == "weighted":
+            # Batch weights (a tensor, as a token count would be): scaled, summed and divided on the side streams.
+            model, opt = _model(mixed_precision=hsdp.MixedPrecision(reduce_dtype=torch.bfloat16))
+            model.set_batch_weight(torch.tensor(float(rank + 1)))
+            _train(model, opt, rank, 2, stream, micro_batches=2)
         elif name == "moved_between_micro_batches":
             # Reductions in bf16, shards converted to fp64 and back: the partial sum is a new tensor, cast by the hop.
             policy = hsdp.MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)
@@ -94,7 +99,7 @@ def _without_side_streams(rank: int) -> dict[str, torch.Tensor]:
     return _params(model)
 
 
-SCENARIOS = ("plain", "bf16_reduce", "sliced", "int8_resumed", "moved_between_micro_batches")
+SCENARIOS = ("plain", "bf16_reduce", "sliced", "int8_resumed", "weighted", "moved_between_micro_batches")
 
 
 def _all(rank: int, world: int) -> dict:

@@ -16,7 +16,7 @@ hop's wire dtype, so a bf16 hop rounds it as it rounds every gradient.
 A rank that set no weight sends ``w = 1`` and scales nothing: with no weights anywhere the result is the plain
 average, bit for bit. The last two slots tell every rank whether all, none or only some ranks weighted their
 batch (or one's tensor weight was zero, negative or non-finite, which counts as not set): that check rides on
-the step's host read (``state.deferred_reads``), so a mix raises ``ValueError`` before ``optimizer.step()``
+the step's host read (``step_read.py``), so a mix raises ``ValueError`` before ``optimizer.step()``
 applies the gradient, on every rank that weighted (and on the others where the step reads anyway).
 """
 
