@@ -15,11 +15,13 @@ LAUNCH_EPILOG = """\
 examples:
   hsdp launch --nodes 2 --nproc-per-node 2 -- train.py --epochs 1
   hsdp launch --inter-node-bandwidth 50mbit --stats-json traffic.json -- -m my.module
+  hsdp launch --nodes 2 --nproc-per-node 2 --node-cpus 1.0,0.5 -- train.py
   hsdp launch --cleanup
 
 With root and iproute2, every node is a network namespace behind a shaped link and the run ends with a
 table of the bytes each node sent and received over it. Otherwise the nodes run as local processes on
-loopback (a one-line warning says why; --require-emulation makes that an error).
+loopback (a one-line warning says why; --require-emulation makes that an error). --node-cpus caps each
+node's agent and ranks at a CPU budget (a cgroup v1 cpu group per node, root needed), in either mode.
 """
 
 
@@ -39,6 +41,9 @@ def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                       help="fail instead of falling back to loopback when the network cannot be emulated")
     mode.add_argument("--no-emulation", action="store_true",
                       help="run the nodes on loopback on purpose (a baseline without shaping or counters)")
+    p.add_argument("--node-cpus", metavar="CPUS",
+                   help="CPU budget of each node's agent and ranks, comma-separated floats (e.g. 1.0,0.5) or one "
+                        "value for every node; a cgroup v1 cpu group per node (needs root)")
     p.add_argument("--stats-json", metavar="FILE", help="also write the per-node traffic report as JSON")
     p.add_argument("--cleanup", action="store_true",
                    help="remove namespaces, links and processes left by runs whose launcher died, then exit")
@@ -50,6 +55,7 @@ def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run_launch(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp launch``; the process exit status (2 for bad arguments)."""
+    from hsdp.tools.launch.cpu_groups import parse_node_cpus
     from hsdp.tools.launch.emulated import USAGE_ERROR, LaunchOptions, cleanup, launch
 
     if args.cleanup:
@@ -58,11 +64,12 @@ def run_launch(args: argparse.Namespace) -> int:
     if script[:1] == ["--"]:
         script = script[1:]
     try:
+        node_cpus = parse_node_cpus(args.node_cpus) if args.node_cpus is not None else None
         options = LaunchOptions(tuple(script), nodes=args.nodes, nproc_per_node=args.nproc_per_node,
                                 bandwidth=args.inter_node_bandwidth, latency=args.inter_node_latency,
                                 require_emulation=args.require_emulation, no_emulation=args.no_emulation,
-                                stats_json=args.stats_json)
-    except ValueError as e:  # a bad rate, duration, node count or no script: a usage error, not a traceback
+                                stats_json=args.stats_json, node_cpus=node_cpus)
+    except ValueError as e:  # a bad rate, duration, count, CPU budget or no script: a usage error, not a traceback
         print(f"hsdp launch: error: {e}\nusage: hsdp launch [options] -- SCRIPT [ARGS...]", file=sys.stderr)
         return USAGE_ERROR
     return launch(options)

@@ -5,14 +5,16 @@ With root and iproute2 (``ip``, ``tc``), every node is a network namespace behin
 hsdp.tools.launch.agent ...``, see :func:`hsdp.tools.launch.local.torchrun_command`) with node 0's address as
 the rendezvous. Without them the nodes fall back to plain local processes on loopback
 (:func:`hsdp.tools.launch.local.local_agents`) after a one-line warning, unless emulation is required.
+With ``node_cpus`` (``--node-cpus``), each node's agent and ranks also run in a cpu cgroup of their own
+(:mod:`hsdp.tools.launch.cpu_groups`): a slow node, on one machine, in either mode.
 
-Cleanup is layered so that no namespace, link or process outlives the run:
+Cleanup is layered so that no namespace, link, cpu group or process outlives the run:
 
   * success, a failing rank, Ctrl-C, SIGTERM/SIGHUP: :class:`~hsdp.tools.launch.local.Supervisor` stops the agents,
-    then ``finally`` tears the namespaces down (with those signals ignored, so a second Ctrl-C cannot cut the
-    teardown short), stopping any worker an agent left behind;
+    then ``finally`` tears the namespaces and cpu groups down (with those signals ignored, so a second Ctrl-C
+    cannot cut the teardown short), stopping any worker an agent left behind;
   * SIGKILL of the launcher: the agents get SIGTERM from the kernel (parent-death signal) and the
-    :class:`~hsdp.tools.launch.reaper.Reaper` removes the namespaces;
+    :class:`~hsdp.tools.launch.reaper.Reaper` removes the namespaces and cpu groups;
   * anything else (a crashed machine): ``hsdp launch --cleanup``.
 """
 
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsdp.engine.faults.signals import handle_signals
+from hsdp.tools.launch import cpu_groups
+from hsdp.tools.launch.cpu_groups import CpuGroupError, CpuGroups, cleanup_leftover_groups, loopback_run
 from hsdp.tools.launch.entry import missing_entry_point
 from hsdp.tools.launch.local import (
     AgentSpec,
@@ -69,8 +73,14 @@ class LaunchOptions:
     variables for every rank.
 
     ``no_emulation`` runs on loopback on purpose (a baseline; no warning), ``require_emulation`` makes the
-    loopback fallback an error. ``ValueError`` on construction for an empty or missing script or module,
-    bad counts, rates or durations, or both of those flags."""
+    loopback fallback an error.
+
+    ``node_cpus`` caps each node's agent and ranks at that many CPUs (floats; one value for every node, or
+    one per node), in a cgroup v1 cpu group per node; it is stored as one value per node. A cap, not a
+    reservation: on a busy machine a node may get less.
+
+    ``ValueError`` on construction for an empty or missing script or module, bad counts, rates, durations or
+    CPU budgets, both of those flags, or ``node_cpus`` where the cgroup v1 cpu controller is not writable."""
 
     script_args: tuple[str, ...]
     nodes: int = 2
@@ -81,6 +91,7 @@ class LaunchOptions:
     no_emulation: bool = False
     stats_json: str | None = None
     env: Mapping[str, str] | None = None
+    node_cpus: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before anything is created: a typo must not cost a cluster setup and teardown.
@@ -96,6 +107,11 @@ class LaunchOptions:
         missing = missing_entry_point(self.script_args, self.env)
         if missing:
             raise ValueError(missing)
+        if self.node_cpus is not None:
+            object.__setattr__(self, "node_cpus", cpu_groups.node_budgets(self.node_cpus, self.nodes))
+            problem = cpu_groups.controller_problem()
+            if problem:
+                raise ValueError(problem)
 
 
 def _warn(message: str) -> None:
@@ -136,6 +152,31 @@ def namespace_agents(tools: Tools, spec: ClusterSpec, nproc_per_node: int, scrip
     return agents
 
 
+def in_cpu_groups(agents: Sequence[AgentSpec], groups: CpuGroups | None, nproc_per_node: int,
+                  env: Mapping[str, str] | None = None) -> list[AgentSpec]:
+    """Each node's agent started inside its cpu group (unchanged without ``groups``), with no more intra-op
+    threads per rank than its node's budget covers (unless ``env`` sets ``OMP_NUM_THREADS``): a real slow
+    node has fewer cores, not the same threads sliced thinner."""
+    if groups is None:
+        return list(agents)
+    wrapped = []
+    for i, agent in enumerate(agents):
+        threads = dict(agent.env)
+        if "OMP_NUM_THREADS" not in (env or {}):
+            fit = max(1, int(groups.budgets[i] // nproc_per_node))
+            threads["OMP_NUM_THREADS"] = str(min(int(threads.get("OMP_NUM_THREADS", fit)), fit))
+        wrapped.append(AgentSpec(groups.wrap(i, agent.command), threads, agent.label))
+    return wrapped
+
+
+def _create_cpu_groups(options: LaunchOptions, run_name: str, parts: dict[str, Any]) -> CpuGroups | None:
+    if options.node_cpus is None:
+        return None
+    groups = parts["cpu"] = CpuGroups(run_name, options.node_cpus)  # recorded first: a partial create is undone
+    groups.create()
+    return groups
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The two ways to run.
 # ---------------------------------------------------------------------------------------------------------
@@ -153,11 +194,24 @@ def _finish(report: TrafficReport, stats_json: str | None) -> int:
 
 
 def _run_fallback(options: LaunchOptions) -> int:
-    with tempfile.TemporaryDirectory(prefix=f"{PREFIX}-logs-") as logs:
+    parts: dict[str, Any] = {}
+    try:
+        logs = parts["logs"] = tempfile.mkdtemp(prefix=f"{PREFIX}-logs-")
+        groups = None
+        if options.node_cpus is not None:
+            run = loopback_run()
+            # No namespaces to hold the processes: the reaper stops what is left in the groups and removes them.
+            parts["reaper"] = Reaper(run.name, None, logs, cpu_groups.CPU_ROOT)
+            groups = _create_cpu_groups(options, run.name, parts)
         agents = local_agents(options.nodes, options.nproc_per_node,
                               [*torchrun_flags(logs), *options.script_args], {**(options.env or {}),
                                                                               **rank_prefix_env()})
-        code, elapsed = _run_agents(agents)
+        code, elapsed = _run_agents(in_cpu_groups(agents, groups, options.nproc_per_node, options.env))
+    except CpuGroupError as e:
+        _warn(f"error: {e}")
+        return 1
+    finally:
+        _tear_down(parts)
     return _finish(TrafficReport(False, options.nodes, options.nproc_per_node, code, elapsed), options.stats_json)
 
 
@@ -168,10 +222,12 @@ def _set_up(tools: Tools, options: LaunchOptions, bandwidth: int, latency: float
     parts["logs"] = tempfile.mkdtemp(prefix=f"{PREFIX}-logs-")
     with allocated_run(tools) as run:
         # The reaper first: from here on even a SIGKILLed launcher leaves nothing behind.
-        parts["reaper"] = Reaper(run.name, tools.ip, parts["logs"])
+        parts["reaper"] = Reaper(run.name, tools.ip, parts["logs"],
+                                 cpu_groups.CPU_ROOT if options.node_cpus is not None else None)
         cluster = parts["cluster"] = EmulatedCluster(tools, ClusterSpec(options.nodes, bandwidth, latency, run))
         cluster.create_switch()  # reserves the subnet: allocations after this lock see it
     cluster.create_nodes()
+    _create_cpu_groups(options, cluster.spec.run.name, parts)
     if latency > 0 and not cluster.latency_emulated:
         _warn(netem_missing_note(latency))
     return cluster
@@ -181,17 +237,20 @@ def _tear_down(parts: dict[str, Any]) -> None:
     with handle_signals(_STOP_SIGNALS, signal.SIG_IGN):  # a second Ctrl-C must not cut this short
         if "cluster" in parts:
             parts["cluster"].teardown()
+        if "cpu" in parts:  # after the namespaces, whose removal stops their processes: the groups are empty
+            parts["cpu"].teardown()
         if "reaper" in parts:
             parts["reaper"].release()
         if "logs" in parts:
             shutil.rmtree(parts["logs"], ignore_errors=True)
 
 
-def _run_job(tools: Tools, cluster: EmulatedCluster, options: LaunchOptions, logs: str) -> int:
+def _run_job(tools: Tools, cluster: EmulatedCluster, options: LaunchOptions, parts: dict[str, Any]) -> int:
     spec = cluster.spec
     before = cluster.counters()
-    script = [*torchrun_flags(logs), *options.script_args]
-    code, elapsed = _run_agents(namespace_agents(tools, spec, options.nproc_per_node, script, options.env))
+    script = [*torchrun_flags(parts["logs"]), *options.script_args]
+    agents = namespace_agents(tools, spec, options.nproc_per_node, script, options.env)
+    code, elapsed = _run_agents(in_cpu_groups(agents, parts.get("cpu"), options.nproc_per_node, options.env))
     report = TrafficReport(True, spec.nodes, options.nproc_per_node, code, elapsed, spec.bandwidth_bit_s,
                            spec.latency_s, cluster.latency_emulated, node_traffic(spec, before, cluster.counters()))
     return _finish(report, options.stats_json)
@@ -215,7 +274,10 @@ def _run_emulated(tools: Tools, options: LaunchOptions, bandwidth: int, latency:
                 cluster = _set_up(tools, options, bandwidth, latency, parts)
             except (NetnsError, ShapingError) as e:
                 return _setup_failed(e, options)
-            return _run_job(tools, cluster, options, parts["logs"])
+            except CpuGroupError as e:  # not the network's fault: the loopback would fail alike
+                _warn(f"error: {e}")
+                return 1
+            return _run_job(tools, cluster, options, parts)
         except Interrupted as e:
             _warn("interrupted: removing the emulated cluster")
             return 128 + e.signum
@@ -246,15 +308,20 @@ def launch(options: LaunchOptions) -> int:
 
 
 def cleanup() -> int:
-    """``hsdp launch --cleanup``: remove what runs whose launcher died left behind; print what went."""
+    """``hsdp launch --cleanup``: remove what runs whose launcher died left behind (network namespaces, cpu
+    groups, the processes in them); print what went."""
     tools = find_tools()
     reason = unavailable_reason(tools)
-    if reason is not None or tools is None:
+    groups_problem = cpu_groups.controller_problem()
+    if (reason is not None or tools is None) and groups_problem is not None:
         _warn(f"nothing to clean up: {reason}")
         return 0
-    removed = cleanup_leftovers(tools)
+    removed = cleanup_leftovers(tools) if reason is None and tools is not None else []
     for name in removed:
         print(f"removed network namespace {name}")
-    if not removed:
+    groups = cleanup_leftover_groups() if groups_problem is None else []
+    for name in groups:
+        print(f"removed cpu group {name}")
+    if not removed and not groups:
         print("no leftovers of earlier runs")
     return 0
