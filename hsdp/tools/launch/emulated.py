@@ -76,8 +76,9 @@ class LaunchOptions:
     loopback fallback an error.
 
     ``node_cpus`` caps each node's agent and ranks at that many CPUs (floats; one value for every node, or
-    one per node), in a cgroup v1 cpu group per node; it is stored as one value per node. A cap, not a
-    reservation: on a busy machine a node may get less.
+    one per node), in a cgroup v1 cpu group per node; it is stored as one value per node. A hard cap, and a
+    scheduler weight that keeps each node near its budget against other busy processes while the budgets
+    sum to at most the machine's CPUs (see :mod:`hsdp.tools.launch.cpu_groups`).
 
     ``ValueError`` on construction for an empty or missing script or module, bad counts, rates, durations or
     CPU budgets, both of those flags, or ``node_cpus`` where the cgroup v1 cpu controller is not writable."""
