@@ -201,3 +201,15 @@ def test_agents_are_wrapped_into_their_groups_with_threads_their_budget_covers()
     kept = emulated.in_cpu_groups(agents, groups, 1, env={"OMP_NUM_THREADS": "3"})  # the user's choice stays
     assert [a.env["OMP_NUM_THREADS"] for a in kept] == ["3", "3"]
     assert emulated.in_cpu_groups(agents, None, 1) == agents
+
+
+def test_the_reaper_still_imports_only_the_standard_library() -> None:
+    import ast
+
+    from hsdp.tools.launch import reaper
+
+    tree = ast.parse(Path(reaper.__file__).read_text())
+    nodes = list(ast.walk(tree))
+    names = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
+    assert names - {"__future__"} <= sys.stdlib_module_names, names - sys.stdlib_module_names
