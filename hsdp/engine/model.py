@@ -154,7 +154,7 @@ class ShardedModel(nn.Module):
         Every rank must set a weight before its backwards, or none: a mix (or a tensor weight that is zero,
         negative or non-finite) raises ``ValueError`` at the step's host read, before ``optimizer.step()``
         applies the gradient. See ``hsdp/engine/runtime/batch_weight.py`` for how the weights travel."""
-        self._hsdp_state.batch_weight = batch_weight.checked(weight)
+        self._hsdp_state.batch_weight = batch_weight.checked(weight, self.mesh.device)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

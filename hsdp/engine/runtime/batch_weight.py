@@ -31,13 +31,21 @@ SLOTS = 3  # after the flags: the weight, "weighted", one
 Weight = float | torch.Tensor  # a Python number, or a 1-element tensor (e.g. a token count on the device)
 
 
-def checked(weight: float | int | torch.Tensor | None) -> Weight | None:
-    """``weight`` as the runtime keeps it; a Python number that is not finite and positive is refused now."""
-    if weight is None or isinstance(weight, torch.Tensor):
-        if isinstance(weight, torch.Tensor) and weight.numel() != 1:
+def checked(weight: float | int | torch.Tensor | None, device: torch.device) -> Weight | None:
+    """``weight`` as the runtime keeps it for a mesh on ``device``: a Python number that is not finite and
+    positive is refused now; a tensor on the mesh's device stays there (checked with the step's read), one on
+    the host of a GPU mesh is read now (no device sync) and checked as a number."""
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
             raise ValueError(f"set_batch_weight takes one number per rank, got a tensor of shape "
                              f"{tuple(weight.shape)}: pass the rank's sample or token count")
-        return weight.detach().reshape(()) if isinstance(weight, torch.Tensor) else None
+        if weight.device == device or device.type == weight.device.type == "cpu":
+            return weight.detach().reshape(()).to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+        weight = weight.item() if weight.device.type == "cpu" else weight.to(device).reshape(())
+        if isinstance(weight, torch.Tensor):
+            return weight.float()
+    if weight is None:
+        return None
     if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise ValueError(f"set_batch_weight takes a number or a 1-element tensor, got {type(weight).__name__}")
     if not math.isfinite(weight) or weight <= 0:

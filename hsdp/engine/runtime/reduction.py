@@ -75,16 +75,13 @@ def reduce_grads(unit: ShardUnit, sync_shards: bool = True, sync_replicas: bool 
     if not trainable:
         unit.reshard()
         return None
-    if weight is not None:
-        for p in trainable:
-            p.scale_unsharded_grad(weight)
     if not sync_shards:
         for p in trainable:
-            p.accumulate_unsharded_grad()
+            p.accumulate_unsharded_grad(weight)
         unit.window_weight = batch_weight.add(unit.window_weight, weight)
         unit.reshard()
         return None
-    grads = [p.take_unsharded_grad() for p in trainable]
+    grads = [p.take_unsharded_grad(weight) for p in trainable]
     unit.reshard()
     window, unit.window_weight = unit.window_weight, None
     return Reduction.start(unit, trainable, grads, sync_replicas, weight, window)

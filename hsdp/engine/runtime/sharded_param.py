@@ -177,29 +177,30 @@ class ShardedParam:
         if storage.size() != nbytes:
             storage.resize_(nbytes)
 
-    def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Detach the unsharded gradient (plus any fp32 sum from unsynced micro-batches)."""
-        grad, self.unsharded.grad = self._local_grad(), None
+    def take_unsharded_grad(self, weight: float | torch.Tensor | None = None) -> torch.Tensor | None:
+        """Detach the unsharded gradient, times the batch ``weight`` if any (plus any fp32 sum from unsynced
+        micro-batches, weighted already)."""
+        grad, self.unsharded.grad = self._weighted_local_grad(weight), None
         if self.grad_acc is not None:
             acc, self.grad_acc = self.grad_acc, None
             grad = acc if grad is None else acc.add_(grad)
         return grad
 
-    def scale_unsharded_grad(self, weight: float | torch.Tensor) -> None:
-        """Multiply this backward's unsharded gradient by the rank's batch weight, in place (batch_weight.py)."""
-        grad = self._local_grad()
-        if grad is not None:
-            grad.mul_(weight)
-
-    def accumulate_unsharded_grad(self) -> None:
-        """Move the unsharded gradient into the fp32 sum (no communication this micro-batch)."""
-        grad, self.unsharded.grad = self._local_grad(), None
+    def accumulate_unsharded_grad(self, weight: float | torch.Tensor | None = None) -> None:
+        """Move the unsharded gradient, times the batch ``weight`` if any, into the fp32 sum (no communication
+        this micro-batch)."""
+        grad, self.unsharded.grad = self._weighted_local_grad(weight), None
         if grad is None:
             return
         if self.grad_acc is None:
             self.grad_acc = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
         else:
             self.grad_acc.add_(grad)
+
+    def _weighted_local_grad(self, weight: float | torch.Tensor | None) -> torch.Tensor | None:
+        # Scaled after _local_grad, which may redistribute (a new tensor): scaling before would be lost.
+        grad = self._local_grad()
+        return grad if grad is None or weight is None else grad.mul_(weight)
 
     def _local_grad(self) -> torch.Tensor | None:
         """The unsharded gradient as the tensor hsdp reduces: itself, or under tensor parallelism the
