@@ -50,15 +50,13 @@ CORPUS_BYTES = 2_000_000
 
 # -- shares ----------------------------------------------------------------------------------------------
 def proportional_shares(total: int, rates: Sequence[float]) -> list[int]:
-    """``total`` samples split proportionally to ``rates`` by largest remainder (ties to the lower rank),
-    every share at least 1 (taken from the largest shares). The same on every rank for the same rates."""
+    """``total`` samples split proportionally to ``rates`` (the sampler's largest remainder), every share at
+    least 1 (taken from the largest shares). The same on every rank for the same rates."""
+    from hsdp.data.weighted_sampler import split_sizes
+
     if total < len(rates) or not rates or min(rates) <= 0:
         raise ValueError(f"cannot split {total} samples over rates {list(rates)}: need total >= ranks, rates > 0")
-    exact = [total * r / sum(rates) for r in rates]
-    shares = [int(e) for e in exact]
-    by_remainder = sorted(range(len(rates)), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in by_remainder[:total - sum(shares)]:
-        shares[i] += 1
+    shares = split_sizes(rates, total)
     for i in range(len(shares)):
         if shares[i] == 0:
             shares[max(range(len(shares)), key=lambda j: (shares[j], -j))] -= 1

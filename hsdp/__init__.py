@@ -29,6 +29,7 @@ _EXPORTS = {
     "data_parallel_rank": "hsdp.data.sampler",
     "data_parallel_size": "hsdp.data.sampler",
     "distributed_sampler": "hsdp.data.sampler",
+    "WeightedBatchSampler": "hsdp.data.weighted_sampler",
     "StateBytes": "hsdp.engine.memory",
     "state_bytes": "hsdp.engine.memory",
     "HSDPMesh": "hsdp.engine.mesh",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from hsdp.data.sampler import data_parallel_rank, data_parallel_size, distributed_sampler
+    from hsdp.data.weighted_sampler import WeightedBatchSampler
     from hsdp.engine.clip import clip_grad_norm_
     from hsdp.engine.faults.watchdog import FaultPolicy
     from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop, ReplicaHop
@@ -114,6 +116,7 @@ __all__ = [
     "ShardedModel",
     "ShardedOptimizer",
     "StateBytes",
+    "WeightedBatchSampler",
     "capture_rng_state",
     "check_replicas",
     "clip_grad_norm_",
