@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,19 @@ class MixedPrecision:
     def reduce(self, orig: torch.dtype) -> torch.dtype:
         return self.reduce_dtype or self.compute(orig)
 
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A unit's forward inputs with floating tensors in ``param_dtype`` (unless ``cast_forward_inputs``
+        is off)."""
+        if self.param_dtype is None or not self.cast_forward_inputs:
+            return args, kwargs
+        cast = functools.partial(_cast_floating, dtype=self.param_dtype)
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def cast_outputs(self, output: Any) -> Any:
+        """The root's outputs with floating tensors in ``output_dtype``."""
+        dtype = self.output_dtype
+        return output if dtype is None else tree_map(functools.partial(_cast_floating, dtype=dtype), output)
+
 
 FULL_PRECISION = MixedPrecision()
 
@@ -58,3 +73,9 @@ def check_policies(mixed_precision: Any, replica_hop: Any, where: str = "Sharded
         hint = _HOPS_BY_NAME.get(str(replica_hop).lower(), "hsdp.AllReduceHop(), hsdp.AllReduceHop(torch.bfloat16) "
                                  "or hsdp.Int8ErrorFeedbackHop()")
         raise ValueError(f"{where}(replica_hop=...) takes a hop object, got {replica_hop!r}: pass replica_hop={hint}")
+
+
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x

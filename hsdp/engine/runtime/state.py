@@ -41,7 +41,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
@@ -158,7 +158,7 @@ class HSDPState:
                 self._in_forward = True
                 self.buffers.pre_forward()
                 self._pre_seen, self._post_seen = [], []
-            args, kwargs = self._cast_inputs(unit, args, kwargs)
+            args, kwargs = unit.policy.cast_inputs(args, kwargs)
         if unit not in self._pre_seen:
             self._pre_seen.append(unit)
         unit.wait_for_unshard()
@@ -184,7 +184,7 @@ class HSDPState:
             self.buffers.post_forward(self.requires_gradient_sync and self.requires_all_reduce)
             self._forward_order = self._pre_seen
             self._backward_order = self._post_seen[::-1]
-            output = self._cast_outputs(unit, output)
+            output = unit.policy.cast_outputs(output)
         if not torch.is_grad_enabled():
             unit.reshard()
             return output
@@ -227,19 +227,6 @@ class HSDPState:
         for ahead in order[i + 1: i + 1 + depth]:
             if ahead.state is ShardedState.SHARDED:
                 ahead.unshard(async_op=True)
-
-    @staticmethod
-    def _cast_inputs(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        dtype = unit.policy.param_dtype
-        if dtype is None or not unit.policy.cast_forward_inputs:
-            return args, kwargs
-        cast = functools.partial(_cast_floating, dtype=dtype)
-        return tree_map(cast, args), tree_map(cast, kwargs)
-
-    @staticmethod
-    def _cast_outputs(unit: ShardUnit, output: Any) -> Any:
-        dtype = unit.policy.output_dtype
-        return output if dtype is None else tree_map(functools.partial(_cast_floating, dtype=dtype), output)
 
     def _register_post_backward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         flat, spec = tree_flatten((args, kwargs))
@@ -406,12 +393,6 @@ def _compiled_autograd_active() -> bool:
     from torch._dynamo import compiled_autograd
 
     return compiled_autograd.in_compiled_autograd_region or compiled_autograd.compiled_autograd_enabled
-
-
-def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-        return x.to(dtype)
-    return x
 
 
 def _registration_order(units: list[ShardUnit]) -> list[ShardUnit]:
