@@ -16,12 +16,15 @@ examples:
   hsdp launch --nodes 2 --nproc-per-node 2 -- train.py --epochs 1
   hsdp launch --inter-node-bandwidth 50mbit --stats-json traffic.json -- -m my.module
   hsdp launch --nodes 2 --nproc-per-node 2 --node-cpus 1.0,0.5 -- train.py
+  hsdp launch --nproc-per-node 4,2 -- train.py      # 2 nodes: ranks 0-3 on node 0, 4-5 on node 1
   hsdp launch --cleanup
 
 With root and iproute2, every node is a network namespace behind a shaped link and the run ends with a
 table of the bytes each node sent and received over it. Otherwise the nodes run as local processes on
 loopback (a one-line warning says why; --require-emulation makes that an error). --node-cpus caps each
 node's agent and ranks at a CPU budget (a cgroup v1 cpu group per node, root needed), in either mode.
+--nproc-per-node with one count per node emulates nodes of different sizes: ranks are numbered node-major
+(LOCAL_WORLD_SIZE is the node's count, WORLD_SIZE the sum); the list's length is the node count.
 """
 
 
@@ -30,8 +33,12 @@ def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("launch", help="run a torchrun job on an emulated multi-node cluster",
                               description="Run SCRIPT under torchrun on N emulated nodes with shaped links.",
                               epilog=LAUNCH_EPILOG, formatter_class=HelpFormatter)
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes, one torchrun agent each")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="emulated nodes, one torchrun agent each (default: 2, or the length of a "
+                        "--nproc-per-node list, which it must then equal)")
+    p.add_argument("--nproc-per-node", default="1", metavar="N[,N...]",
+                   help="ranks per node: one count for every node, or one per node, comma-separated (e.g. 4,2: "
+                        "the list's length is the node count)")
     p.add_argument("--inter-node-bandwidth", default="1gbit",
                    help=f"rate of each node's link, each direction: {RATE_UNITS}")
     p.add_argument("--inter-node-latency", default="0",
@@ -57,6 +64,7 @@ def run_launch(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp launch``; the process exit status (2 for bad arguments)."""
     from hsdp.tools.launch.cpu_groups import parse_node_cpus
     from hsdp.tools.launch.emulated import USAGE_ERROR, LaunchOptions, cleanup, launch
+    from hsdp.tools.launch.layout import parse_nproc_per_node, resolve_nodes
 
     if args.cleanup:
         return cleanup()
@@ -65,7 +73,9 @@ def run_launch(args: argparse.Namespace) -> int:
         script = script[1:]
     try:
         node_cpus = parse_node_cpus(args.node_cpus) if args.node_cpus is not None else None
-        options = LaunchOptions(tuple(script), nodes=args.nodes, nproc_per_node=args.nproc_per_node,
+        nproc_per_node = parse_nproc_per_node(args.nproc_per_node)
+        nodes = resolve_nodes(args.nodes, nproc_per_node)
+        options = LaunchOptions(tuple(script), nodes=nodes, nproc_per_node=nproc_per_node,
                                 bandwidth=args.inter_node_bandwidth, latency=args.inter_node_latency,
                                 require_emulation=args.require_emulation, no_emulation=args.no_emulation,
                                 stats_json=args.stats_json, node_cpus=node_cpus)

@@ -34,6 +34,7 @@ from hsdp.engine.faults.signals import handle_signals
 from hsdp.tools.launch import cpu_groups
 from hsdp.tools.launch.cpu_groups import CpuGroupError, CpuGroups, cleanup_leftover_groups, loopback_run
 from hsdp.tools.launch.entry import missing_entry_point
+from hsdp.tools.launch.layout import NodeLayout
 from hsdp.tools.launch.local import (
     AgentSpec,
     Interrupted,
@@ -67,10 +68,11 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass(frozen=True)
 class LaunchOptions:
-    """One ``hsdp launch``: ``nodes`` x ``nproc_per_node`` ranks running ``script_args`` (``script.py ...``
-    or ``-m module ...``) behind links of ``bandwidth`` (bits or bytes per second, e.g. ``"1gbit"``,
-    ``"1GB/s"``) and ``latency`` (one-way node-to-node delay, e.g. ``"1ms"``; ``"0"`` for none). ``env`` adds
-    variables for every rank.
+    """One ``hsdp launch``: ``nodes`` nodes of ``nproc_per_node`` ranks each, or of ``nproc_per_node[i]``
+    ranks on node ``i`` (a tuple of exactly ``nodes`` counts: a heterogeneous cluster, see
+    :mod:`hsdp.tools.launch.layout`), running ``script_args`` (``script.py ...`` or ``-m module ...``)
+    behind links of ``bandwidth`` (bits or bytes per second, e.g. ``"1gbit"``, ``"1GB/s"``) and ``latency``
+    (one-way node-to-node delay, e.g. ``"1ms"``; ``"0"`` for none). ``env`` adds variables for every rank.
 
     ``no_emulation`` runs on loopback on purpose (a baseline; no warning), ``require_emulation`` makes the
     loopback fallback an error.
@@ -85,7 +87,7 @@ class LaunchOptions:
 
     script_args: tuple[str, ...]
     nodes: int = 2
-    nproc_per_node: int = 1
+    nproc_per_node: int | tuple[int, ...] = 1
     bandwidth: str = "1gbit"
     latency: str = "0"
     require_emulation: bool = False
@@ -98,9 +100,11 @@ class LaunchOptions:
         # Checked here, before anything is created: a typo must not cost a cluster setup and teardown.
         if not self.script_args:
             raise ValueError("nothing to run: pass a script and its arguments after `--`")
-        if not 1 <= self.nodes <= MAX_NODES or self.nproc_per_node < 1:
-            raise ValueError(f"nodes={self.nodes} must be in 1..{MAX_NODES} and nproc_per_node="
-                             f"{self.nproc_per_node} at least 1")
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"nodes={self.nodes} must be in 1..{MAX_NODES}")
+        layout = NodeLayout.of(self.nproc_per_node, self.nodes)  # a bad count, a list of the wrong length
+        if not isinstance(self.nproc_per_node, int):  # a list given: stored as a tuple, hashable as the rest
+            object.__setattr__(self, "nproc_per_node", layout.nprocs)
         if self.require_emulation and self.no_emulation:
             raise ValueError("require_emulation and no_emulation contradict each other")
         parse_tc_rate(self.bandwidth)
@@ -113,6 +117,11 @@ class LaunchOptions:
             problem = cpu_groups.controller_problem()
             if problem:
                 raise ValueError(problem)
+
+    @property
+    def layout(self) -> NodeLayout:
+        """The ranks of each node."""
+        return NodeLayout.of(self.nproc_per_node, self.nodes)
 
 
 def _warn(message: str) -> None:
@@ -139,32 +148,36 @@ def rank_prefix_env() -> dict[str, str]:
     return {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _RANK_PREFIX}
 
 
-def namespace_agents(tools: Tools, spec: ClusterSpec, nproc_per_node: int, script_args: Sequence[str],
-                     env: Mapping[str, str] | None = None) -> list[AgentSpec]:
-    """One torchrun agent per node, started inside the node's namespace and bound to its link."""
+def namespace_agents(tools: Tools, spec: ClusterSpec, nproc_per_node: int | Sequence[int],
+                     script_args: Sequence[str], env: Mapping[str, str] | None = None) -> list[AgentSpec]:
+    """One torchrun agent per node, started inside the node's namespace and bound to its link, running
+    ``nproc_per_node`` ranks (or ``nproc_per_node[i]`` on node ``i``)."""
+    layout = NodeLayout.of(nproc_per_node, spec.nodes)
     width = len(f"node {spec.nodes - 1}") + 2
-    base = agent_env(spec.nodes * nproc_per_node, width, {**(env or {}), **rank_prefix_env()})
+    base = {**agent_env(layout.world_size, width, {**(env or {}), **rank_prefix_env()}), **layout.agent_env()}
     agents = []
-    for i in range(spec.nodes):
+    for i, n in enumerate(layout.nprocs):
         node = spec.node(i)
-        torchrun = torchrun_command(spec.nodes, i, nproc_per_node, spec.master_addr, MASTER_PORT, script_args)
+        torchrun = torchrun_command(spec.nodes, i, n, spec.master_addr, MASTER_PORT, script_args)
         agents.append(AgentSpec((tools.ip, "netns", "exec", node.namespace, *torchrun),
                                 {**base, **node.env()}, f"node {i}"))
     return agents
 
 
-def in_cpu_groups(agents: Sequence[AgentSpec], groups: CpuGroups | None, nproc_per_node: int,
+def in_cpu_groups(agents: Sequence[AgentSpec], groups: CpuGroups | None, nproc_per_node: int | Sequence[int],
                   env: Mapping[str, str] | None = None) -> list[AgentSpec]:
     """Each node's agent started inside its cpu group (unchanged without ``groups``), with no more intra-op
-    threads per rank than its node's budget covers (unless ``env`` sets ``OMP_NUM_THREADS``): a real slow
-    node has fewer cores, not the same threads sliced thinner."""
+    threads per rank than its node's budget covers for its own rank count (``nproc_per_node``, or
+    ``nproc_per_node[i]`` for node ``i``), unless ``env`` sets ``OMP_NUM_THREADS``: a real slow node has
+    fewer cores, not the same threads sliced thinner."""
     if groups is None:
         return list(agents)
+    nprocs = NodeLayout.of(nproc_per_node, len(agents)).nprocs
     wrapped = []
     for i, agent in enumerate(agents):
         threads = dict(agent.env)
         if "OMP_NUM_THREADS" not in (env or {}):
-            fit = max(1, int(groups.budgets[i] // nproc_per_node))
+            fit = max(1, int(groups.budgets[i] // nprocs[i]))
             threads["OMP_NUM_THREADS"] = str(min(int(threads.get("OMP_NUM_THREADS", fit)), fit))
         wrapped.append(AgentSpec(groups.wrap(i, agent.command), threads, agent.label))
     return wrapped
@@ -213,7 +226,8 @@ def _run_fallback(options: LaunchOptions) -> int:
         return 1
     finally:
         _tear_down(parts)
-    return _finish(TrafficReport(False, options.nodes, options.nproc_per_node, code, elapsed), options.stats_json)
+    return _finish(TrafficReport(False, options.nodes, options.layout.nproc_per_node, code, elapsed),
+                   options.stats_json)
 
 
 def _set_up(tools: Tools, options: LaunchOptions, bandwidth: int, latency: float,
@@ -252,7 +266,7 @@ def _run_job(tools: Tools, cluster: EmulatedCluster, options: LaunchOptions, par
     script = [*torchrun_flags(parts["logs"]), *options.script_args]
     agents = namespace_agents(tools, spec, options.nproc_per_node, script, options.env)
     code, elapsed = _run_agents(in_cpu_groups(agents, parts.get("cpu"), options.nproc_per_node, options.env))
-    report = TrafficReport(True, spec.nodes, options.nproc_per_node, code, elapsed, spec.bandwidth_bit_s,
+    report = TrafficReport(True, spec.nodes, options.layout.nproc_per_node, code, elapsed, spec.bandwidth_bit_s,
                            spec.latency_s, cluster.latency_emulated, node_traffic(spec, before, cluster.counters()))
     return _finish(report, options.stats_json)
 

@@ -31,6 +31,7 @@ from typing import IO, Any
 
 from hsdp.engine.faults.launcher import set_parent_death_signal
 from hsdp.engine.faults.signals import handle_signals
+from hsdp.tools.launch.layout import NodeLayout
 
 LOOPBACK = "127.0.0.1"
 AGENT_MODULE = "hsdp.tools.launch.agent"  # torchrun with an orderly exit; a name only, so torch is not imported
@@ -72,7 +73,8 @@ def threads_per_rank(total_ranks: int, cpus: int | None = None) -> int:
 
 def torchrun_command(nodes: int, node_rank: int, nproc_per_node: int, master_addr: str, master_port: int,
                      script_args: Sequence[str]) -> list[str]:
-    """The torchrun agent command of one node; ``script_args`` is ``script.py ...`` or ``-m module ...``.
+    """The torchrun agent command of node ``node_rank``, which runs ``nproc_per_node`` ranks (its own count:
+    nodes may differ); ``script_args`` is ``script.py ...`` or ``-m module ...``.
 
     torchrun's own agent behind :mod:`hsdp.tools.launch.agent`, which makes node 0's agent (the store's host)
     exit last, so a successful job does not end with torchrun's exit-barrier traceback."""
@@ -97,11 +99,11 @@ def agent_env(total_ranks: int, label_width: int, extra: Mapping[str, str] | Non
     return env
 
 
-def _validate(nodes: int, nproc_per_node: int, script_args: Sequence[str]) -> None:
-    if nodes < 1 or nproc_per_node < 1:
-        raise ValueError(f"nodes={nodes} and nproc_per_node={nproc_per_node} must both be at least 1")
+def _validate(nodes: int, nproc_per_node: int | Sequence[int], script_args: Sequence[str]) -> NodeLayout:
+    layout = NodeLayout.of(nproc_per_node, nodes)
     if not script_args:
         raise ValueError("script_args is empty: pass a script and its arguments, or ['-m', 'module', ...]")
+    return layout
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -223,24 +225,24 @@ def raise_interrupted(signum: int, frame: Any) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # The entry point.
 # ---------------------------------------------------------------------------------------------------------
-def local_agents(nodes: int, nproc_per_node: int, script_args: Sequence[str],
+def local_agents(nodes: int, nproc_per_node: int | Sequence[int], script_args: Sequence[str],
                  env: Mapping[str, str] | None = None, master_port: int | None = None) -> list[AgentSpec]:
-    """The agents of an emulated ``nodes`` x ``nproc_per_node`` job rendezvousing on the loopback."""
-    _validate(nodes, nproc_per_node, script_args)
+    """The agents of an emulated job of ``nodes`` nodes rendezvousing on the loopback: ``nproc_per_node``
+    ranks on each, or ``nproc_per_node[i]`` on node ``i`` (see :class:`~hsdp.tools.launch.layout.NodeLayout`)."""
+    layout = _validate(nodes, nproc_per_node, script_args)
     port = free_port() if master_port is None else master_port
     width = len(f"node {nodes - 1}") + 2
-    base = agent_env(nodes * nproc_per_node, width, env)
+    base = {**agent_env(layout.world_size, width, env), **layout.agent_env()}
     return [
-        AgentSpec(tuple(torchrun_command(nodes, i, nproc_per_node, LOOPBACK, port, script_args)),
-                  base, f"node {i}")
-        for i in range(nodes)
+        AgentSpec(tuple(torchrun_command(nodes, i, n, LOOPBACK, port, script_args)), base, f"node {i}")
+        for i, n in enumerate(layout.nprocs)
     ]
 
 
-def launch_local(nodes: int, nproc_per_node: int, script_args: list[str],
+def launch_local(nodes: int, nproc_per_node: int | Sequence[int], script_args: list[str],
                  env: Mapping[str, str] | None = None) -> int:
-    """Run ``script_args`` on ``nodes`` emulated nodes of ``nproc_per_node`` ranks each; return the exit
-    status (0 on success, else the first failing agent's).
+    """Run ``script_args`` on ``nodes`` emulated nodes of ``nproc_per_node`` ranks each (or one count per
+    node); return the exit status (0 on success, else the first failing agent's).
 
     ``env`` adds variables on top of the current environment (and overrides the defaults set here, e.g.
     ``OMP_NUM_THREADS``, which is the usable CPUs divided by the total number of ranks).

@@ -5,6 +5,10 @@ all exit: everything the node sent to or received from other nodes during the jo
 (torchrun's rendezvous, gloo, NCCL, a peer's library). Traffic between ranks of the same node stays on that
 node's loopback and is not in them. They count Ethernet frames, so they include the TCP/IP/Ethernet headers:
 a few percent above the payload bytes a collective moves.
+
+Each row also names the node's global ranks (``0-3``), so a heterogeneous layout (``--nproc-per-node 4,2``)
+reads off the table. The JSON keeps the format of uniform runs: ``nproc_per_node`` is the single count when
+every node runs as many ranks, and the list of per-node counts otherwise; ``world_size`` is their sum.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hsdp.tools.launch.layout import NodeLayout
 from hsdp.tools.launch.netns import ClusterSpec, LinkCounters
 from hsdp.tools.quantities import format_bytes, format_rate
 
@@ -36,12 +41,14 @@ class NodeTraffic:
 class TrafficReport:
     """Outcome of one launch: the setting, the exit status, the wall time and (when emulated) the traffic.
 
-    ``nodes`` is empty when the run fell back to loopback, where inter-node bytes cannot be told apart.
+    ``nproc_per_node`` is the ranks of every node, or one count per node when they differ
+    (:attr:`NodeLayout.nproc_per_node`). ``nodes`` is empty when the run fell back to loopback, where
+    inter-node bytes cannot be told apart.
     """
 
     emulated: bool
     num_nodes: int
-    nproc_per_node: int
+    nproc_per_node: int | tuple[int, ...]
     exit_code: int
     elapsed_s: float
     bandwidth_bit_s: int | None = None
@@ -53,6 +60,11 @@ class TrafficReport:
     def total_inter_node_bytes(self) -> int:
         """Bytes that crossed from one node to another (each counted once, on the sending side)."""
         return sum(n.sent_bytes for n in self.nodes)
+
+    @property
+    def layout(self) -> NodeLayout:
+        """The ranks of each node."""
+        return NodeLayout.of(self.nproc_per_node, self.num_nodes)
 
 
 def node_traffic(spec: ClusterSpec, before: Sequence[LinkCounters], after: Sequence[LinkCounters]) -> tuple[
@@ -70,31 +82,37 @@ def traffic_table(report: TrafficReport) -> Table:
     if report.latency_s:
         setting += f", {report.latency_s * 1e3:g} ms" + ("" if report.latency_emulated else " (not emulated)")
     table = Table(title=f"Inter-node traffic ({setting} links, {report.elapsed_s:.1f} s)")
-    for name in ("node", "address", "sent", "received", "sent (bytes)", "received (bytes)"):
-        table.add_column(name, justify="left" if name in ("node", "address") else "right")
+    for name in ("node", "ranks", "address", "sent", "received", "sent (bytes)", "received (bytes)"):
+        table.add_column(name, justify="left" if name in ("node", "ranks", "address") else "right")
+    layout = report.layout
     for n in report.nodes:
-        table.add_row(str(n.node), n.address, format_bytes(n.sent_bytes, decimal=True),
+        table.add_row(str(n.node), layout.rank_span(n.node), n.address, format_bytes(n.sent_bytes, decimal=True),
                       format_bytes(n.received_bytes, decimal=True),
                       str(n.sent_bytes), str(n.received_bytes))
     received = sum(n.received_bytes for n in report.nodes)
     total = report.total_inter_node_bytes
-    table.add_row("total", "", format_bytes(total, decimal=True), format_bytes(received, decimal=True), str(total),
-                  str(received), style="bold")
+    table.add_row("total", str(layout.world_size), "", format_bytes(total, decimal=True),
+                  format_bytes(received, decimal=True), str(total), str(received), style="bold")
     return table
 
 
 def print_report(report: TrafficReport, console: Console | None = None) -> None:
-    """Print the table, or one line saying why there is none (loopback fallback)."""
+    """Print the table, or one line saying why there is none (loopback fallback; plus the ranks of each node
+    when they differ)."""
     console = console or Console()
     if not report.emulated:
         console.print("no inter-node traffic table: the nodes ran on the loopback, where inter-node and "
                       "intra-node bytes are indistinguishable")
+        if not report.layout.uniform:
+            console.print(f"ranks per node: {report.layout.describe()}")
         return
     console.print(traffic_table(report))
 
 
 def write_json(report: TrafficReport, path: str | Path) -> None:
-    """Write ``report`` as JSON (the dataclass fields, plus ``total_inter_node_bytes``) to ``path``."""
+    """Write ``report`` as JSON (the dataclass fields, plus ``world_size`` and ``total_inter_node_bytes``) to
+    ``path``; ``nproc_per_node`` is a number for uniform nodes, a list of per-node counts otherwise."""
     data = asdict(report)
+    data["world_size"] = report.layout.world_size
     data["total_inter_node_bytes"] = report.total_inter_node_bytes
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
