@@ -125,9 +125,9 @@ def test_bad_tensor_parallel_degrees_name_the_fix(s: int, t: int, fix: str) -> N
 
 def test_tp_layout_is_chunks_of_the_tp_piece_uneven_included() -> None:
     """A rank holds torch.chunk over S of its torch.chunk over T (even and uneven row counts), which is what
-    DTensor's (_StridedShard(0, T), Shard(0)) placements describe (DCP round trips across layouts in
-    test_tensor_parallel.py depend on the two agreeing)."""
-    from torch.distributed.tensor import Replicate, Shard
+    DTensor's (_StridedShard(0, T), Shard(0)) placements on the ("shard", "tp") mesh describe (DCP round trips
+    across layouts in test_tensor_parallel.py depend on the two agreeing)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from hsdp.engine.runtime.layout import TPSplit
@@ -137,13 +137,13 @@ def test_tp_layout_is_chunks_of_the_tp_piece_uneven_included() -> None:
         for t in range(2):
             for s in range(2):
                 layout = ShardLayout(tuple(torch.chunk(full, 2)[t].shape), 2, s, TPSplit(Shard(0), (rows, 2), 2, t))
-                assert layout.placements == (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
+                assert layout.placements == (_StridedShard(0, split_factor=2), Shard(0))
                 piece = torch.chunk(full, 2)[t]
                 want = torch.chunk(piece, 2)[s] if s < len(torch.chunk(piece, 2)) else piece[:0]
                 assert torch.equal(layout.chunk_of_full(full), want)
                 assert layout.dtensor_shape == (rows, 2)
     col = ShardLayout((4, 1), 2, 0, TPSplit(Shard(1), (4, 2), 2, 1))
-    assert col.placements == (Replicate(), Shard(0), Shard(1))
+    assert col.placements == (Shard(0), Shard(1))
     assert torch.equal(col.chunk_of_full(torch.arange(8).view(4, 2)), torch.tensor([[1], [3]]))
 
 

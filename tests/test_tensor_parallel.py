@@ -107,6 +107,8 @@ def _parity(kind: str, mesh: hsdp.HSDPMesh, clip: Any) -> tuple[hsdp.ShardedMode
     hop = model.comm_stats().get("replicate", {})
     # TP ranks of one replica hold different pieces of the same parameter; replicas identical pieces.
     layouts = {name: (tuple(p.placements), tuple(p.to_local().shape)) for name, p in model.named_parameters()}
+    # Every parameter lives on the replica's own (shard, tp) mesh, not on the 3-D grid.
+    assert all(p.device_mesh.mesh_dim_names == ("shard", "tp") for p in model.parameters())
     return model, opt, {"losses": losses, "params": {k: full(v) for k, v in model.state_dict().items()},
                         "layouts": layouts, "hop_wire_bytes": sum(op["wire_bytes"] for op in hop.values()) / STEPS}
 
@@ -138,7 +140,8 @@ def _checkpoints(rank: int, model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer
     saved = {"model": {k: full(v) for k, v in model.state_dict().items()}, "optim": optim_state(opt.state_dict())}
     hsdp.save_checkpoint(os.path.join(work, "tp"), model, opt, extra={"step": 3})
     out: dict[str, Any] = {}
-    # 2-D meshes, and a 3-D one with T = 1 (every parameter plain, placements (Replicate(), Shard(0), Replicate())).
+    # 2-D meshes, and a 3-D one with T = 1 (every parameter plain, placements (Shard(0), Replicate()) on the
+    # replica's ("shard", "tp") mesh).
     for name, degree, tp in (("2x4", 4, None), ("4x2", 2, None), ("2x4x1", 4, 1)):
         plain, popt = _gpt_plain(hsdp.init_mesh(degree, tensor_parallel_degree=tp, fault_policy=None))
         hsdp.load_checkpoint(os.path.join(work, "tp"), plain, popt)
@@ -348,11 +351,11 @@ def test_tensor_parallel_parameters_are_3d_dtensors(world8: list[dict]) -> None:
 
     layouts = world8[0]["gpt"]["layouts"]
     q = layouts["blocks.0.attn.q.weight"]  # column-parallel: TP rows, then hsdp's rows of those
-    assert q[0] == (Replicate(), _StridedShard(0, split_factor=T), Shard(0))
+    assert q[0] == (_StridedShard(0, split_factor=T), Shard(0))
     assert q[1] == (GPT_CFG.n_embd // (T * S), GPT_CFG.n_embd)
     proj = layouts["blocks.0.attn.proj.weight"]  # row-parallel: TP columns, hsdp's rows
-    assert proj[0] == (Replicate(), Shard(0), Shard(1)) and proj[1] == (GPT_CFG.n_embd // S, GPT_CFG.n_embd // T)
-    assert layouts["tok_emb.weight"][0] == (Replicate(), Shard(0), Replicate())  # plain: replicated over TP
+    assert proj[0] == (Shard(0), Shard(1)) and proj[1] == (GPT_CFG.n_embd // S, GPT_CFG.n_embd // T)
+    assert layouts["tok_emb.weight"][0] == (Shard(0), Replicate())  # plain: replicated over TP
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])

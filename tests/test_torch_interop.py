@@ -198,8 +198,10 @@ def _zero_dim(rank: int, world: int, tmp: str) -> dict:
     with torch.no_grad():
         model.logit_scale.fill_(5.0)
     hsdp.load_checkpoint(tmp, model, opt)
+    # Every parameter lives on its replica's own shard mesh (the replicas are hsdp's, not a DTensor dim).
+    meshes = {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.tolist())) for p in model.parameters()}
     return {"diff": diff, "norm_err": norm_err, "placements": str(model.logit_scale.placements),
-            "restored": _max_diff(model.state_dict(), saved)}
+            "restored": _max_diff(model.state_dict(), saved), "meshes": sorted(meshes), "rank": rank}
 
 
 def _freeze_unfreeze(rank: int, world: int) -> float:
@@ -354,6 +356,8 @@ def test_ordinary_pytorch_code_matches_a_plain_process(tmp_path: object) -> None
         z = r["zero_dim"]
         assert z["diff"] < 1e-5 and z["norm_err"] < 1e-5 and z["restored"] == 0.0, z
         assert "Shard" not in z["placements"], z  # replicated in the shard group too
+        first = 2 * (z["rank"] // 2)  # world 4, sharding degree 2: replica r is ranks 2r, 2r+1
+        assert z["meshes"] == [(("shard",), (first, first + 1))], z
         for form, keys in r["wrap"].items():
             assert keys == ["", "blocks.0", "blocks.1", "blocks.2"], (form, keys)
         assert r["mixed"]["diff"] < 1e-5 and r["mixed"]["dtypes_kept"], r["mixed"]

@@ -1,7 +1,7 @@
 """How a ShardedModel and its optimizer map onto checkpoint keys (the layout FSDP2's recipe uses).
 
 A checkpoint is ``dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()})``: parameters
-under ``model.<name>`` with their original names and shapes (``DTensor`` ``(Replicate(), Shard(0))``, so
+under ``model.<name>`` with their original names and shapes (``DTensor`` ``Shard(0)`` on the replica's mesh, so
 DCP writes each shard once and reshards on load), optimizer state under ``optim.state.<param>.<name>``,
 hyper-parameters under ``optim.param_groups.<i>.<name>``. This is what
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` produces for an FSDP2 model, so checkpoints move

@@ -40,7 +40,7 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
     """Empty buffers for every tensor of ``spec`` (sharded entries: this rank's chunk only)."""
     live = model.state_dict()
     params = param_by_name(model)
-    device_mesh = model.mesh.device_mesh
+    param_mesh = model.mesh.param_mesh
     device = model.mesh.device
     out = Buffers()
     for t in spec["tensors"]:
@@ -49,7 +49,8 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
             value = live[path[1]]
             if isinstance(value, DTensor):
                 local = torch.empty_like(value.to_local())
-                out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, tuple(value.shape), value.placements))
+                out.add(t["key"], local, to_sharded_dtensor(local, value.device_mesh, tuple(value.shape),
+                                                                value.placements))
             else:
                 out.add(t["key"], torch.empty_like(value))
             continue
@@ -58,7 +59,7 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
             out.add(t["key"], torch.empty(shape, dtype=dtype, device=device))
         else:
             local = torch.empty(p.layout.local_shape, dtype=dtype, device=device)
-            out.add(t["key"], local, to_sharded_dtensor(local, device_mesh, shape, p.layout.placements))
+            out.add(t["key"], local, to_sharded_dtensor(local, param_mesh, shape, p.layout.placements))
     return out
 
 

@@ -13,6 +13,7 @@ the same batch: the data-parallel size is R x S.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Mapping
@@ -176,6 +177,9 @@ class HSDPMesh:
     runs there); ``tp_group`` (3-D only) holds the ranks that split each layer (torch's tensor parallelism,
     ``parallelize_module`` on ``device_mesh["tp"]``); hsdp itself never communicates in it except to finish
     a tensor-parallel gradient.
+
+    Sharded parameters live on :attr:`param_mesh`, this rank's replica only (see
+    ``docs/design/replicate_layer.md``): the replicate dim is hsdp's, not a DTensor dim.
     """
 
     device_mesh: DeviceMesh
@@ -191,6 +195,16 @@ class HSDPMesh:
         if self.device_mesh.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_mesh.device_type)
+
+    @functools.cached_property
+    def param_mesh(self) -> DeviceMesh:
+        """The mesh of this rank's replica, on which every sharded parameter, gradient and optimizer-state
+        DTensor lives: 1-D ``("shard",)``, or 2-D ``("shard", "tp")`` with tensor parallelism (FSDP2's 2-D
+        layout). Global shapes, ``numel()``, norms and ``full_tensor()`` are then those of the replica, which
+        after the inter-node hop holds the same values as every other replica."""
+        # cached_property writes the instance __dict__ directly, which a frozen dataclass allows; one submesh
+        # object keeps DTensor's mesh comparisons cheap.
+        return self.device_mesh["shard", "tp"] if self.has_tp else self.device_mesh["shard"]
 
     @property
     def shard_group(self) -> dist.ProcessGroup:

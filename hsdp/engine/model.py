@@ -38,7 +38,7 @@ class ShardedModel(nn.Module):
     Semantics:
       * Parameters are split in dim-0 chunks across the ``S`` ranks of a shard group. Between steps
         ``parameters()`` yields ``DTensor`` parameters of the original shapes, placements
-        ``(Replicate(), Shard(0))`` on ``mesh.device_mesh``: ``numel()``, norms (``clip_grad_norm_``),
+        ``Shard(0)`` on ``mesh.param_mesh`` (this rank's replica): ``numel()``, norms (``clip_grad_norm_``),
         ``state_dict()`` of this module or any parent, and DCP see the global tensors, while an
         element-wise optimizer updates only this rank's chunk (in place, no copy). Inside forward and
         backward the module sees plain, full-shape tensors.
@@ -252,7 +252,7 @@ class ShardedModel(nn.Module):
     # -- state dict ----------------------------------------------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """Original keys and shapes; sharded parameters as ``DTensor`` with placements
-        ``(Replicate(), Shard(0))`` on the mesh (the layout FSDP2 uses), buffers as plain tensors. A parent
+        ``Shard(0)`` on ``mesh.param_mesh`` (FSDP2's layout inside a replica), buffers as plain tensors. A parent
         module's ``state_dict()`` holds the same DTensors (the parameters are DTensors between steps)."""
         self._hsdp_state.settle_slices()
         sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -273,6 +273,7 @@ def _build_unit(module: nn.Module, assigned: list[ParamAssignment], values: list
     if options.shard_optimizer_across_replicas and mesh.replicate_degree > 1:  # R = 1: nothing to split
         for p in params:
             p.slice = SliceLayout(p.layout, mesh.replicate_degree, mesh.replicate_rank)
+            p.slice_mesh = mesh.device_mesh
     unit = ShardUnit(module, params, comm, options.reshard_after_forward, key, policy, options.replica_hop)
     unit.load_full([v.detach() for v in values])
     for p in params:

@@ -7,8 +7,8 @@ meaningless but every shape, buffer, stream and allocation is the one rank ``r``
 have. Checked, for each rank of ``--ranks``:
 
 * the mesh: replicate 2 x shard 4, this rank's coordinates, tensors on ``--device``;
-* shapes: every parameter a ``DTensor`` of its original shape, ``(Replicate(), Shard(0))``, its local tensor
-  this rank's dim-0 chunk of ``ceil(rows / 4)`` rows (fewer on the last ranks, none past the end: hsdp pads
+* shapes: every parameter a ``DTensor`` of its original shape, ``Shard(0)`` on the replica's shard mesh, its
+  local tensor this rank's dim-0 chunk of ``ceil(rows / 4)`` rows (fewer on the last ranks, none past the end: hsdp pads
   each chunk to ``ceil(rows / 4)`` rows in its flat buffer), the same local shape FSDP2's ``fully_shard``
   gives it on the same mesh; gradients shaped like their parameters; an unused layer's gradient ``None``
   after the step;
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hsdp
@@ -189,7 +189,8 @@ def check_shapes(sharded: hsdp.ShardedModel, reference: Stack, shard_rank: int, 
     for name, p in sharded.named_parameters():
         full = originals[name].shape
         assert isinstance(p, DTensor) and p.shape == full, (name, type(p), p.shape, full)
-        assert tuple(p.placements) == (Replicate(), Shard(0)), (name, p.placements)
+        assert tuple(p.placements) == (Shard(0),), (name, p.placements)
+        assert p.device_mesh.mesh_dim_names == ("shard",), (name, p.device_mesh)  # the replica's own mesh
         local = p.to_local()
         assert tuple(local.shape) == expected_local_shape(full, shard_rank), (name, local.shape, full)
         assert local.device == device, (name, local.device)

@@ -47,7 +47,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     An optimizer built on the unwrapped model's parameters (before wrapping, not yet stepped) is
     re-pointed at the shards. ``state_dict()`` is keyed by parameter name (FQN) with per-element state as
-    ``DTensor`` (``Replicate(), Shard(0)``), the format ``torch.distributed.checkpoint`` reshards.
+    ``DTensor`` (``Shard(0)`` on the replica's mesh), the format ``torch.distributed.checkpoint`` reshards.
     """
 
     _hsdp_model: ShardedModel
@@ -183,9 +183,10 @@ def _evaluate(closure: Any) -> Any:
 
 def _as_state(optimizer: ShardedOptimizer, sp: ShardedParam, key: str, value: Any) -> Any:
     """One loaded state entry in the layout this optimizer keeps (the chunk, or the replica slice)."""
-    check_origin(value, sp.device_mesh, f"optimizer state {key!r} of {sp.fqn!r}")
     if sp.slice is not None:
-        return as_slice_state(value, sp.layout, sp.slice, sp.device_mesh)
+        check_origin(value, sp.slice_mesh, f"optimizer state {key!r} of {sp.fqn!r}")
+        return as_slice_state(value, sp.layout, sp.slice, sp.slice_mesh)
+    check_origin(value, sp.device_mesh, f"optimizer state {key!r} of {sp.fqn!r}")
     replicated = state_is_replicated(key, len(sp.layout.global_shape)) and isinstance(optimizer, torch.optim.Adafactor)
     return as_sharded_state(value, sp.layout, sp.device_mesh, replicated)
 

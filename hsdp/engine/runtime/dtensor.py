@@ -1,8 +1,9 @@
 """The one place hsdp converts between this rank's dim-0 chunk and the global ``DTensor`` view of it.
 
-Every sharded parameter, gradient and per-parameter optimizer state is a ``DTensor`` with placements
-``(Replicate(), Shard(0))`` on the ``("replicate", "shard")`` mesh: replicated across nodes, split in
-``torch.chunk`` dim-0 chunks inside a node (FSDP2's HSDP layout). Code that reads shapes, norms or
+Every sharded parameter, gradient and per-parameter optimizer state is a ``DTensor`` with placement
+``Shard(0)`` on the mesh of its replica (``HSDPMesh.param_mesh``): split in ``torch.chunk`` dim-0 chunks
+inside a node; the replicas across nodes are hsdp's business, not a DTensor dim (see
+``docs/design/replicate_layer.md``). Code that reads shapes, norms or
 counts (``numel()``, ``clip_grad_norm_``, DCP) then sees the global tensor, while element-wise work runs on
 the local chunk through DTensor dispatch.
 """
@@ -21,7 +22,7 @@ from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.origin import stamp
 from hsdp.engine.runtime.replica_slice import SliceLayout
 
-PLACEMENTS = (Replicate(), Shard(0))
+PLACEMENTS = (Shard(0),)
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -34,7 +35,7 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def to_sharded_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, global_shape: tuple[int, ...],
                        placements: Sequence[Placement] = PLACEMENTS) -> DTensor:
-    """``local`` as this rank's chunk of a ``(Replicate(), Shard(0))`` DTensor of ``global_shape`` (or of
+    """``local`` as this rank's chunk of a ``Shard(0)`` DTensor of ``global_shape`` (or of
     other ``placements``); no copy, no collective (the caller vouches for the layout). See
     [Note: DTensor over a slice of a flat buffer]."""
     return _with_local(DTensor.from_local(_at_offset_zero(local), device_mesh, placements, run_check=False,
@@ -137,7 +138,7 @@ def as_sharded(value: Any, layout: ShardLayout, device_mesh: DeviceMesh) -> Any:
 
 def as_sharded_state(value: Any, layout: ShardLayout, device_mesh: DeviceMesh, replicated: bool = False) -> Any:
     """Per-parameter optimizer state (of the parameter with ``layout``) as hsdp keeps it, owning its memory (a view
-    would keep a whole loaded tensor alive): a DTensor ``(Replicate(), Shard(0))`` chunk of the state's own
+    would keep a whole loaded tensor alive): a DTensor ``Shard(0)`` chunk of the state's own
     global shape when that shape has the parameter's rank and rows (moments, Adafactor's row factors), a fully
     replicated DTensor when ``replicated`` (Adafactor's column factor of a matrix); scalars and other shapes
     unchanged."""

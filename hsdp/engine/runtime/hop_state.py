@@ -63,7 +63,7 @@ def _placements(sp: ShardedParam) -> list[Placement]:
     """The parameter's own placements with a leading replica dim: the replicate mesh dim shards dim 0, and the
     other mesh dims shard (or replicate) the parameter's dims one further right."""
     out: list[Placement] = [Shard(0)]
-    for p in sp.layout.placements[1:]:
+    for p in sp.layout.placements:
         if isinstance(p, _StridedShard):
             out.append(_StridedShard(p.dim + 1, split_factor=p.split_factor))
         elif isinstance(p, Shard):

@@ -48,8 +48,8 @@ class ShardLayout:
     """Pure arithmetic of the dim-0 chunking of one tensor shape over ``sharding_degree`` ranks.
 
     A 0-d tensor (CLIP's ``logit_scale``) has no dim 0 to split: it is *replicated* in the shard group,
-    every rank holding the whole value in a one-element slot (its DTensor placements are
-    ``(Replicate(), Replicate())``); the all-gather then returns S equal copies and the reduce-scatter
+    every rank holding the whole value in a one-element slot (its DTensor placement is
+    ``Replicate()``); the all-gather then returns S equal copies and the reduce-scatter
     gives every rank the averaged gradient. It costs one element per rank.
     """
 
@@ -69,16 +69,17 @@ class ShardLayout:
 
     @property
     def placements(self) -> tuple[Placement, ...]:
-        """The DTensor placements on the ``("replicate", "shard")`` or ``("replicate", "shard", "tp")`` mesh."""
+        """The DTensor placements on the replica's ``("shard",)`` or ``("shard", "tp")`` mesh
+        (``HSDPMesh.param_mesh``)."""
         if self.tp is None:
-            return (Replicate(), Replicate()) if self.replicated else (Replicate(), Shard(0))
+            return (Replicate(),) if self.replicated else (Shard(0),)
         if self.replicated:
             dp: Placement = Replicate()
         elif self.tp.placement == Shard(0):
             dp = _StridedShard(0, split_factor=self.tp.degree)  # hsdp's rows are taken from the TP piece
         else:
             dp = Shard(0)
-        return (Replicate(), dp, self.tp.placement)
+        return (dp, self.tp.placement)
 
     def chunk_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a tensor of ``dtensor_shape``: its TP piece, then its rows of that (a view)."""

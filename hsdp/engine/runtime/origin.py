@@ -40,8 +40,8 @@ def origin_of(value: DTensor, mesh: DeviceMesh | None = None) -> ChunkOrigin | N
     or ``None`` off the mesh (a rank not in it)."""
     mesh = value.device_mesh if mesh is None else mesh
     coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return None
+    if coordinate is None or len(coordinate) != len(value.placements):
+        return None  # off the mesh, or placed for another mesh (a slice state checked against a chunk's)
     coords = tuple(c if isinstance(p, Shard) else None for c, p in zip(coordinate, value.placements, strict=True))
     return ChunkOrigin(mesh.get_rank(), tuple(mesh.shape), coords)
 

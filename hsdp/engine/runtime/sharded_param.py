@@ -34,7 +34,8 @@ class ShardedParam:
     """The sharded and unsharded faces of one original parameter.
 
     ``sharded`` is the parameter the module exposes between steps and the optimizer sees: an
-    ``nn.Parameter`` holding a ``DTensor`` ``(Replicate(), Shard(0))`` of the original (global) shape,
+    ``nn.Parameter`` holding a ``DTensor`` ``Shard(0)`` on the replica's mesh (``HSDPMesh.param_mesh``) of
+    the original (global) shape,
     whose local tensor (``sharded_local``) is a view into the unit's flat sharded buffer, so an in-place
     optimizer update is an update of the all-gather's input with no copy. Its gradient is a DTensor of the
     same layout over a view of the reduction output.
@@ -63,9 +64,11 @@ class ShardedParam:
         # Set when the optimizer state is sharded across replicas too: the rows of the chunk this replica
         # reduces and steps (``replica_slice.py``); ``None``: it steps the whole chunk.
         self.slice: SliceLayout | None = None
+        # The ("replicate", "shard") grid a slice's DTensors live on (a slice is split across replicas too).
+        self.slice_mesh: DeviceMesh | None = None
         self.sharded: nn.Parameter  # DTensor; set by bind_sharded
         self.sharded_local: torch.Tensor  # 1D slot view shaped like this rank's chunk; set by bind_sharded
-        self.device_mesh: DeviceMesh  # set by bind_sharded
+        self.device_mesh: DeviceMesh  # the replica's mesh (HSDPMesh.param_mesh); set by bind_sharded
         # fp32 sum of unsharded gradients kept across micro-batches when gradient sync is off.
         self.grad_acc: torch.Tensor | None = None
         # ND: the padded all-gather destination, shape (S, padded_numel); storage freed when resharded.
@@ -149,7 +152,8 @@ class ShardedParam:
         """A tensor shaped like :attr:`opt_local` (a gradient, a moment) as a DTensor of the global shape."""
         if self.slice is None:
             return self.to_dtensor(local)
-        return to_sharded_dtensor(local, self.device_mesh, self.layout.dtensor_shape, self.slice.placements)
+        assert self.slice_mesh is not None
+        return to_sharded_dtensor(local, self.slice_mesh, self.layout.dtensor_shape, self.slice.placements)
 
     # -- the sharded gradient ----------------------------------------------------------------------------
     @property

@@ -96,9 +96,9 @@ class ShardUnit:
         for p in self.params:
             view = flat[offset: offset + p.layout.padded_numel]
             if p.device == device:
-                p.bind_sharded(view, self.comm.mesh.device_mesh)
+                p.bind_sharded(view, self.comm.mesh.param_mesh)
             else:  # built elsewhere (a CPU model on a GPU mesh): its unsharded face moves to the device too
-                p.rebind(view, self.comm.mesh.device_mesh, p.compute_dtype)
+                p.rebind(view, self.comm.mesh.param_mesh, p.compute_dtype)
             offset += p.layout.padded_numel
         return flat
 
@@ -114,7 +114,7 @@ class ShardUnit:
         offset = 0
         with torch.no_grad():
             for p, grad in zip(self.params, grads, strict=True):
-                p.rebind(flat[offset: offset + p.layout.padded_numel], self.comm.mesh.device_mesh, compute, grad)
+                p.rebind(flat[offset: offset + p.layout.padded_numel], self.comm.mesh.param_mesh, compute, grad)
                 p.to_sharded()
                 if not flat.is_meta:
                     flat[offset + p.layout.local_numel: offset + p.layout.padded_numel].zero_()
