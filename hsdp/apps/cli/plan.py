@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.tools.planner.cluster import ClusterSpec
+from hsdp.tools.planner.hetero import NODES_SPELLING, HeteroPlan, is_node_list, make_hetero_plan, parse_node_groups
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, TransformerShape, transformer
 from hsdp.tools.planner.options import PRECISIONS, REPLICATE_DTYPES, SYNC_MODES, TrainOptions, precision
 from hsdp.tools.planner.plan import DEFAULT_HEADROOM, SHARD_OPTIMIZER_MODES, Plan, make_plan
 from hsdp.tools.planner.presets import (
-    GPUS,
     INTER_LINKS,
     INTRA_LINKS,
+    OPTIMIZER_BYTES_PER_ELEMENT,
     gpu,
+    gpu_names,
     inter_link,
     intra_link,
     link_or_rate,
@@ -24,7 +27,7 @@ from hsdp.tools.planner.presets import (
 from hsdp.tools.quantities import parse_bytes, parse_duration, parse_flops
 
 DEFAULT_MFU = 0.45
-OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads param, grad, two moments and writes three: about 36 B/element
+DEFAULT_GPUS_PER_NODE = 8
 
 PLAN_EPILOG = f"""\
 examples:
@@ -32,8 +35,14 @@ examples:
             --intra-node-bandwidth 450GB/s --inter-node-bandwidth 50GB/s
   hsdp plan --model 70b --nodes 64 --gpus-per-node 8 --gpu h100 --inter-node-bandwidth 8xib400 \\
             --precision bf16 --micro-batches 8 --plot plan.png --json plan.json
+  hsdp plan --model 7b --nodes 2x8:h100,2x8:a100-40gb --micro-batch 4 --activation-checkpointing
+            a heterogeneous cluster: per node type the shard degree by memory, batch weights by speed,
+            tokens/s weighted vs even, and the init_mesh / distributed_sampler / hsdp train lines to paste
 
-GPUs: {", ".join(sorted(GPUS))}
+--nodes: a node count (with --gpus-per-node and --gpu), or node types COUNTxGPUS:GPU, comma separated, in
+rank order: 2x8:h100,2x8:a100-40gb (2 nodes of 8 H100, then 2 of 8 A100 40GB); 4x8:h100,1x4 (the 4-GPU
+node takes --gpu); 1x8:a40 is the same cluster as --nodes 1 --gpus-per-node 8 --gpu a40.
+GPUs: {", ".join(gpu_names())}
 intra-node links: {", ".join(sorted(INTRA_LINKS))} (or a rate: 450GB/s)
 inter-node links (per NIC; 8xib400 = eight per node): {", ".join(sorted(INTER_LINKS))} (or a rate per node)
 models: 125m 350m 1.3b 7b 13b 70b and the hsdp.models GPT presets (gpt2-124m, small, bench, ...)
@@ -73,9 +82,11 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                                     "a metrics file (hsdp.tools.planner.metrics)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
-    p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
-    p.add_argument("--gpu", default="h100", help="GPU preset for memory, compute and NVLink")
+    p.add_argument("--nodes", required=True,
+                   help="nodes in the cluster (16), or node types in rank order: 2x8:h100,2x8:a100-40gb")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (ranks) per node (default: 8)")
+    p.add_argument("--gpu", default="h100", help="GPU preset for memory, compute and NVLink (with node types: "
+                                                 "for a type written without one)")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU with its unit, e.g. 80GiB (default: the GPU's)")
     p.add_argument("--compute", default=None, help="achieved FLOP/s per GPU, e.g. 400TFLOPS (default: peak x mfu)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="achieved fraction of peak")
@@ -98,12 +109,25 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def node_count(args: argparse.Namespace) -> int:
+    """``--nodes`` as a count (the uniform spelling); ``ValueError`` naming both spellings otherwise."""
+    try:
+        return int(args.nodes)
+    except ValueError:
+        raise ValueError(f"--nodes {args.nodes!r}: give a node count (16) or node types ({NODES_SPELLING})"
+                         ) from None
+
+
+def gpus_per_node(args: argparse.Namespace) -> int:
+    return DEFAULT_GPUS_PER_NODE if args.gpus_per_node is None else args.gpus_per_node
+
+
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     g = gpu(args.gpu)
     intra_bw, intra_lat = link_or_rate(args.intra_node_bandwidth or g.intra_link, intra_link)
     inter_bw, inter_lat = link_or_rate(args.inter_node_bandwidth, inter_link)
     return ClusterSpec(
-        args.nodes, args.gpus_per_node, parse_bytes(args.gpu_memory) if args.gpu_memory else g.memory,
+        node_count(args), gpus_per_node(args), parse_bytes(args.gpu_memory) if args.gpu_memory else g.memory,
         intra_bw, inter_bw, parse_flops(args.compute) if args.compute else g.peak_flops * args.mfu,
         intra_latency=parse_duration(args.intra_node_latency) if args.intra_node_latency else (intra_lat or 3e-6),
         inter_latency=parse_duration(args.inter_node_latency) if args.inter_node_latency else (inter_lat or 10e-6),
@@ -159,8 +183,46 @@ def build_plan(args: argparse.Namespace) -> Plan:
                      degrees=parse_degrees(args.degrees), headroom=args.headroom,
                      shard_optimizer=args.shard_optimizer_across_replicas,
                      # A metrics file has no hidden size: auto then stays at T=1, a forced T says why not.
-                     tensor_parallel=parse_tp(args.tp, args.gpus_per_node) if model.hidden or args.tp != "auto"
+                     tensor_parallel=parse_tp(args.tp, gpus_per_node(args)) if model.hidden or args.tp != "auto"
                      else [1])
+
+
+# What a heterogeneous plan does not take: each applies to one GPU type, or to layouts it does not explore.
+_NOT_WITH_NODE_TYPES = (("gpus_per_node", "--gpus-per-node (each node type says its GPUs: 2x8:h100)"),
+                        ("gpu_memory", "--gpu-memory (each type's preset sets it)"),
+                        ("compute", "--compute (each type's preset and --mfu set it)"),
+                        ("intra_node_bandwidth", "--intra-node-bandwidth (each type's preset sets it)"),
+                        ("metrics", "--metrics (a measured profile is one GPU type's: pass --model)"),
+                        ("degrees", "--degrees (the shard degree of each type is chosen by memory)"),
+                        ("plot", "--plot"))
+
+
+def build_hetero_plan(args: argparse.Namespace) -> HeteroPlan:
+    """``--nodes 2x8:h100,...``: a plan per node type; ``ValueError`` for the options it does not take."""
+    given = [text for name, text in _NOT_WITH_NODE_TYPES if getattr(args, name) is not None]
+    if args.tp != "1":
+        given.append("--tp (tensor parallelism is not planned per node type)")
+    if args.shard_optimizer_across_replicas == "on":
+        given.append("--shard-optimizer-across-replicas on")
+    if given:
+        raise ValueError(f"--nodes with node types does not take {', '.join(given)}: drop it, or plan one type with "
+                         f"--nodes N --gpus-per-node G --gpu NAME")
+    model, _ = model_from_args(args)
+    inter_bw, inter_lat = link_or_rate(args.inter_node_bandwidth, inter_link)
+    latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else (inter_lat or 10e-6)
+    options = replace(options_from_args(args), shard_optimizer_across_replicas=False)
+    return make_hetero_plan(model, parse_node_groups(args.nodes, args.gpu), options, inter_bw, latency, args.mfu,
+                            args.headroom)
+
+
+def _single_type(args: argparse.Namespace) -> argparse.Namespace:
+    """``--nodes 2x8:a40`` (one node type) as the uniform ``--nodes 2 --gpus-per-node 8 --gpu a40``."""
+    (group,) = parse_node_groups(args.nodes, args.gpu)
+    if args.gpus_per_node is not None and args.gpus_per_node != group.gpus_per_node:
+        raise ValueError(f"--nodes {args.nodes} has {group.gpus_per_node} GPUs per node, --gpus-per-node says "
+                         f"{args.gpus_per_node}: drop one")
+    return argparse.Namespace(**{**vars(args), "nodes": str(group.count), "gpus_per_node": group.gpus_per_node,
+                                 "gpu": group.gpu})
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -168,6 +230,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from hsdp.tools.planner.render import dump_json, print_plan
 
     try:
+        if is_node_list(args.nodes) and len(parse_node_groups(args.nodes, args.gpu)) > 1:
+            return _run_hetero(build_hetero_plan(args), args)
+        if is_node_list(args.nodes):
+            args = _single_type(args)
         plan = build_plan(args)
     except ValueError as e:
         print(f"hsdp plan: error: {e}", file=sys.stderr)
@@ -180,4 +246,15 @@ def run_plan(args: argparse.Namespace) -> int:
         from hsdp.tools.planner.plot import plot_plan
 
         print(f"plot: {plot_plan(plan, args.plot)}")
+    return 0
+
+
+def _run_hetero(plan: HeteroPlan, args: argparse.Namespace) -> int:
+    from hsdp.tools.planner.hetero_render import hetero_dict, print_hetero
+    from hsdp.tools.planner.render import dump_json
+
+    if args.json:
+        dump_json(hetero_dict(plan), args.json)
+    if args.json != "-":
+        print_hetero(plan)
     return 0

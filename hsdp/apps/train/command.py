@@ -120,15 +120,32 @@ def layout_problem(config: RunConfig) -> str | None:
     from hsdp.engine.mesh import validate_degree
 
     nodes, per_node, degree = config.parallel.nodes, config.parallel.nproc_per_node, config.parallel.sharding_degree
-    if config.parallel.tensor_parallel > 1:
-        return tp_layout_problem(per_node, degree, config.parallel.tensor_parallel)
-    if not degree:  # 0: the ranks per node, which always tiles the world
-        return None
+    world = f"the world is parallel.nodes x parallel.nproc_per_node = {nodes} x {per_node}"
+    if isinstance(degree, tuple):
+        if sum(degree) != nodes * per_node:
+            return (f"parallel.sharding_degree = {list(degree)} covers {sum(degree)} ranks (one degree per replica, "
+                    f"in rank order), but {world} = {nodes * per_node}: make the degrees sum to {nodes * per_node}")
+        return weights_problem(config, nodes * per_node, len(degree))
+    tp = config.parallel.tensor_parallel
+    if tp > 1:
+        readers = nodes * (per_node // tp)  # data-parallel ranks: a tensor-parallel group reads one batch
+        return tp_layout_problem(per_node, degree, tp) or weights_problem(
+            config, readers, readers // (degree or per_node // tp))
     try:
-        validate_degree(nodes * per_node, degree)
+        if degree:  # 0: the ranks per node, which always tiles the world
+            validate_degree(nodes * per_node, degree)
     except ValueError as e:
-        return f"{e} (the world is parallel.nodes x parallel.nproc_per_node = {nodes} x {per_node})"
-    return None
+        return f"{e} ({world})"
+    return weights_problem(config, nodes * per_node, nodes * per_node // (degree or per_node))
+
+
+def weights_problem(config: RunConfig, data_parallel: int, replicas: int) -> str | None:
+    """Why a list of ``parallel.batch_weights`` does not match ``data_parallel`` ranks or ``replicas``."""
+    weights = config.parallel.batch_weights
+    if isinstance(weights, str) or len(weights) in (data_parallel, replicas):
+        return None
+    return (f"parallel.batch_weights has {len(weights)} entries: give one per data-parallel rank ({data_parallel}) "
+            f"or one per replica ({replicas}), in rank order")
 
 
 def tp_layout_problem(per_node: int, degree: int, tp: int) -> str | None:

@@ -9,6 +9,7 @@ command line (``train.steps = 0: must be at least 1``) and how to fix it. Readin
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,6 +22,7 @@ DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "dataset")
 HF_FOLDER_KIND = "hf"  # model.kind whose model, tokenizer and vocabulary come from the folder model.path
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("online", "offline")
+BATCH_WEIGHT_MODES = ("even", "auto")
 DEFAULT_OUT_DIR = "runs/train"
 STDLIB = "stdlib"
 
@@ -210,23 +212,36 @@ class ParallelConfig:
     mesh; the T ranks read the same batch (R x S data-parallel readers). T must divide ``nproc_per_node`` and
     ``sharding_degree`` x T fit in a node (``sharding_degree`` 0 then means ``nproc_per_node`` / T); only for
     hsdp's GPT (``model.kind = "gpt"``), with a context divisible by T, the ``fp32`` or ``bf16`` hop and
-    without ``shard_optimizer_across_replicas``."""
+    without ``shard_optimizer_across_replicas``.
+
+    Heterogeneous clusters: ``sharding_degree`` may be a list, one degree per replica in rank order
+    (``[8, 4, 4]``: a replica of 8 ranks, then two of 4; their sum is the world), passed as it is to
+    ``hsdp.init_mesh``. ``batch_weights`` splits each micro-batch's global batch (``train.batch_size`` x the
+    data-parallel ranks, the even split's) by ``hsdp.distributed_sampler``: ``"even"`` (default) keeps the
+    plain per-rank stream; a list gives one positive weight per data-parallel rank or per replica (a faster
+    rank reads more sequences of the same global batch, and its gradient counts as many: the training math
+    is the even split's); ``"auto"`` runs the first ``CALIBRATION_STEPS`` steps at the even split, timing each
+    rank's busy seconds (its step less the time it waited in collectives; CPU ranks, where a wait blocks),
+    then weights each rank by 1 / its median (:func:`hsdp.tools.planner.balance.balanced_weights`), logged
+    and saved in ``summary.json``."""
 
     SECTION: ClassVar[str] = "parallel"
     nodes: int = 2
     nproc_per_node: int = 2
-    sharding_degree: int = 0
+    sharding_degree: int | tuple[int, ...] = 0
     mixed_precision: str = "fp32"
     replica_hop: str = "fp32"
     reshard_after_forward: bool = True
     shard_optimizer_across_replicas: bool = False
     tensor_parallel: int = 1
+    batch_weights: str | tuple[float, ...] = "even"
 
     def __post_init__(self) -> None:
         from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop  # torch import deferred, as above
 
         _at_least(self.SECTION, self, ("nodes", "nproc_per_node", "tensor_parallel"), 1)
-        _at_least(self.SECTION, self, ("sharding_degree",), 0)
+        self._check_degrees()
+        self._check_batch_weights()
         _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
         _one_of(self.SECTION, "replica_hop", self.replica_hop, HOP_NAMES)
         # Refused here, before any rank starts: every rank's ShardedModel would refuse it alike.
@@ -237,6 +252,37 @@ class ParallelConfig:
                   f"parallel.shard_optimizer_across_replicas off")
         if self.tensor_parallel > 1:
             self._check_tensor_parallel_options()
+
+    @property
+    def degree_list(self) -> tuple[int, ...] | None:
+        """The per-replica shard degrees of a heterogeneous mesh, ``None`` for one degree."""
+        return self.sharding_degree if isinstance(self.sharding_degree, tuple) else None
+
+    def _check_degrees(self) -> None:
+        degrees = self.degree_list
+        if degrees is None:
+            _at_least(self.SECTION, self, ("sharding_degree",), 0)
+            return
+        if not degrees or min(degrees) < 1:
+            _fail(self.SECTION, "sharding_degree", list(degrees),
+                  "give one degree >= 1 per replica in rank order, e.g. [4, 2, 2], or one integer (0: the ranks "
+                  "per node)")
+        if self.tensor_parallel > 1:
+            _fail(self.SECTION, "sharding_degree", list(degrees),
+                  "a list of degrees (replicas of different sizes) does not combine with parallel.tensor_parallel "
+                  "> 1: give one integer, or set parallel.tensor_parallel = 1")
+
+    def _check_batch_weights(self) -> None:
+        weights = self.batch_weights
+        if isinstance(weights, str):
+            if weights not in BATCH_WEIGHT_MODES:
+                _fail(self.SECTION, "batch_weights", weights, "choose 'even', 'auto' or a list of positive weights "
+                                                              "(per data-parallel rank or per replica), e.g. [1, 2]")
+            return
+        if not weights or not all(math.isfinite(w) and w > 0 for w in weights):
+            _fail(self.SECTION, "batch_weights", list(weights),
+                  "give one finite positive weight per data-parallel rank or per replica, e.g. [1, 2], or 'even' "
+                  "or 'auto'")
 
     def _check_tensor_parallel_options(self) -> None:
         # What the engine does not compose with tensor parallelism yet (ShardedModel refuses it alike).

@@ -28,30 +28,47 @@ else:  # Python 3.10: the same parser, as a package
 CONFIG_NAME = "config.toml"  # the resolved configuration saved in every run directory
 
 
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_LISTS = {int: "a list of integers such as [4, 2]", float: "a list of numbers such as [1, 2.5]",
+          str: 'a list of strings such as [".txt"]'}
+
+
+def _alternatives(hint: Any) -> tuple[Any, ...]:
+    """The types of a field annotated ``A | B`` (each tried in turn), or the one type."""
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
 def _kind(hint: Any) -> str:
-    if typing.get_origin(hint) is tuple:
-        return "a list of strings"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
+    kinds = [_LISTS[typing.get_args(h)[0]] if typing.get_origin(h) is tuple else _SCALARS[h]
+             for h in _alternatives(hint)]
+    return " or ".join(kinds)
+
+
+def _accepts(value: Any, hint: Any) -> tuple[bool, Any]:
+    """``(whether value is one hint, value as that type)``; a list's elements are checked one by one."""
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is str:
+        return isinstance(value, str), value
+    if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):
+        items = [_accepts(v, typing.get_args(hint)[0]) for v in value]
+        return all(ok for ok, _ in items), tuple(v for _, v in items)
+    return False, value
 
 
 def _coerce(where: str, value: Any, hint: Any) -> Any:
-    """``value`` as the field's type; ``ValueError`` naming ``where`` when it is not one."""
-    ok = False
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif hint is str:
-        ok = isinstance(value, str)
-    elif typing.get_origin(hint) is tuple:
-        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
-        value = tuple(value) if ok else value
-    if not ok:
-        raise ValueError(f"{where} = {value!r}: expected {_kind(hint)}")
-    return value
+    """``value`` as the field's type (the first of ``A | B`` it is); ``ValueError`` naming ``where`` and the
+    types it takes when it is none of them (a list with one element of the wrong type included)."""
+    for alternative in _alternatives(hint):
+        ok, converted = _accepts(value, alternative)
+        if ok:
+            return converted
+    raise ValueError(f"{where} = {value!r}: expected {_kind(hint)}")
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -93,7 +110,8 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _parse_value(raw: str, hint: Any) -> Any:
-    # Strings may be written bare (model.preset=small); everything else is a TOML value.
+    # Strings may be written bare (model.preset=small); everything else is a TOML value (a list such as
+    # parallel.sharding_degree=[2,1] too; a bare word for a field that also takes a string stays that word).
     if hint is str and not raw.startswith(('"', "'")):
         return raw
     try:

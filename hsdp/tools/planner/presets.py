@@ -16,6 +16,7 @@ from hsdp.tools.planner.model import ModelSpec, TransformerShape, transformer
 from hsdp.tools.quantities import parse_bandwidth
 
 GiB = 2**30
+OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads param, grad, two moments and writes three: about 36 B/element
 
 
 @dataclass(frozen=True)
@@ -37,18 +38,28 @@ class Link:
     latency: float
 
 
+# Dense (no sparsity) bf16 tensor-core peaks from each vendor datasheet; where a datasheet prints only the
+# "with sparsity" figure, half of it.
 GPUS: dict[str, GPU] = {
     "v100-32": GPU(32 * GiB, 125e12, 0.9e12, "nvlink2"),
     "a10g": GPU(24 * GiB, 125e12, 0.6e12, "pcie4"),
-    "l40s": GPU(48 * GiB, 362e12, 0.864e12, "pcie4"),
-    "a100-40": GPU(40 * GiB, 312e12, 1.555e12, "nvlink3"),
-    "a100-80": GPU(80 * GiB, 312e12, 2.039e12, "nvlink3"),
-    "h100": GPU(80 * GiB, 989e12, 3.35e12, "nvlink4"),
+    "l4": GPU(24 * GiB, 121e12, 0.3e12, "pcie4"),  # NVIDIA L4 datasheet: bf16 242 TFLOPS with sparsity, 300 GB/s
+    "a40": GPU(48 * GiB, 149.7e12, 0.696e12, "pcie4"),  # NVIDIA A40 datasheet: bf16 149.7 TFLOPS, 696 GB/s GDDR6
+    "l40": GPU(48 * GiB, 181e12, 0.864e12, "pcie4"),  # NVIDIA L40 datasheet: bf16 362 TFLOPS with sparsity
+    "l40s": GPU(48 * GiB, 362e12, 0.864e12, "pcie4"),  # NVIDIA L40S datasheet: bf16 362.05 TFLOPS, 864 GB/s
+    "a100-40": GPU(40 * GiB, 312e12, 1.555e12, "nvlink3"),  # NVIDIA A100 datasheet: bf16 312 TFLOPS, 1,555 GB/s
+    "a100-80": GPU(80 * GiB, 312e12, 2.039e12, "nvlink3"),  # A100 80GB SXM: 2,039 GB/s
+    "h100": GPU(80 * GiB, 989e12, 3.35e12, "nvlink4"),  # NVIDIA H100 SXM datasheet: bf16 1,979 with sparsity
     "h100-pcie": GPU(80 * GiB, 756e12, 2.0e12, "pcie5"),
+    "h100-nvl": GPU(94 * GiB, 835e12, 3.9e12, "nvlink4"),  # H100 NVL datasheet: bf16 1,671 with sparsity, 3.9 TB/s
     "h200": GPU(141 * GiB, 989e12, 4.8e12, "nvlink4"),
     "b200": GPU(180 * GiB, 2250e12, 8.0e12, "nvlink5"),
+    "mi250x": GPU(128 * GiB, 383e12, 3.2e12, "infinity-fabric"),  # AMD Instinct MI250X: bf16 383 TFLOPS, 3.2 TB/s
     "mi300x": GPU(192 * GiB, 1307e12, 5.3e12, "infinity-fabric"),
 }
+# Other spellings of the same presets (memory written out, as cloud instance pages name them).
+GPU_ALIASES: dict[str, str] = {"a100-40gb": "a100-40", "a100-80gb": "a100-80", "h100-sxm": "h100",
+                               "h100-80gb": "h100", "v100": "v100-32"}
 
 INTRA_LINKS: dict[str, Link] = {
     "nvlink2": Link(150e9, 3e-6),
@@ -105,10 +116,21 @@ def link_or_rate(text: str, presets: Callable[[str], Link]) -> tuple[float, floa
             raise ValueError(f"{text!r} is neither a link preset nor a rate ({e})") from None
 
 
+def gpu_names() -> list[str]:
+    """Every preset name ``gpu`` accepts, aliases included, sorted."""
+    return sorted([*GPUS, *GPU_ALIASES])
+
+
+def gpu_key(name: str) -> str:
+    """The preset's own name of ``name`` (``"a100-40gb"`` -> ``"a100-40"``); ``ValueError`` naming the known ones."""
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}: use one of {gpu_names()}, or give --gpu-memory and --compute")
+    return key
+
+
 def gpu(name: str) -> GPU:
-    if name.lower() not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}: use one of {sorted(GPUS)}, or give --gpu-memory and --compute")
-    return GPUS[name.lower()]
+    return GPUS[gpu_key(name)]
 
 
 # Decoder shapes: GPT-3 (Brown et al. 2020, table 2.1) for the small sizes, Llama 2 for 7b-70b.
