@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.apps.cli.plan import parse_degrees
+from hsdp.tools.planner.balance import propose_weights
 from hsdp.tools.planner.compare import TuneReport, analyse, emulated_cluster, options_from_metrics
 from hsdp.tools.planner.tune import (
     DEFAULT_SCRIPT,
@@ -19,6 +21,7 @@ from hsdp.tools.planner.tune import (
     collect,
     default_workdir,
     load_metrics,
+    shards_optimizer,
     summarise,
 )
 from hsdp.tools.quantities import parse_bandwidth, parse_bytes
@@ -32,6 +35,10 @@ examples:
 The script runs once per shard degree and repeat with HSDP_SHARDING_DEGREE set (hsdp.init_mesh() reads it)
 and HSDP_METRICS_FILE naming where it writes its measurements (hsdp.tools.planner.metrics.StepRecorder);
 HSDP_SHARD_OPTIMIZER_ACROSS_REPLICAS=1 asks it to pass shard_optimizer_across_replicas=True to ShardedModel.
+Every rank runs the same batch; from the recommended layout's per-rank times (busy seconds on CPU ranks: a
+step less its waits in collectives; else forward+backward of the unwrapped model) tune proposes batch weights
+that equalize them (weight_r = slowest / t_r), for hsdp train's parallel.batch_weights and
+hsdp.distributed_sampler(weights=...); on a uniform machine they are about 1.
 Without a script: {" ".join(DEFAULT_SCRIPT)}.
 """
 
@@ -88,11 +95,18 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> TuneRepo
     nominal = emulated_cluster(measured.world_size // measured.nproc_per_node, measured.nproc_per_node,
                                args.inter_node_bandwidth, memory)
     if args.intra_node_bandwidth:
-        from dataclasses import replace
-
         nominal = replace(nominal, intra_bandwidth=parse_bandwidth(args.intra_node_bandwidth))
     ok = next(r for r in results if "error" not in r)
-    return analyse(measured, nominal, options_from_metrics(ok), args.shard_optimizer_across_replicas)
+    report = analyse(measured, nominal, options_from_metrics(ok), args.shard_optimizer_across_replicas)
+    return replace(report, weights=propose_weights(_recommended_runs(report, results)))
+
+
+def _recommended_runs(report: TuneReport, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of the recommended candidate (every successful run when there is none): the per-rank times
+    the batch weights come from, measured at the same batch on every rank."""
+    ok = [r for r in results if "error" not in r]
+    key = (report.recommended_shard, report.recommended_shard_optimizer)
+    return [r for r in ok if (r["sharding_degree"], shards_optimizer(r)) == key] or ok
 
 
 def run_tune(args: argparse.Namespace) -> int:

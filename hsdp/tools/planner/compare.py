@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from hsdp.tools.planner.balance import WeightProposal
 from hsdp.tools.planner.calibrate import Calibrated, calibrate, leave_one_out
 from hsdp.tools.planner.cluster import ClusterSpec
 from hsdp.tools.planner.cost import estimate_step
@@ -87,6 +88,7 @@ class TuneReport:
     options: TrainOptions
     rows: tuple[Row, ...]
     plan: Plan
+    weights: WeightProposal | None = None  # batch weights from the recommended layout's per-rank times
 
     @property
     def measured_fastest(self) -> Row:
@@ -120,7 +122,8 @@ class TuneReport:
                 "measured_fastest_shard": self.measured_fastest.shard,
                 "measured_fastest_shard_optimizer_across_replicas": self.measured_fastest.shard_optimizer,
                 "recommended_vs_fastest": self.recommended_vs_fastest(), "reasons": list(self.plan.reasons),
-                "failures": list(self.measured.failures), "plan": self.plan.as_dict()}
+                "failures": list(self.measured.failures), "plan": self.plan.as_dict(),
+                "batch_weights": None if self.weights is None else self.weights.as_dict()}
 
 
 def analyse(measured: Measured, nominal: ClusterSpec, options: TrainOptions,

@@ -39,20 +39,33 @@ METRICS_ENV = "HSDP_METRICS_FILE"
 FORMAT = "hsdp-metrics/1"
 
 
+def peak_memory_bytes(device: torch.device) -> float:
+    """This process's peak memory: the CUDA allocator's on GPUs, else its peak resident set."""
+    return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else peak_rss_bytes()
+
+
 def profile_compute(mesh: HSDPMesh, forward: Callable[[], torch.Tensor], params: list[torch.nn.Parameter],
                     iters: int = 2) -> ComputeProfile:
     """Time ``forward()`` (returns the loss) and its backward on the *unwrapped* model, plus an AdamW step
     over ``params``, on every rank of ``mesh`` at once (so the timing sees the same CPU or GPU contention as
     training); the median over ``iters`` after one warm-up, the slowest rank. Leaves gradients ``None``."""
+    return profile_ranks(mesh, forward, params, iters)[0]
+
+
+def profile_ranks(mesh: HSDPMesh, forward: Callable[[], torch.Tensor], params: list[torch.nn.Parameter],
+                  iters: int = 2) -> tuple[ComputeProfile, list[float]]:
+    """:func:`profile_compute`, and every rank's own forward+backward seconds (rank order): on an unwrapped
+    model no collective paces the ranks, so these tell a slow rank from a fast one on any device (the batch
+    weights of :mod:`hsdp.tools.planner.balance`)."""
     comm = Comm(mesh)
     fwd, bwd = [], []
     for i in range(iters + 1):
         comm.barrier()
         t0 = time.perf_counter()
         loss = forward()
-        t1 = time.perf_counter()
+        t1 = _settled(mesh)
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = _settled(mesh)
         if i:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
@@ -66,7 +79,19 @@ def profile_compute(mesh: HSDPMesh, forward: Callable[[], torch.Tensor], params:
     opt.step()
     per_element = (time.perf_counter() - t0) / max(1, sum(p.numel() for p in copies))
     rows = comm.all_gather_floats([statistics.median(fwd), statistics.median(bwd), per_element])
-    return ComputeProfile(*(max(r[i] for r in rows) for i in range(3)))
+    return ComputeProfile(*(max(r[i] for r in rows) for i in range(3))), [r[0] + r[1] for r in rows]
+
+
+def _settled(mesh: HSDPMesh) -> float:
+    """``perf_counter()`` once the device has run what was queued (the kernels are the time being measured)."""
+    if mesh.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _waited(model: ShardedModel) -> float:
+    """Seconds the host has been blocked in the model's collectives since its stats were reset."""
+    return sum(op.get("waited", 0.0) for ops in model.comm_stats().values() for op in ops.values())
 
 
 class StepRecorder:
@@ -78,6 +103,12 @@ class StepRecorder:
     ``name`` labels the model in reports (default: its class).
     State bytes are read right after the first step, so zero gradients *before* each forward, not after
     the optimizer step, or the gradients will not be counted.
+
+    Per rank, over the measured steps: its own wall seconds (``step_s_per_rank``, about equal on every rank,
+    as the collectives pace them), its *busy* seconds (``busy_s_per_rank``: wall less the time the host was
+    blocked in the model's collectives; where a wait blocks the host, i.e. on CPU ranks, else ``None``), and
+    its peak memory (``peak_memory_bytes_per_rank``: the CUDA allocator's on GPUs, the resident set on CPUs),
+    what :func:`hsdp.tools.planner.balance.propose_weights` reads.
     """
 
     def __init__(self, model: ShardedModel, optimizer: torch.optim.Optimizer | None = None, *,
@@ -90,13 +121,16 @@ class StepRecorder:
         self.seq_len, self.micro_batch, self.sync, self.name = seq_len, micro_batch, sync, name
         self._timer = StepTimer(Comm(model.mesh), warmup)  # its own Comm: timing stays out of comm_stats
         self._state: dict[str, int] | None = None
+        self._own: list[tuple[float, float]] = []  # this rank's (wall, blocked) seconds per step, warm-up included
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         if self._timer.next_is_first_measured:
             self.model.reset_comm_stats()  # count the collectives of the measured steps only
         with self._timer.step():
+            waited, start = _waited(self.model), time.perf_counter()
             yield
+            self._own.append((time.perf_counter() - start, _waited(self.model) - waited))
         # State bytes after the first complete step: gradients and optimizer state exist, not yet zeroed.
         if self._state is None:
             self._state = state_bytes(self.model, self.optimizer).as_dict()
@@ -108,7 +142,12 @@ class StepRecorder:
             raise ValueError(f"no measured steps: run more than warmup={self.warmup} steps inside step()")
         steps = len(measured)
         state = self._state or state_bytes(self.model, self.optimizer).as_dict()
-        per_rank = self._timer.comm.all_gather_floats([float(state["total"]), peak_rss_bytes()])
+        own = self._own[self.warmup:]
+        wall = statistics.median(w for w, _ in own)
+        busy = statistics.median(w - b for w, b in own)
+        per_rank = self._timer.comm.all_gather_floats([float(state["total"]), peak_rss_bytes(), wall, busy,
+                                                       float(peak_memory_bytes(self.model.mesh.device))])
+        blocks = self.model.mesh.device.type == "cpu"  # where a wait blocks the host, busy time is measured
         comm = {g: {op: {k: v / steps for k, v in s.items()} for op, s in ops.items()}
                 for g, ops in self.model.comm_stats().items()}
         spec = spec_from_module(self.model, self.seq_len, self.micro_batch, name=self.name)
@@ -118,7 +157,9 @@ class StepRecorder:
             "nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)),
             "micro_batches": self.micro_batches, "step_s": measured, "median_step_s": statistics.median(measured),
             "state_bytes": state, "state_bytes_per_rank": [r[0] for r in per_rank],
-            "peak_rss_bytes_per_rank": [r[1] for r in per_rank],
+            "peak_rss_bytes_per_rank": [r[1] for r in per_rank], "step_s_per_rank": [r[2] for r in per_rank],
+            "busy_s_per_rank": [r[3] for r in per_rank] if blocks else None,
+            "peak_memory_bytes_per_rank": [r[4] for r in per_rank],
             "inter_node_bytes_per_step": [[b / steps for b in node] for node in self._timer.link_bytes_per_node()],
             "comm_per_step": comm,
             "model": {"name": spec.name, "seq_len": self.seq_len, "micro_batch": self.micro_batch,

@@ -122,6 +122,27 @@ def constants_line(report: TuneReport) -> str:
             f"{v.get('host_s_per_inter_byte', 0) * 1e9:.2f} ns to another node")
 
 
+WEIGHT_SOURCES = {"busy_s_per_rank": "busy seconds (a step less its waits in collectives)",
+                  "compute_s_per_rank": "forward+backward seconds of the unwrapped model",
+                  "step_s_per_rank": "wall seconds (paced by the slowest rank: about even)"}
+
+
+def weights_line(report: TuneReport) -> str | None:
+    """The batch weights that equalize the ranks' step times, and where they come from (None: no per-rank times)."""
+    w = report.weights
+    if w is None:
+        return None
+    rec = report.recommended_shard
+    label = "the measured runs" if rec is None else candidate_label(rec, report.recommended_shard_optimizer)
+    memory = "" if not w.peak_memory_bytes else \
+        f"; peak memory per rank {' / '.join(format_bytes(b) for b in w.peak_memory_bytes)}"
+    weights = "[" + ", ".join(f"{x:g}" for x in w.weights) + "]"
+    return (f"batch weights per rank, 1 / {WEIGHT_SOURCES[w.source]} at equal batch ({label}, {w.runs} runs; "
+            f"per rank {' / '.join(f'{t:.3f}' for t in w.seconds)} s{memory}): {weights}, "
+            f"steps {w.expected_speedup:.2f}x as fast if each rank's step scales with its batch; hsdp train: "
+            f"parallel.batch_weights = {weights}")
+
+
 LEGEND = ("measured: median of every measured step of every run; runs: each run's own median; nominal: the "
           "model before calibration; calibrated: constants fitted to all measured layouts; held-out: constants "
           "fitted to the other layouts only. Inter-node bytes: link counters (TCP/IP headers included) against "
@@ -140,6 +161,8 @@ def print_tune(report: TuneReport, console: Console | None = None) -> None:
     console.print(LEGEND, style="dim", highlight=False)
     console.print(constants_line(report), highlight=False)
     console.print(recommendation_line(report), highlight=False)
+    if weights_line(report):
+        console.print(weights_line(report), highlight=False, markup=False)
     for line in report.plan.reasons:
         console.print(f"- {line}", highlight=False)
     for failure in report.measured.failures:
@@ -189,6 +212,7 @@ def write_results(report: TuneReport, out: Path, tag: str, results: list[dict[st
             f"{report.measured.world_size} ranks ({report.measured.nproc_per_node} per node).", "",
             markdown(TUNE_COLUMNS, tune_rows(report)), LEGEND, "", constants_line(report), "",
             recommendation_line(report)[0].upper() + recommendation_line(report)[1:] + ".", "",
+            *([weights_line(report)[0].upper() + weights_line(report)[1:] + ".", ""] if weights_line(report) else []),
             *[f"- {line}" for line in report.plan.reasons], "",
             *[f"Failed run: {x}" for x in report.measured.failures],
             *[f"Warning: {x}" for x in report.measured.warnings], f"![plot]({name}.png)", ""]

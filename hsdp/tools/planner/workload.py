@@ -24,7 +24,7 @@ import torch.distributed as dist
 import hsdp
 from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop
 from hsdp.models import GPT, preset
-from hsdp.tools.planner.metrics import StepRecorder, profile_compute
+from hsdp.tools.planner.metrics import StepRecorder, profile_ranks
 from hsdp.tools.planner.model import ComputeProfile
 from hsdp.tools.planner.tune import SHARD_OPTIMIZER_ENV
 
@@ -61,11 +61,12 @@ def _train_step(model: hsdp.ShardedModel, optimizer: torch.optim.Optimizer,
     return float(loss.item())
 
 
-def _profile(mesh: hsdp.HSDPMesh, model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> ComputeProfile:
+def _profile(mesh: hsdp.HSDPMesh, model: GPT, batch: tuple[torch.Tensor, torch.Tensor],
+             ) -> tuple[ComputeProfile, list[float]]:
     # On a copy: the probe's optimizer step must not touch the weights every layout starts from.
     probe = copy.deepcopy(model)
     x, y = batch
-    return profile_compute(mesh, lambda: probe(x, y)[1], list(probe.parameters()))
+    return profile_ranks(mesh, lambda: probe(x, y)[1], list(probe.parameters()))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT(cfg)
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
-    profile = _profile(mesh, model, _batches(cfg, args, g)[0])
+    profile, rank_compute = _profile(mesh, model, _batches(cfg, args, g)[0])
     hop = named_hop(args.hop)
     sliced = os.environ.get(SHARD_OPTIMIZER_ENV) == "1" and can_scatter(hop)
     sharded = hsdp.ShardedModel(model, mesh=mesh, replica_hop=hop, shard_optimizer_across_replicas=sliced,
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         with recorder.step():
             losses.append(_train_step(sharded, optimizer, batches))
     extra = {"workload": {"preset": args.preset, "hop": args.hop, "losses": losses,
-                          "reshard_after_forward": not args.no_reshard_after_forward}}
+                          "reshard_after_forward": not args.no_reshard_after_forward},
+             "compute_s_per_rank": rank_compute}  # forward+backward per rank, unwrapped: the GPU ranks' times
     result = recorder.write(args.out, profile=profile, extra=extra)
     if dist.get_rank() == 0:
         print(f"hsdp tune workload: S={result['sharding_degree']} median step {result['median_step_s']:.3f} s",
