@@ -16,6 +16,7 @@ class LoopResult:
     checkpoint_step: int | None = None  # the step of the newest of ``checkpoints``
     trace: str | None = None
     stopped_by_signal: bool = False  # a rank got SIGTERM: every rank stopped after the last record's step
+    batch: dict[str, Any] | None = None  # parallel.batch_weights: weights, sequences per rank, calibration
 
     def add(self, record: dict[str, Any]) -> None:
         """Append a finished step's record."""

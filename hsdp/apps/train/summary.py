@@ -92,6 +92,7 @@ def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: Lo
         "ranks": ranks, "nodes": node_records(ranks),
         "inter_node_floor_bytes_per_step": inter_node_floor(cfg, n_params, mesh.replicate_degree),
         "checkpoints": result.checkpoints, "trace": result.trace,
+        "batch_weights": result.batch,
     }
 
 
@@ -124,6 +125,12 @@ def run_table(summary: dict[str, Any], data: str) -> Table:
         t.add_row("held-out loss", f"{summary['eval_loss_last']:.3f} (last evaluation)")
     t.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens']:,} tokens in "
                             f"{summary['seconds']:.1f} s of steps)")
+    batch = summary.get("batch_weights")
+    if batch:
+        how = "measured (auto)" if batch["mode"] == "auto" else "configured"
+        if batch["mode"] == "auto" and not batch["calibration"]:
+            how = "auto, not calibrated (the run ended first): even"
+        t.add_row("batch weights", f"{batch['weights']} {how}; sequences per rank {batch['batch_sizes']}")
     return t
 
 

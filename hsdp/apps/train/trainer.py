@@ -28,6 +28,7 @@ from rich.console import Console
 
 import hsdp
 from hsdp.apps.train import resume, summary
+from hsdp.apps.train.calibration import Calibration
 from hsdp.apps.train.config import RunConfig
 from hsdp.apps.train.corpus import load_corpus
 from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, pad_sequence_to, parameter_count, sample
@@ -40,6 +41,7 @@ from hsdp.apps.train.ranks import RankChannel
 from hsdp.apps.train.result import LoopResult
 from hsdp.apps.train.rundir import prepare_run_dir
 from hsdp.apps.train.wandb_sink import record_sinks
+from hsdp.apps.train.weighted_stream import WeightedTokenStream
 from hsdp.data.text import TokenStream
 from hsdp.engine.hops import named_hop
 from hsdp.engine.preemption import StopSignals
@@ -53,10 +55,24 @@ def _due(step: int, every: int, last: int) -> bool:
 
 def _init_mesh(cfg: RunConfig) -> hsdp.HSDPMesh:
     """R x S, or R x S x T with ``parallel.tensor_parallel`` T > 1 (``sharding_degree`` 0: the ranks per node,
-    divided by T). T = 1 keeps the 2-D mesh, exactly as before tensor parallelism existed."""
+    divided by T). T = 1 keeps the 2-D mesh, exactly as before tensor parallelism existed. A list of degrees
+    (replicas of different sizes, in rank order) is passed to ``hsdp.init_mesh`` as it is."""
     par = cfg.parallel
     tp = par.tensor_parallel if par.tensor_parallel > 1 else None
-    return hsdp.init_mesh(par.sharding_degree or None, tensor_parallel_degree=tp)
+    degree = list(par.degree_list) if par.degree_list is not None else (par.sharding_degree or None)
+    return hsdp.init_mesh(degree, tensor_parallel_degree=tp)
+
+
+def initial_weights(cfg: RunConfig, data_parallel_size: int) -> list[float]:
+    """The weights the training stream starts with: the configured list (one per replica of a list of degrees
+    spread over the replica's ranks: the sampler's own per-replica rule assumes one degree), or, for "auto",
+    the even split its calibration times."""
+    weights, degrees = cfg.parallel.batch_weights, cfg.parallel.degree_list
+    if isinstance(weights, str):
+        return [1.0] * data_parallel_size
+    if degrees is not None and len(weights) == len(degrees) != data_parallel_size:
+        return [w / s for w, s in zip(weights, degrees, strict=True) for _ in range(s)]
+    return list(weights)
 
 
 def _to_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -103,12 +119,14 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 1 + hsdp.data_parallel_rank(self.mesh))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.train_stream, self.held_out = self._streams()
+        # "auto": the first steps run at the even split and time each rank (calibration.py).
+        self.calibration = Calibration() if cfg.parallel.batch_weights == "auto" else None
         self.start_step, self.resumed_from = self._resume()
         self.reporter = Reporter(console, cfg.train.steps, cfg.train.log_every, self.channel.is_root,
                                  self.start_step)
         self.profiler = self._profiler()
         self.writer: MetricsWriter | None = None  # rank 0's metric files, opened by train()
-        self.result = LoopResult()
+        self.result = LoopResult(batch=self._batch_info())
 
     # -- construction ---------------------------------------------------------------------------------------
     def _wrap(self, module: torch.nn.Module) -> hsdp.ShardedModel:
@@ -119,11 +137,49 @@ class Trainer:
                                  replica_hop=named_hop(par.replica_hop),
                                  shard_optimizer_across_replicas=par.shard_optimizer_across_replicas)
 
-    def _streams(self) -> tuple[TokenStream, TokenStream]:
-        """This rank's training and held-out batches (different seeds: different positions)."""
+    def _streams(self) -> tuple[TokenStream | WeightedTokenStream, TokenStream]:
+        """This rank's training and held-out batches (different seeds: different positions). With
+        ``parallel.batch_weights`` the training batches are this rank's piece of each global batch
+        (:mod:`hsdp.apps.train.weighted_stream`); evaluation stays even."""
         seed, batch, block = self.cfg.train.seed, self.cfg.train.batch_size, self.shape.block_size
-        return (TokenStream(self.corpus.train, block, batch, seed=seed, mesh=self.mesh),
-                TokenStream(self.corpus.held_out, block, batch, seed=seed + 1, mesh=self.mesh))
+        held_out = TokenStream(self.corpus.held_out, block, batch, seed=seed + 1, mesh=self.mesh)
+        if self.cfg.parallel.batch_weights == "even":
+            return TokenStream(self.corpus.train, block, batch, seed=seed, mesh=self.mesh), held_out
+        if self.cfg.parallel.batch_weights == "auto" and self.mesh.device.type != "cpu":
+            raise ValueError('parallel.batch_weights = "auto" times each rank\'s busy seconds (a step less its '
+                             "blocked waits), which only CPU ranks measure: on GPUs give the weights as a list, "
+                             "from hsdp tune or hsdp plan --nodes 2x8:h100,...")
+        weights = initial_weights(self.cfg, self.mesh.data_parallel_size)
+        return WeightedTokenStream(self.corpus.train, block, batch, weights, seed=seed, mesh=self.mesh,
+                                   model=self.model), held_out
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the training batches are cut by batch weights (each rank's gradient counts its share)."""
+        return isinstance(self.train_stream, WeightedTokenStream)
+
+    def _batch_info(self) -> dict[str, Any] | None:
+        """What ``summary.json`` says about the split: the weights and sequences per rank, the calibration."""
+        stream = self.train_stream
+        if not isinstance(stream, WeightedTokenStream):
+            return None
+        return {"mode": "auto" if self.calibration is not None else "list", "weights": list(stream.weights),
+                "batch_sizes": stream.batch_sizes, "global_batch": stream.global_batch,
+                "calibration": None if self.calibration is None else self.calibration.result}
+
+    def _calibrate(self, step: int, seconds: float, waited: float | None) -> None:
+        """"auto": count this step; after the last calibration step, re-split by the measured weights."""
+        if self.calibration is None or self.calibration.done:
+            return
+        weights = self.calibration.add(step, seconds, waited, self.channel)
+        if weights is None:
+            return
+        assert isinstance(self.train_stream, WeightedTokenStream)
+        self.train_stream.reweight(weights)
+        self.result.batch = self._batch_info()
+        busy = self.calibration.result["busy_s_per_rank"] if self.calibration.result else []
+        self.reporter.note(f"step {step}: batch weights {weights} (auto: 1 / busy seconds per rank "
+                           f"{[round(b, 4) for b in busy]}), sequences per rank {self.train_stream.batch_sizes}")
 
     def _resume(self) -> tuple[int, str]:
         """``(step, checkpoint directory)`` to continue from; ``(0, "")`` for a fresh start."""
@@ -161,7 +217,8 @@ class Trainer:
             last = micro == accum - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = self.lm.loss(self.model, x, y)
-                (loss / accum).backward()
+                # A batch weight averages over the ranks and micro-batches itself: backward the mean loss.
+                (loss if self.weighted else loss / accum).backward()
             total += loss.detach().double()
         return total / accum
 
@@ -188,15 +245,21 @@ class Trainer:
         self.model.reset_comm_stats()
         loss, grad_norm, seconds = self._optimizer_step(step)
         comm = comm_totals(self.model.comm_stats(), waits_block=self.mesh.device.type == "cpu")
-        mean_loss, stop_votes = self.channel.mean([loss, float(stop_requested)])
+        # Each rank's mean loss weighted by its share of the global batch (1 for the even split): the mean
+        # over every sequence of the step.
+        stream = self.train_stream
+        share = stream.batch_size / cfg.train.batch_size
+        mean_loss, stop_votes = self.channel.mean([loss * share, float(stop_requested)])
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optim.lr or set optim.grad_clip")
-        stream = self.train_stream  # world_size: the R x S data-parallel readers (a TP group reads one batch)
+        # world_size: the R x S data-parallel readers (a TP group reads one batch); the weighted split cuts the
+        # same global batch.
         n_tokens = cfg.train.batch_size * stream.block_size * cfg.train.grad_accum * stream.world_size
         record = {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
                   "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
                   "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
                   "mem_bytes": peak_memory_bytes(self.mesh.device)}
+        self._calibrate(step, seconds, comm["exposed_comm_s"])
         return record, stop_votes > 0
 
     @torch.no_grad()
