@@ -10,6 +10,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -85,6 +86,10 @@ def test_layout_checks_the_degree_sum_and_the_weight_count() -> None:
     assert problem("parallel.batch_weights=[1,2,3,4]") is None  # per rank
     assert problem("parallel.sharding_degree=2", "parallel.batch_weights=[1,2]") is None  # per replica (R = 2)
     assert "one per data-parallel rank (4) or one per replica (2)" in str(problem("parallel.batch_weights=[1,2,3]"))
+    # 8 sequences per micro-batch cannot give rank 0 a share of 1 : 200; 51 per rank can.
+    assert "raise train.batch_size to 51 or more" in str(problem("parallel.batch_weights=[1,200]",
+                                                                 "train.batch_size=2"))
+    assert problem("parallel.batch_weights=[1,200]", "train.batch_size=51") is None
 
 
 def test_list_degrees_reach_init_mesh_as_a_list_and_replica_weights_spread_over_ranks(
@@ -94,11 +99,15 @@ def test_list_degrees_reach_init_mesh_as_a_list_and_replica_weights_spread_over_
     trainer_module._init_mesh(resolve_config(None, ["parallel.sharding_degree=[2,1]"]))
     trainer_module._init_mesh(resolve_config(None, ["parallel.sharding_degree=0"]))
     assert seen == [([2, 1], {"tensor_parallel_degree": None}), (None, {"tensor_parallel_degree": None})]
+    mesh = SimpleNamespace(data_parallel_size=3, sharding_degree=1, replicate_degree=3)  # what a list gives
     cfg = resolve_config(None, ["parallel.sharding_degree=[2,1]", "parallel.batch_weights=[3,1]"])
-    assert trainer_module.initial_weights(cfg, 3) == [1.5, 1.5, 1.0]
+    assert trainer_module.initial_weights(cfg, mesh) == [1.5, 1.5, 1.0]  # per replica, over its ranks
     per_rank = resolve_config(None, ["parallel.sharding_degree=[2,1]", "parallel.batch_weights=[1,2,3]"])
-    assert trainer_module.initial_weights(per_rank, 3) == [1.0, 2.0, 3.0]
-    assert trainer_module.initial_weights(resolve_config(None, ["parallel.batch_weights=auto"]), 2) == [1.0, 1.0]
+    assert trainer_module.initial_weights(per_rank, mesh) == [1.0, 2.0, 3.0]
+    grid = SimpleNamespace(data_parallel_size=4, sharding_degree=2, replicate_degree=2)
+    assert trainer_module.initial_weights(resolve_config(None, ["parallel.batch_weights=[1,3]"]), grid) == [
+        0.5, 0.5, 1.5, 1.5]
+    assert trainer_module.initial_weights(resolve_config(None, ["parallel.batch_weights=auto"]), grid) == [1.0] * 4
     assert apply_overrides({}, ["parallel.batch_weights=[1,2]"]) == {"parallel": {"batch_weights": [1, 2]}}
 
 

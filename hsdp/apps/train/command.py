@@ -125,27 +125,33 @@ def layout_problem(config: RunConfig) -> str | None:
         if sum(degree) != nodes * per_node:
             return (f"parallel.sharding_degree = {list(degree)} covers {sum(degree)} ranks (one degree per replica, "
                     f"in rank order), but {world} = {nodes * per_node}: make the degrees sum to {nodes * per_node}")
-        return weights_problem(config, nodes * per_node, len(degree))
+        return weights_problem(config, list(degree))
     tp = config.parallel.tensor_parallel
     if tp > 1:
         readers = nodes * (per_node // tp)  # data-parallel ranks: a tensor-parallel group reads one batch
-        return tp_layout_problem(per_node, degree, tp) or weights_problem(
-            config, readers, readers // (degree or per_node // tp))
+        shard = degree or per_node // tp
+        return tp_layout_problem(per_node, degree, tp) or weights_problem(config, [shard] * (readers // shard))
     try:
         if degree:  # 0: the ranks per node, which always tiles the world
             validate_degree(nodes * per_node, degree)
     except ValueError as e:
         return f"{e} ({world})"
-    return weights_problem(config, nodes * per_node, nodes * per_node // (degree or per_node))
+    shard = degree or per_node
+    return weights_problem(config, [shard] * (nodes * per_node // shard))
 
 
-def weights_problem(config: RunConfig, data_parallel: int, replicas: int) -> str | None:
-    """Why a list of ``parallel.batch_weights`` does not match ``data_parallel`` ranks or ``replicas``."""
+def weights_problem(config: RunConfig, replica_sizes: list[int]) -> str | None:
+    """Why a list of ``parallel.batch_weights`` does not fit replicas of ``replica_sizes`` data-parallel ranks:
+    the wrong count, or a ``train.batch_size`` too small to give every rank a sequence."""
+    from hsdp.apps.train.weighted_stream import batch_size_problem, per_rank_weights
+
     weights = config.parallel.batch_weights
-    if isinstance(weights, str) or len(weights) in (data_parallel, replicas):
+    if isinstance(weights, str):
         return None
-    return (f"parallel.batch_weights has {len(weights)} entries: give one per data-parallel rank ({data_parallel}) "
-            f"or one per replica ({replicas}), in rank order")
+    try:
+        return batch_size_problem(per_rank_weights(weights, replica_sizes), config.train.batch_size)
+    except ValueError as e:
+        return str(e)
 
 
 def tp_layout_problem(per_node: int, degree: int, tp: int) -> str | None:

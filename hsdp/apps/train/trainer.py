@@ -41,7 +41,7 @@ from hsdp.apps.train.ranks import RankChannel
 from hsdp.apps.train.result import LoopResult
 from hsdp.apps.train.rundir import prepare_run_dir
 from hsdp.apps.train.wandb_sink import record_sinks
-from hsdp.apps.train.weighted_stream import WeightedTokenStream
+from hsdp.apps.train.weighted_stream import WeightedTokenStream, per_rank_weights
 from hsdp.data.text import TokenStream
 from hsdp.engine.hops import named_hop
 from hsdp.engine.preemption import StopSignals
@@ -63,16 +63,14 @@ def _init_mesh(cfg: RunConfig) -> hsdp.HSDPMesh:
     return hsdp.init_mesh(degree, tensor_parallel_degree=tp)
 
 
-def initial_weights(cfg: RunConfig, data_parallel_size: int) -> list[float]:
-    """The weights the training stream starts with: the configured list (one per replica of a list of degrees
-    spread over the replica's ranks: the sampler's own per-replica rule assumes one degree), or, for "auto",
-    the even split its calibration times."""
-    weights, degrees = cfg.parallel.batch_weights, cfg.parallel.degree_list
+def initial_weights(cfg: RunConfig, mesh: hsdp.HSDPMesh) -> list[float]:
+    """The per-rank weights the training stream starts with: the configured list (one per replica spread over
+    its ranks: :func:`per_rank_weights`), or, for "auto", the even split its calibration times."""
+    weights = cfg.parallel.batch_weights
     if isinstance(weights, str):
-        return [1.0] * data_parallel_size
-    if degrees is not None and len(weights) == len(degrees) != data_parallel_size:
-        return [w / s for w, s in zip(weights, degrees, strict=True) for _ in range(s)]
-    return list(weights)
+        return [1.0] * mesh.data_parallel_size
+    sizes = cfg.parallel.degree_list or [mesh.sharding_degree] * mesh.replicate_degree
+    return per_rank_weights(weights, sizes)
 
 
 def _to_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -149,7 +147,7 @@ class Trainer:
             raise ValueError('parallel.batch_weights = "auto" times each rank\'s busy seconds (a step less its '
                              "blocked waits), which only CPU ranks measure: on GPUs give the weights as a list, "
                              "from hsdp tune or hsdp plan --nodes 2x8:h100,...")
-        weights = initial_weights(self.cfg, self.mesh.data_parallel_size)
+        weights = initial_weights(self.cfg, self.mesh)
         return WeightedTokenStream(self.corpus.train, block, batch, weights, seed=seed, mesh=self.mesh,
                                    model=self.model), held_out
 

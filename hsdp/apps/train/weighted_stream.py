@@ -10,14 +10,37 @@ training. A step's batch is a function of the step (resume and re-weighting mid-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 import hsdp
-from hsdp.data.weighted_sampler import WeightedBatchSampler
+from hsdp.data.weighted_sampler import WeightedBatchSampler, smallest_batch_size, split_sizes
 from hsdp.engine.mesh import HSDPMesh
+
+
+def per_rank_weights(weights: Sequence[float], replica_sizes: Sequence[int]) -> list[float]:
+    """One weight per data-parallel rank: ``weights`` as given when there is one per rank, or one per replica
+    spread evenly over its ``replica_sizes[i]`` ranks (rank order). ``ValueError`` naming both counts."""
+    ranks = sum(replica_sizes)
+    if len(weights) == ranks:
+        return [float(w) for w in weights]
+    if len(weights) == len(replica_sizes):
+        return [w / n for w, n in zip(weights, replica_sizes, strict=True) for _ in range(n)]
+    raise ValueError(f"parallel.batch_weights has {len(weights)} entries: give one per data-parallel rank ({ranks}) "
+                     f"or one per replica ({len(replica_sizes)}), in rank order")
+
+
+def batch_size_problem(weights: Sequence[float], batch_size: int) -> str | None:
+    """Why ``train.batch_size`` x the ranks cannot give every rank (per-rank ``weights``) a sequence."""
+    if min(split_sizes(weights, batch_size * len(weights))) >= 1:
+        return None
+    need = math.ceil(smallest_batch_size(weights) / len(weights))
+    return (f"train.batch_size = {batch_size} leaves some rank without a sequence of the global batch under "
+            f"per-rank weights {list(weights)}: raise train.batch_size to {need} or more, or use less uneven "
+            f"parallel.batch_weights")
 
 
 class Windows(Dataset):
@@ -36,7 +59,7 @@ class Windows(Dataset):
 
 class WeightedTokenStream:
     """This rank's ``(x, y)`` batches of each step, its piece of the global batch under ``weights`` (one per
-    data-parallel rank or per replica, as :func:`hsdp.distributed_sampler` takes them). :meth:`reweight`
+    data-parallel rank: :func:`per_rank_weights`). :meth:`reweight`
     changes the split from the next batch on (``parallel.batch_weights = "auto"`` after its calibration)."""
 
     def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, weights: Sequence[float], *,
@@ -50,13 +73,11 @@ class WeightedTokenStream:
         self.weights = tuple(weights)
 
     def _sampler(self, weights: Sequence[float]) -> WeightedBatchSampler:
-        try:
-            return hsdp.distributed_sampler(self.dataset, self.mesh, weights=list(weights),
-                                            batch_size=self.global_batch, seed=self.seed, model=self.model)
-        except ValueError as e:
-            raise ValueError(f"parallel.batch_weights = {list(weights)}: {e} (here batch_size is train.batch_size x "
-                             f"{self.world_size} data-parallel ranks = {self.global_batch}: raise train.batch_size "
-                             f"or use less uneven weights)") from None
+        problem = batch_size_problem(weights, self.global_batch // self.world_size)
+        if problem:
+            raise ValueError(problem)
+        return hsdp.distributed_sampler(self.dataset, self.mesh, weights=list(weights), batch_size=self.global_batch,
+                                        seed=self.seed, model=self.model)
 
     def reweight(self, weights: Sequence[float]) -> None:
         """Split by ``weights`` from now on (and set this rank's batch weight to its new share)."""
