@@ -34,7 +34,7 @@ _EXPORTS = {
     "state_bytes": "hsdp.engine.memory",
     "HSDPMesh": "hsdp.engine.mesh",
     "init_mesh": "hsdp.engine.mesh",
-    "rank_grid": "hsdp.engine.mesh",
+    "rank_grid": "hsdp.engine.mesh_layout",
     "ShardedModel": "hsdp.engine.model",
     "ShardedOptimizer": "hsdp.engine.optim.sharded_optimizer",
     "ShardedGradScaler": "hsdp.engine.optim.grad_scaler",
@@ -73,7 +73,8 @@ if TYPE_CHECKING:
     from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop, ReplicaHop
     from hsdp.engine.init import load_pretrained, materialize
     from hsdp.engine.memory import StateBytes, state_bytes
-    from hsdp.engine.mesh import HSDPMesh, init_mesh, rank_grid
+    from hsdp.engine.mesh import HSDPMesh, init_mesh
+    from hsdp.engine.mesh_layout import rank_grid
     from hsdp.engine.model import ShardedModel, check_replicas
     from hsdp.engine.optim.grad_scaler import ShardedGradScaler
     from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hsdp.engine import mesh as mesh_module
-from hsdp.engine.mesh import (
+from hsdp.engine.mesh_layout import (
     default_sharding_degree,
     device_type_for,
     grid_position,
@@ -102,7 +102,7 @@ def test_device_type_follows_the_backend_and_the_gpus() -> None:
 # Tensor parallelism: the (R, S, T) shape and its validation (pure).
 # ---------------------------------------------------------------------------------------------------------
 def test_mesh_shape_with_tensor_parallelism() -> None:
-    from hsdp.engine.mesh import mesh_shape
+    from hsdp.engine.mesh_layout import mesh_shape
 
     node4 = {"LOCAL_WORLD_SIZE": "4"}
     assert mesh_shape(8, 2, 2, env=node4) == (2, 2, 2)
@@ -117,7 +117,7 @@ def test_mesh_shape_with_tensor_parallelism() -> None:
                                      (2, 0, "tensor_parallel_degree must be an int >= 1"),
                                      (3, 2, "not divisible by sharding_degree=3")])
 def test_bad_tensor_parallel_degrees_name_the_fix(s: int, t: int, fix: str) -> None:
-    from hsdp.engine.mesh import mesh_shape
+    from hsdp.engine.mesh_layout import mesh_shape
 
     with pytest.raises(ValueError, match=fix):
         mesh_shape(8, s, t, env={"LOCAL_WORLD_SIZE": "4"})

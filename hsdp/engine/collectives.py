@@ -11,6 +11,7 @@ A group of one rank costs nothing: the collective degenerates to a local copy or
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import time
@@ -163,8 +164,10 @@ class Comm:
     def __init__(self, mesh: HSDPMesh) -> None:
         self.mesh = mesh
         self.stats = CommStats()
-        self._groups = {"shard": mesh.shard_group, "replicate": mesh.replicate_group, "world": None,
-                        "tp": mesh.tp_group}
+        # A heterogeneous mesh has no one "replicate" group: its hops run on views (replica_view), one per
+        # holder tuple of the replicate layer; a plain "replicate" collective there is a bug (see _pg).
+        replicate = None if mesh.heterogeneous else mesh.replicate_group
+        self._groups = {"shard": mesh.shard_group, "replicate": replicate, "world": None, "tp": mesh.tp_group}
         self._sizes = {"shard": mesh.sharding_degree, "replicate": mesh.replicate_degree,
                        "world": mesh.world_size, "tp": mesh.tp_degree}
         # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
@@ -174,6 +177,7 @@ class Comm:
         self._ledger = None if mesh.watchdog is None else mesh.watchdog.ledger
         # On the hop worker: the ledger entry its collectives book to (reserved in program order, see chain).
         self._worker_local = threading.local()
+        self._views: dict[tuple[int, ...], Comm] = {}
 
     @contextlib.contextmanager
     def helper(self, name: str) -> Iterator[None]:
@@ -221,10 +225,26 @@ class Comm:
 
         return Chained(self.mesh.hop_worker.submit(run), blocked_on)
 
+    def replica_view(self, holders: tuple[int, ...]) -> Comm:
+        """This ``Comm`` with ``"replicate"`` meaning the replicate layer's group of ``holders`` (one rank per
+        replica, this rank among them): how a heterogeneous mesh's hops reduce each piece with the hops'
+        own code. Shares the accounting, the ledger and the hop worker; cached per holder tuple. On a grid
+        the view of this rank's own position is the ``"replicate"`` group itself."""
+        view = self._views.get(holders)
+        if view is None:
+            view = copy.copy(self)
+            view._groups = {**self._groups, "replicate": self.mesh.replicas.group(holders)}
+            self._views[holders] = view
+        return view
+
     def _pg(self, group: str) -> dist.ProcessGroup | None:
         """The process group to issue on. Inter-node collectives of the main thread first wait until the hop
         worker has issued what was chained before: the group's collectives keep program order everywhere."""
         if group == "replicate":
+            if self._groups["replicate"] is None and self._sizes["replicate"] > 1:
+                # None would mean the world: never silently widen an inter-node collective.
+                raise RuntimeError("a 'replicate' collective on a heterogeneous mesh must go through "
+                                   "Comm.replica_view(holders) (an hsdp bug)")
             self.mesh.hop_worker.drain()
         return self._groups[group]
 

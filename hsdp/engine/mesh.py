@@ -9,14 +9,17 @@ With tensor parallelism of degree T the mesh is 3-D, ``(R, S, T)`` row-major: th
 parallel group are adjacent (the fastest links, TP's activation traffic is on the critical path), shard
 groups stride over them inside the node, and replicate groups span the nodes. The T ranks of one group read
 the same batch: the data-parallel size is R x S.
+
+Replicas of different shard degrees (``sharding_degree=[4, 2, 2]``, nodes of different sizes or memory) form
+no grid: each replica is its own 1-D shard mesh, and hsdp's replicate layer (``replica_layer.py``) reduces
+gradients across them. The pure arithmetic of degrees lives in ``mesh_layout.py`` and ``replica_degrees.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -28,230 +31,129 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hsdp.engine.faults.launcher import watch_launcher
 from hsdp.engine.faults.watchdog import FaultPolicy, Watchdog, start_watchdog
 from hsdp.engine.hop_worker import HopWorker
+from hsdp.engine.mesh_layout import SHARDING_DEGREE_ENV, device_type_for, mesh_shape
+from hsdp.engine.replica_degrees import check_degrees, default_degrees, is_regular
+from hsdp.engine.replica_layer import ReplicaLayer, gather_node_sizes, grid_layer, heterogeneous_layer
+from hsdp.engine.replica_pieces import validate_degrees
 
 MESH_DIM_NAMES = ("replicate", "shard")
 TP_MESH_DIM_NAMES = ("replicate", "shard", "tp")
-# Read when sharding_degree is None; set per candidate layout by `hsdp tune`.
-SHARDING_DEGREE_ENV = "HSDP_SHARDING_DEGREE"
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAULT_POLICY = FaultPolicy()
+ShardingDegree = int | Sequence[int]  # one degree for every replica, or one per replica (heterogeneous)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Pure rank-grid arithmetic (no processes needed).
-# ---------------------------------------------------------------------------------------------------------
-def validate_degree(world_size: int, sharding_degree: int) -> None:
-    """Raise ``ValueError`` naming the fix when ``sharding_degree`` cannot tile ``world_size``."""
-    if not isinstance(sharding_degree, int) or isinstance(sharding_degree, bool):
-        raise ValueError(f"sharding_degree must be an int, got {sharding_degree!r}")
-    if sharding_degree < 1:
-        raise ValueError(
-            f"sharding_degree={sharding_degree} is below 1: use 1 for plain replication (DDP) "
-            f"or the number of ranks per node for HSDP"
-        )
-    if sharding_degree > world_size:
-        raise ValueError(
-            f"sharding_degree={sharding_degree} is larger than the world size {world_size}: "
-            f"use at most {world_size} (full sharding)"
-        )
-    if world_size % sharding_degree:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
-            f"world size {world_size} is not divisible by sharding_degree={sharding_degree}: "
-            f"choose one of {divisors}"
-        )
-
-
-def validate_tp_degree(world_size: int, sharding_degree: int, tp_degree: int, ranks_per_node: int,
-                       allow_cross_node_shards: bool = False) -> None:
-    """Raise ``ValueError`` naming the fix when ``(sharding_degree, tp_degree)`` cannot tile ``world_size``
-    with tensor-parallel groups inside a node (TP's activation traffic needs the fast links) and, unless
-    ``allow_cross_node_shards``, with shard groups inside a node too (``S x T <= ranks per node``)."""
-    if not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1:
-        raise ValueError(f"tensor_parallel_degree must be an int >= 1, got {tp_degree!r}")
-    if ranks_per_node % tp_degree:
-        fits = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
-        raise ValueError(f"tensor_parallel_degree={tp_degree} does not divide the {ranks_per_node} ranks per node: "
-                         f"a tensor-parallel group must lie inside one node; choose one of {fits}")
-    if world_size % tp_degree:
-        raise ValueError(f"world size {world_size} is not divisible by tensor_parallel_degree={tp_degree}")
-    validate_degree(world_size // tp_degree, sharding_degree)
-    if sharding_degree * tp_degree > ranks_per_node and not allow_cross_node_shards:
-        fit = max(1, ranks_per_node // tp_degree)
-        raise ValueError(f"sharding_degree={sharding_degree} x tensor_parallel_degree={tp_degree} is more than the "
-                         f"{ranks_per_node} ranks per node, so shard groups would cross the slow links: use "
-                         f"sharding_degree={fit}, or pass allow_cross_node_shards=True to init_mesh if you mean it")
-
-
-def rank_grid(world_size: int, sharding_degree: int) -> list[list[int]]:
-    """Global ranks as ``R`` rows (replicas) of ``S`` consecutive ranks (one shard group each)."""
-    validate_degree(world_size, sharding_degree)
-    s = sharding_degree
-    return [list(range(r * s, (r + 1) * s)) for r in range(world_size // s)]
-
-
-def grid_position(rank: int, sharding_degree: int) -> tuple[int, int]:
-    """``(replicate_rank, shard_rank)`` of a global rank."""
-    return divmod(rank, sharding_degree)
-
-
-def ranks_per_node(world_size: int, env: Mapping[str, str] | None = None) -> int:
-    """torchrun's ``LOCAL_WORLD_SIZE``, else the local GPU count, else the world (at most the world)."""
-    env = os.environ if env is None else env
-    if "LOCAL_WORLD_SIZE" in env:
-        local = int(env["LOCAL_WORLD_SIZE"])
-    elif torch.cuda.is_available():
-        local = torch.cuda.device_count()
-    else:
-        local = world_size
-    # A node can hold fewer ranks than it has GPUs; never exceed the world.
-    return max(1, min(local, world_size))
-
-
-def default_sharding_degree(world_size: int, env: Mapping[str, str] | None = None) -> int:
-    """``$HSDP_SHARDING_DEGREE`` when set (how ``hsdp tune`` tries each layout without editing the script),
-    else ranks per node: torchrun's ``LOCAL_WORLD_SIZE``, else the local GPU count, else the world."""
-    env = os.environ if env is None else env
-    if env.get(SHARDING_DEGREE_ENV):
-        return _degree_from_env(env[SHARDING_DEGREE_ENV], world_size)
-    local = ranks_per_node(world_size, env)
-    if world_size % local:
-        warnings.warn(f"{local} ranks per node do not divide the world size {world_size}: falling back to "
-                      f"sharding_degree=1 (plain replication); pass sharding_degree= to choose", stacklevel=3)
-        return 1
-    return local
-
-
-def node_crossing_warning(world_size: int, sharding_degree: int, ranks_per_node: int) -> str | None:
-    """Why shard groups of ``sharding_degree`` straddle nodes of ``ranks_per_node`` consecutive ranks, naming
-    the degrees that do not; ``None`` when every group lies within one node or spans whole nodes.
-
-    A group spanning whole nodes (``S`` a multiple of the ranks per node) is a deliberate choice that ``hsdp
-    plan`` may recommend; a group holding part of a node and part of the next (2 nodes x 3 ranks, ``S=2``:
-    ranks 2 and 3) sends every all-gather and reduce-scatter over the slow link, unlike its neighbours.
-    """
-    s, local = sharding_degree, ranks_per_node
-    if world_size <= local or local % s == 0 or s % local == 0:
-        return None
-    start = next(r * s for r in range(world_size // s) if (r * s) // local != ((r + 1) * s - 1) // local)
-    aligned = [d for d in range(1, world_size + 1) if world_size % d == 0 and (local % d == 0 or d % local == 0)]
-    fix = local if local in aligned else 1  # ranks per node, unless uneven nodes make it invalid
-    return (f"sharding_degree={s} puts ranks of different nodes in one shard group (ranks {start}..{start + s - 1} "
-            f"span nodes {start // local} and {(start + s - 1) // local} with {local} ranks per node, from "
-            f"LOCAL_WORLD_SIZE): their all-gathers and reduce-scatters cross the slow link. Pass "
-            f"sharding_degree={fix} to init_mesh or set {SHARDING_DEGREE_ENV}={fix}; any of {aligned} keeps "
-            f"groups within a node or spanning whole nodes")
-
-
-def device_type_for(backend: str, cuda_available: bool) -> str:
-    """The device the mesh's tensors live on, from the process group's backend: ``"cuda"`` when CUDA tensors
-    would go through NCCL (``"nccl"``, a backend map such as ``"cpu:gloo,cuda:nccl"``, or a default group
-    whose backend is still ``"undefined"``) and a GPU is present, else ``"cpu"`` (an explicit ``"gloo"`` keeps
-    CPU tensors even on a GPU machine)."""
-    backend = backend.lower()
-    wants_gpu = "nccl" in backend or backend in ("", "undefined")
-    return "cuda" if cuda_available and wants_gpu else "cpu"
-
-
-def _degree_from_env(text: str, world_size: int) -> int:
-    # A bad value must fail on every rank before any collective, like a bad argument would.
-    try:
-        degree = int(text)
-    except ValueError:
-        raise ValueError(f"{SHARDING_DEGREE_ENV}={text!r} is not an integer: set it to a divisor of the world "
-                         f"size {world_size}, or unset it for ranks per node") from None
-    validate_degree(world_size, degree)
-    return degree
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The mesh object passed to every layer.
-# ---------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HSDPMesh:
-    """A ``DeviceMesh`` with dims ``("replicate", "shard")``, or ``("replicate", "shard", "tp")`` with tensor
-    parallelism, and the groups hsdp communicates in.
+    """The ranks hsdp communicates among: replicas of sharded ranks (and tensor-parallel ranks).
+
+    A *grid* mesh is a ``DeviceMesh`` with dims ``("replicate", "shard")``, or ``("replicate", "shard", "tp")``
+    with tensor parallelism; a *heterogeneous* one (``init_mesh(sharding_degree=[2, 1])``) has replicas of
+    different shard degrees and no grid (``device_mesh`` is ``None``). Both are described by :attr:`replicas`
+    (``replica_layer.py``), which the runtime reads; see ``docs/design/replicate_layer.md``.
 
     ``shard_group`` holds the ranks that split each parameter (all-gather and reduce-scatter run there);
-    ``replicate_group`` holds the ranks that own the same shard on other nodes (the gradient all-reduce
-    runs there); ``tp_group`` (3-D only) holds the ranks that split each layer (torch's tensor parallelism,
-    ``parallelize_module`` on ``device_mesh["tp"]``); hsdp itself never communicates in it except to finish
-    a tensor-parallel gradient.
+    on a grid ``replicate_group`` holds the ranks that own the same shard on other nodes (the gradient
+    all-reduce runs there; a heterogeneous mesh reduces pieces over the layer's groups instead); ``tp_group``
+    (3-D only) holds the ranks that split each layer (torch's tensor parallelism, ``parallelize_module`` on
+    ``device_mesh["tp"]``); hsdp itself never communicates in it except to finish a tensor-parallel gradient.
 
-    Sharded parameters live on :attr:`param_mesh`, this rank's replica only (see
-    ``docs/design/replicate_layer.md``): the replicate dim is hsdp's, not a DTensor dim.
+    Sharded parameters live on :attr:`param_mesh`, this rank's replica only: the replicate dim is hsdp's, not
+    a DTensor dim.
     """
 
-    device_mesh: DeviceMesh
+    device_mesh: DeviceMesh | None
     # This process's fault watchdog (started by init_mesh unless fault_policy=None); engine parts that
     # need it (collective bookkeeping, periodic checks) reach it through the mesh, never a global.
     watchdog: Watchdog | None = field(default=None, compare=False, repr=False)
     # CPUs: the thread that issues inter-node hops behind their reduce-scatters (hop_worker.py). Per mesh, so
     # that every model on the mesh keeps one order of the inter-node group's collectives.
     hop_worker: HopWorker = field(default_factory=HopWorker, compare=False, repr=False)
+    # Set for a heterogeneous mesh; a grid's layer is derived from its DeviceMesh (replicas).
+    layer: ReplicaLayer | None = field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def replicas(self) -> ReplicaLayer:
+        """The replicas (their shard degrees), this rank's place among them, and the groups of one rank per
+        replica that reduce gradients across them."""
+        # cached_property writes the instance __dict__ directly, which a frozen dataclass allows.
+        if self.layer is not None:
+            return self.layer
+        assert self.device_mesh is not None
+        return grid_layer(self.device_mesh)
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Whether the replicas differ in shard degree (no ``DeviceMesh`` grid describes the mesh)."""
+        return not self.replicas.regular
 
     @property
     def device(self) -> torch.device:
-        if self.device_mesh.device_type == "cuda":
+        if self.param_mesh.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.device_mesh.device_type)
+        return torch.device(self.param_mesh.device_type)
 
-    @functools.cached_property
+    @property
     def param_mesh(self) -> DeviceMesh:
         """The mesh of this rank's replica, on which every sharded parameter, gradient and optimizer-state
         DTensor lives: 1-D ``("shard",)``, or 2-D ``("shard", "tp")`` with tensor parallelism (FSDP2's 2-D
         layout). Global shapes, ``numel()``, norms and ``full_tensor()`` are then those of the replica, which
-        after the inter-node hop holds the same values as every other replica."""
-        # cached_property writes the instance __dict__ directly, which a frozen dataclass allows; one submesh
-        # object keeps DTensor's mesh comparisons cheap.
-        return self.device_mesh["shard", "tp"] if self.has_tp else self.device_mesh["shard"]
+        after the inter-node hop holds the same values as every other replica, whatever its size."""
+        return self.replicas.param_mesh
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("shard")
+        return self.replicas.shard_group
 
     @property
     def replicate_group(self) -> dist.ProcessGroup:
+        """The grid's ``"replicate"`` group (the same shard rank of every replica)."""
+        if self.device_mesh is None:
+            raise RuntimeError("a heterogeneous mesh has no single replicate group: reduce across replicas over "
+                               "mesh.replicas' piece groups (hsdp does; this is a bug if hsdp asked)")
         return self.device_mesh.get_group("replicate")
 
     @property
     def has_tp(self) -> bool:
         """Whether the mesh has a ``"tp"`` dim (3-D), even of size 1."""
-        return self.device_mesh.ndim == 3
+        return self.device_mesh is not None and self.device_mesh.ndim == 3
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
-        """The tensor-parallel group (``None`` on a 2-D mesh)."""
-        return self.device_mesh.get_group("tp") if self.has_tp else None
+        """The tensor-parallel group (``None`` without a tp dim)."""
+        return self.device_mesh.get_group("tp") if self.has_tp else None  # type: ignore[union-attr]
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
-        """The 1-D ``"tp"`` sub-mesh to give ``parallelize_module`` (``None`` on a 2-D mesh)."""
-        return self.device_mesh["tp"] if self.has_tp else None
+        """The 1-D ``"tp"`` sub-mesh to give ``parallelize_module`` (``None`` without a tp dim)."""
+        return self.device_mesh["tp"] if self.has_tp else None  # type: ignore[index]
 
     @property
     def sharding_degree(self) -> int:
-        return self.device_mesh.size(1)
+        """This rank's replica's shard degree (the same for every replica on a grid)."""
+        return self.replicas.degree
 
     @property
     def replicate_degree(self) -> int:
-        return self.device_mesh.size(0)
+        """The number of replicas."""
+        return self.replicas.count
 
     @property
     def tp_degree(self) -> int:
-        return self.device_mesh.size(2) if self.has_tp else 1
+        return self.device_mesh.size(2) if self.has_tp else 1  # type: ignore[union-attr]
 
     @property
     def shard_rank(self) -> int:
-        return self.device_mesh.get_local_rank("shard")
+        return self.replicas.shard_rank
 
     @property
     def replicate_rank(self) -> int:
-        return self.device_mesh.get_local_rank("replicate")
+        """This rank's replica's index (replicas in rank order)."""
+        return self.replicas.index
 
     @property
     def tp_rank(self) -> int:
-        return self.device_mesh.get_local_rank("tp") if self.has_tp else 0
+        return self.device_mesh.get_local_rank("tp") if self.has_tp else 0  # type: ignore[union-attr]
 
     @property
     def rank(self) -> int:
@@ -259,22 +161,25 @@ class HSDPMesh:
 
     @property
     def world_size(self) -> int:
-        return self.replicate_degree * self.sharding_degree * self.tp_degree
+        return self.data_parallel_size * self.tp_degree
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks reading distinct data: R x S (the T ranks of a tensor-parallel group read the same batch)."""
-        return self.replicate_degree * self.sharding_degree
+        """Ranks reading distinct data: every replica's ranks (the T ranks of a tensor-parallel group read the
+        same batch): R x S on a grid."""
+        return sum(self.replicas.degrees)
 
     @property
     def data_parallel_rank(self) -> int:
-        """Shards split parameters, not the batch: every (replica, shard) position reads distinct data."""
-        return self.replicate_rank * self.sharding_degree + self.shard_rank
+        """Shards split parameters, not the batch: every (replica, shard) position reads distinct data; a
+        replica's ranks follow the previous replicas' (``replicate_rank x S + shard_rank`` on a grid)."""
+        return self.replicas.start + self.shard_rank
 
     def __repr__(self) -> str:
         tp = f", tp={self.tp_degree}" if self.has_tp else ""
+        shard = list(self.replicas.degrees) if self.heterogeneous else self.sharding_degree
         return (
-            f"HSDPMesh(replicate={self.replicate_degree}, shard={self.sharding_degree}{tp}, "
+            f"HSDPMesh(replicate={self.replicate_degree}, shard={shard}{tp}, "
             f"rank={self.rank}, device={self.device})"
         )
 
@@ -319,7 +224,7 @@ def process_group_kwargs(cuda_available: bool, env: Mapping[str, str]) -> dict[s
 
 
 def init_mesh(
-    sharding_degree: int | None = None,
+    sharding_degree: ShardingDegree | None = None,
     *,
     tensor_parallel_degree: int | None = None,
     allow_cross_node_shards: bool = False,
@@ -334,63 +239,100 @@ def init_mesh(
     layout), else to the ranks per node (divided by ``tensor_parallel_degree``), which keeps all-gather and
     reduce-scatter on the fast intra-node links. An explicit argument always wins over the variable. ``1`` is
     plain replication (DDP semantics); the world size is full sharding.
+
+    A list gives one degree per replica, replicas in rank order (``[4, 2, 2]``: ranks 0-3, 4-5, 6-7), summing
+    to the world size, each replica inside one node (torchrun's ``LOCAL_WORLD_SIZE``, gathered from every
+    rank) unless ``allow_cross_node_shards``: a *heterogeneous* mesh, for nodes of different sizes or memory.
+    Under torchrun with nodes of different sizes (``--nproc-per-node`` differing per node) and no degree
+    given, the default is one replica per node. Every replica is evenly sharded inside; the gradient of each
+    row is averaged over one rank per replica (``replica_layer.py``). Tensor parallelism, the replica-sharded
+    optimizer and the int8 hop are refused on such a mesh (``ValueError``); equal entries make a grid.
+
     ``tensor_parallel_degree=T`` (``None``: no tp dim) builds a 3-D mesh ``("replicate", "shard", "tp")`` with
     the T ranks of a tensor-parallel group adjacent; T must divide the ranks per node, and S x T may exceed
     them only with ``allow_cross_node_shards=True``. Parallelize the model's layers on ``mesh.tp_mesh`` with
     ``torch.distributed.tensor.parallel.parallelize_module`` (e.g. ``hsdp.tp_plans``) before wrapping it.
-    Every check runs before any collective, so a bad value fails on every rank instead of hanging. A degree
+    Every check that needs no other rank runs before any collective, so a bad value fails on every rank
+    instead of hanging; the node check of a list runs after one all-gather, on every rank alike. A degree
     whose shard groups straddle nodes (torchrun's ``LOCAL_WORLD_SIZE`` ranks per node) warns, naming the
     override (:func:`node_crossing_warning`).
     ``fault_policy`` starts the dead-rank watchdog (see ``hsdp.engine.faults.watchdog``); ``None`` disables it.
     """
+    listed = check_degree_list(sharding_degree, tensor_parallel_degree, device_mesh)
     if device_mesh is not None:
-        mesh = mesh_from_device_mesh(device_mesh)
-        check_degree_agrees(sharding_degree, mesh)
-        if tensor_parallel_degree is not None and tensor_parallel_degree != mesh.tp_degree:
-            raise ValueError(f"tensor_parallel_degree={tensor_parallel_degree} disagrees with the DeviceMesh's "
-                             f"tp dim ({mesh.tp_degree}): pass only one of them")
-        if fault_policy is None:
-            return mesh
-        watchdog = start_watchdog(fault_policy)
-        watch_launcher(watchdog)
-        return HSDPMesh(mesh.device_mesh, watchdog)
+        return _from_user_mesh(device_mesh, sharding_degree, tensor_parallel_degree, fault_policy)
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
-        if world_size is not None and (sharding_degree is not None or tensor_parallel_degree is not None):
+        if world_size is not None and listed is not None:
+            check_degrees(listed, world_size)
+        elif world_size is not None and (sharding_degree is not None or tensor_parallel_degree is not None):
             mesh_shape(world_size, sharding_degree, tensor_parallel_degree, allow_cross_node_shards)
         _init_process_group(timeout)
-    shape = mesh_shape(dist.get_world_size(), sharding_degree, tensor_parallel_degree, allow_cross_node_shards)
+    if listed is not None:
+        check_degrees(listed, dist.get_world_size())
     device_type = device_type_for(str(dist.get_backend()), torch.cuda.is_available())
     if device_type == "cuda" and "LOCAL_RANK" in os.environ:
         # Also when the caller created the process group: each rank's collectives and tensors on its own GPU.
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     watch_launcher(watchdog)  # a rank whose launcher dies ends too (hsdp.engine.faults.launcher)
+    degrees = _replica_degrees(listed, sharding_degree, tensor_parallel_degree, allow_cross_node_shards)
+    if degrees is not None and not is_regular(degrees):
+        return HSDPMesh(None, watchdog, layer=heterogeneous_layer(degrees, dist.get_rank(), device_type))
+    degree = degrees[0] if degrees is not None else sharding_degree
+    shape = mesh_shape(dist.get_world_size(), degree, tensor_parallel_degree, allow_cross_node_shards)
     names = MESH_DIM_NAMES if len(shape) == 2 else TP_MESH_DIM_NAMES
     return HSDPMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), watchdog)
 
 
-def mesh_shape(world_size: int, sharding_degree: int | None, tp_degree: int | None,
-               allow_cross_node_shards: bool = False, env: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """``(R, S)``, or ``(R, S, T)`` when ``tp_degree`` is given, validated (``ValueError`` naming the fix);
-    warns when shard groups straddle nodes. Pure: the ranks per node come from ``env`` (default the process's)."""
-    env = os.environ if env is None else env
-    local = int(env.get("LOCAL_WORLD_SIZE", world_size))
-    if tp_degree is None:
-        degree = default_sharding_degree(world_size, env) if sharding_degree is None else sharding_degree
-        validate_degree(world_size, degree)
-        crossing = node_crossing_warning(world_size, degree, local)
-        if crossing:  # a warning, not an error: it runs, only slower than the same degree aligned to nodes
-            warnings.warn(crossing, stacklevel=3)
-        return (world_size // degree, degree)
-    local = ranks_per_node(world_size, env)
-    validate_tp_degree(world_size, sharding_degree or 1, tp_degree, local, allow_cross_node_shards)
-    if sharding_degree is None:
-        from_env = env.get(SHARDING_DEGREE_ENV)
-        sharding_degree = _degree_from_env(from_env, world_size // tp_degree) if from_env \
-            else max(1, local // tp_degree)
-        validate_tp_degree(world_size, sharding_degree, tp_degree, local, allow_cross_node_shards)
-    return (world_size // (sharding_degree * tp_degree), sharding_degree, tp_degree)
+def _from_user_mesh(device_mesh: DeviceMesh, sharding_degree: int | None, tp_degree: int | None,
+                    fault_policy: FaultPolicy | None) -> HSDPMesh:
+    mesh = mesh_from_device_mesh(device_mesh)
+    check_degree_agrees(sharding_degree, mesh)
+    if tp_degree is not None and tp_degree != mesh.tp_degree:
+        raise ValueError(f"tensor_parallel_degree={tp_degree} disagrees with the DeviceMesh's "
+                         f"tp dim ({mesh.tp_degree}): pass only one of them")
+    if fault_policy is None:
+        return mesh
+    watchdog = start_watchdog(fault_policy)
+    watch_launcher(watchdog)
+    return HSDPMesh(mesh.device_mesh, watchdog)
+
+
+def check_degree_list(sharding_degree: ShardingDegree | None, tp_degree: int | None,
+                      device_mesh: DeviceMesh | None) -> tuple[int, ...] | None:
+    """A list of per-replica degrees as a tuple (``None`` for an int or nothing), refusing what it cannot be
+    combined with: before any collective."""
+    if not isinstance(sharding_degree, list | tuple):
+        return None
+    degrees = tuple(sharding_degree)
+    validate_degrees(degrees)
+    if is_regular(degrees):
+        return degrees
+    if tp_degree not in (None, 1):
+        raise ValueError(f"tensor_parallel_degree={tp_degree} with replicas of different shard degrees "
+                         f"(sharding_degree={list(degrees)}) is not supported: give every replica the same degree, "
+                         f"or drop tensor parallelism")
+    if device_mesh is not None:
+        raise ValueError(f"sharding_degree={list(degrees)} describes replicas of different sizes, which no "
+                         f"DeviceMesh grid can: pass either the list or device_mesh, not both")
+    return degrees
+
+
+def _replica_degrees(listed: tuple[int, ...] | None, sharding_degree: ShardingDegree | None,
+                     tp_degree: int | None, allow_cross_node_shards: bool) -> tuple[int, ...] | None:
+    """The replicas' degrees of a list (checked against the nodes), or of nodes of different sizes when no
+    degree is given under torchrun (one replica per node); ``None``: the grid ``mesh_shape`` computes. The
+    node sizes take one all-gather, on every rank that takes that branch (all of them: same arguments)."""
+    env = os.environ
+    if listed is not None:
+        nodes = gather_node_sizes() if "LOCAL_WORLD_SIZE" in env and not allow_cross_node_shards else None
+        return check_degrees(listed, dist.get_world_size(), nodes, allow_cross_node_shards)
+    if sharding_degree is not None or tp_degree is not None or env.get(SHARDING_DEGREE_ENV) \
+            or "LOCAL_WORLD_SIZE" not in env or int(env["LOCAL_WORLD_SIZE"]) == dist.get_world_size():
+        return None
+    nodes = gather_node_sizes()
+    return None if is_regular(nodes) else default_degrees(nodes)
 
 
 def check_degree_agrees(sharding_degree: int | None, mesh: HSDPMesh) -> None:

@@ -31,6 +31,7 @@ from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
 from hsdp.engine.runtime.buffers import move_buffers
 from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.piece_plan import holder_tuples
 from hsdp.engine.runtime.replica_slice import SliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.state import HSDPState
@@ -122,6 +123,7 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
     _check_meta(assignments)  # devices need no check: every non-meta parameter goes to the mesh's device
     check_tp_params([(a.slots[0].fqn, a.param) for a in assignments], mesh)
     _check_tp_options(mesh, options)
+    _check_replica_options(mesh, options)
 
     comm = Comm(mesh)
     prefixes = {id(m): f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
@@ -135,6 +137,8 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
         for i, group in enumerate(_dtype_groups(assigned)):
             key = _unit_key(prefixes[id(m)].rstrip("."), i, group[0].param.dtype)
             units.append(_build_unit(m, group, [value_of[id(a.param)] for a in group], comm, mesh, options, key))
+    # Heterogeneous replicas: the groups every unit's pieces are reduced over, created now on every rank.
+    mesh.replicas.ensure_groups(holder_tuples([p.layout for u in units for p in u.params], mesh.replicas.degrees))
     skip = {id(b) for n in nested for b in n.buffers()}
     move_buffers(module, mesh.device, skip)
     _broadcast_from_rank0(comm, _own_buffers(module, skip), mesh.device)
@@ -178,6 +182,20 @@ def _check_tp_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     if options.shard_optimizer_across_replicas:
         raise ValueError("shard_optimizer_across_replicas is not supported with tensor parallelism yet: turn it "
                          "off, or use tensor_parallel_degree=1")
+
+
+def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
+    """What replicas of different shard degrees do not compose with yet, refused before any collective."""
+    if not mesh.heterogeneous:
+        return
+    degrees = list(mesh.replicas.degrees)
+    if options.shard_optimizer_across_replicas:
+        raise ValueError(f"shard_optimizer_across_replicas is not supported on replicas of different shard degrees "
+                         f"(sharding_degree={degrees}): turn it off, or give every replica the same degree")
+    if options.replica_hop.state_dict() is not None:
+        raise ValueError(f"{type(options.replica_hop).__name__} keeps per-replica state laid out like a grid's slot, "
+                         f"which replicas of different shard degrees (sharding_degree={degrees}) do not share: use "
+                         f"replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes)")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -101,7 +101,7 @@ def default_mesh(environ: dict[str, str]) -> dict[str, Any]:
     """The replicate x shard mesh ``init_mesh()`` (no arguments) would build under these variables,
     from :func:`hsdp.engine.mesh.default_sharding_degree`; ``error`` holds what init_mesh would raise, and
     ``not_a_rank`` says why there is no mesh to show outside a launcher (the normal case, not an error)."""
-    from hsdp.engine.mesh import default_sharding_degree, node_crossing_warning
+    from hsdp.engine.mesh_layout import default_sharding_degree, node_crossing_warning
 
     if "WORLD_SIZE" not in environ:
         return {"not_a_rank": "WORLD_SIZE is not set (run hsdp env under torchrun or hsdp launch to see the "

@@ -117,7 +117,7 @@ def _error(message: str) -> int:
 def layout_problem(config: RunConfig) -> str | None:
     """Why the ranks ``hsdp train`` would start itself (``parallel.nodes`` x ``parallel.nproc_per_node``)
     cannot form the configured mesh; checked before spawning them, which would each fail alike."""
-    from hsdp.engine.mesh import validate_degree
+    from hsdp.engine.mesh_layout import validate_degree
 
     nodes, per_node, degree = config.parallel.nodes, config.parallel.nproc_per_node, config.parallel.sharding_degree
     world = f"the world is parallel.nodes x parallel.nproc_per_node = {nodes} x {per_node}"

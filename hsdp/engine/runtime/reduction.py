@@ -33,6 +33,7 @@ from hsdp.engine.collectives import Chained, Handle
 from hsdp.engine.hops import start_split_over_tp
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.batch_weight import SLOTS, Weight
+from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
 from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
@@ -243,7 +244,11 @@ class Reduction:
         if _slices(self.params) is None and unit.tp_replicated and unit.hop.state_dict() is None:
             self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
         elif _slices(self.params) is None:
-            self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key)
+            plan = plan_of(unit.comm, self.params, slot_offsets(self.params), self.n_extra,
+                           self.output.numel() - self.n_extra, unit.piece_plans)
+            # A grid has no plan: the whole slot is one hop over the "replicate" group.
+            self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key) if plan is None \
+                else start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)
         else:
             self._handle = self._start_scatter()
         self.stage = Stage.REPLICA_HOP

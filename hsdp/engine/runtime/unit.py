@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 from hsdp.engine.collectives import Comm, Handle
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision
+from hsdp.engine.runtime.piece_plan import PiecePlan
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.slice_gather import SliceGathers
 from hsdp.engine.runtime.streams import Streams
@@ -52,6 +53,8 @@ class ShardUnit:
         self._gathered: torch.cuda.Event | None = None  # the end of the copy-in and gather on their stream
         # The side streams of the model's runtime (set by it; none on CPUs).
         self.streams = Streams(torch.device("cpu"))
+        # Heterogeneous replicas: the reduction's piece plans per set of trainable parameters (piece_hop.py).
+        self.piece_plans: dict[tuple[int, ...], PiecePlan | None] = {}
         # Replica-sharded optimizer: the model's queue of slice all-gathers (set by the runtime).
         self.slice_gathers: SliceGathers | None = None
         # Per-step bookkeeping, reset by the root at the end of backward.

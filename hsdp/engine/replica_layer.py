@@ -1,0 +1,138 @@
+"""The replicate layer: which ranks hold the same rows on other replicas, and the groups that reduce them.
+
+hsdp owns the layer above the replicas' own shard meshes (``docs/design/replicate_layer.md``): sharded
+DTensors live on :attr:`ReplicaLayer.param_mesh`, this rank's replica only, and the inter-node reduction runs
+in groups of one rank per replica. Two shapes share the object:
+
+* a *grid* (every replica of one degree, from a ``DeviceMesh`` ``("replicate", "shard"[, "tp"])``): the rows
+  a rank holds are held by the same shard rank of every replica, so one group, the mesh's ``"replicate"``
+  dim, reduces all of them;
+* *heterogeneous* replicas (``init_mesh(sharding_degree=[2, 1])``): the replicas' dim-0 chunks differ, so a
+  rank's rows are cut into pieces (``replica_pieces.py``), each held by a different tuple of ranks, and the
+  layer holds one process group per holder tuple. Groups are created on every rank in one sorted order
+  (:meth:`ensure_groups`), as ``torch.distributed.new_group`` requires.
+
+Code that reduces across replicas asks the layer for the group of a holder tuple (:meth:`group`): on a grid
+that is always the ``"replicate"`` group, so the regular mesh is the special case, not a second path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hsdp.engine.replica_degrees import replica_starts
+from hsdp.engine.replica_pieces import global_ranks, position_groups
+
+Holders = tuple[int, ...]  # per replica, the shard rank holding some rows (replica_pieces.Piece.holders)
+
+
+@dataclass(frozen=True)
+class ReplicaLayer:
+    """The replicas of a mesh (their shard degrees, in rank order), this rank's place, and the groups of
+    one rank per replica. ``regular``: every degree equal (a grid; its groups are the mesh's)."""
+
+    degrees: tuple[int, ...]
+    index: int  # this rank's replica
+    shard_rank: int
+    shard_group: dist.ProcessGroup = field(compare=False, repr=False)
+    param_mesh: DeviceMesh = field(compare=False, repr=False)
+    # Holder tuple -> group, for the tuples this rank belongs to (a grid: its own position's replicate group).
+    _groups: dict[Holders, dist.ProcessGroup] = field(default_factory=dict, compare=False, repr=False)
+    # Every tuple created so far, members or not (new_group must be called for each on every rank once).
+    _created: set[Holders] = field(default_factory=set, compare=False, repr=False)
+
+    @property
+    def regular(self) -> bool:
+        return len(set(self.degrees)) == 1
+
+    @property
+    def degree(self) -> int:
+        """This rank's replica's shard degree."""
+        return self.degrees[self.index]
+
+    @property
+    def count(self) -> int:
+        return len(self.degrees)
+
+    @property
+    def start(self) -> int:
+        """The first data-parallel rank of this rank's replica (replicas hold consecutive ranks)."""
+        return replica_starts(self.degrees)[self.index]
+
+    @property
+    def scale(self) -> float:
+        """What this replica's reduced shard is multiplied by before the replicate average, so that the result is
+        the average over every rank: ``d_r x R / W`` (the shard group averaged over ``d_r`` ranks only); exactly
+        1 on a grid, where nothing is multiplied."""
+        return self.degree * self.count / sum(self.degrees)
+
+    def own_position_groups(self) -> list[Holders]:
+        """The position groups (``replica_pieces.position_groups``) this rank belongs to, sorted: where what
+        every rank needs whole (flags, weights, 0-d parameters) is reduced."""
+        return [g for g in position_groups(self.degrees) if g[self.index] == self.shard_rank]
+
+    def group(self, holders: Holders) -> dist.ProcessGroup:
+        """The process group of the ranks in ``holders`` (one per replica; this rank among them)."""
+        if holders[self.index] != self.shard_rank:
+            raise RuntimeError(f"rank of replica {self.index}, shard rank {self.shard_rank}, is not among the "
+                               f"holders {holders}: a piece plan asked for a group it cannot join (an hsdp bug)")
+        try:
+            return self._groups[holders]
+        except KeyError:
+            raise RuntimeError(f"no replicate group for holders {holders} was created at wrap time "
+                               f"(ReplicaLayer.ensure_groups; an hsdp bug)") from None
+
+    def ensure_groups(self, tuples: Iterable[Holders]) -> None:
+        """Create the groups of ``tuples`` not created yet, in sorted order. A collective over the world:
+        every rank calls it with the same tuples (they come from the model's shapes, the same everywhere).
+        A no-op on a grid, whose groups are the mesh's."""
+        if self.regular:
+            return
+        for holders in sorted(set(tuples) - self._created):
+            ranks = list(global_ranks(holders, self.degrees))
+            group = dist.new_group(ranks)
+            self._created.add(holders)
+            if holders[self.index] == self.shard_rank:
+                self._groups[holders] = group
+
+
+def grid_layer(device_mesh: DeviceMesh) -> ReplicaLayer:
+    """The layer of a ``("replicate", "shard"[, "tp"])`` ``DeviceMesh``: every replica of the shard dim's size."""
+    r, s = device_mesh.size(0), device_mesh.size(1)
+    shard_rank = device_mesh.get_local_rank("shard")
+    param_mesh = device_mesh["shard", "tp"] if device_mesh.ndim == 3 else device_mesh["shard"]
+    layer = ReplicaLayer((s,) * r, device_mesh.get_local_rank("replicate"), shard_rank,
+                         device_mesh.get_group("shard"), param_mesh)
+    layer._groups[(shard_rank,) * r] = device_mesh.get_group("replicate")
+    return layer
+
+
+def gather_node_sizes() -> tuple[int, ...]:
+    """Ranks per node, in node order, from every rank's torchrun ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (one
+    all-gather over the world; torchrun numbers a node's ranks consecutively, so a node starts where
+    ``LOCAL_RANK`` is 0)."""
+    mine = (int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["LOCAL_WORLD_SIZE"]))
+    everyone: list[tuple[int, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return tuple(size for entry in everyone if entry is not None for local, size in [entry] if local == 0)
+
+
+def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str) -> ReplicaLayer:
+    """The layer of replicas of ``degrees`` (consecutive rank ranges): one shard group per replica, created
+    on every rank in replica order, and this rank's replica mesh over its group (``DeviceMesh.from_group``).
+    A collective over the world; ``degrees`` validated by the caller (``replica_degrees.check_degrees``)."""
+    index, shard_rank, mine = -1, -1, None
+    for q, (start, d) in enumerate(zip(replica_starts(degrees), degrees, strict=True)):
+        group = dist.new_group(list(range(start, start + d)))
+        if start <= rank < start + d:
+            index, shard_rank, mine = q, rank - start, group
+    assert mine is not None, f"rank {rank} is outside sharding_degree={list(degrees)}"
+    param_mesh = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("shard",))
+    layer = ReplicaLayer(degrees, index, shard_rank, mine, param_mesh)
+    layer.ensure_groups(position_groups(degrees))  # every unit reduces its flags there
+    return layer
