@@ -102,8 +102,8 @@ def _weighted_sizes(weights: Sequence[float], batch_size: int | None, mesh: HSDP
     if batch_size is None:
         raise ValueError("weights= needs batch_size=, the global batch in samples per step, which the weights "
                          "split over the ranks")
-    replicas = (mesh.replicate_degree, mesh.sharding_degree) if mesh is not None else (None, 1)
-    return checked_split_sizes(rank_weights(weights, data_parallel_size(mesh), *replicas), batch_size)
+    replicas = mesh.replicas.degrees if mesh is not None else None
+    return checked_split_sizes(rank_weights(weights, data_parallel_size(mesh), replicas), batch_size)
 
 
 def _length(dataset: Dataset, sizes: Sequence[int], drop_last: bool) -> int:

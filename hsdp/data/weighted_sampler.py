@@ -19,18 +19,18 @@ import torch
 from torch.utils.data import Sampler
 
 
-def rank_weights(weights: Sequence[float], data_parallel_size: int, replicate_degree: int | None = None,
-                 sharding_degree: int = 1) -> list[Fraction]:
+def rank_weights(weights: Sequence[float], data_parallel_size: int,
+                 replica_sizes: Sequence[int] | None = None) -> list[Fraction]:
     """One exact weight per data-parallel rank: ``weights`` as given when there is one per rank, or, with one per
-    replica (``replicate_degree`` of them), each replica's weight split evenly over its ``sharding_degree``
-    ranks. Fractions, so the rounding is exact and the same on every rank."""
+    replica (``replica_sizes``: each replica's rank count, in rank order, the same on a grid), each replica's
+    weight split evenly over its ranks. Fractions, so the rounding is exact and the same on every rank."""
     values = _checked_values(weights)
     if len(values) == data_parallel_size:
         return values
-    if replicate_degree is not None and len(values) == replicate_degree:
-        return [w / sharding_degree for w in values for _ in range(sharding_degree)]
-    per_replica = (f" or one per replica ({replicate_degree})" if replicate_degree is not None
-                   and replicate_degree != data_parallel_size else "")
+    if replica_sizes is not None and len(values) == len(replica_sizes):
+        return [w / n for w, n in zip(values, replica_sizes, strict=True) for _ in range(n)]
+    count = None if replica_sizes is None else len(replica_sizes)
+    per_replica = f" or one per replica ({count})" if count is not None and count != data_parallel_size else ""
     raise ValueError(f"weights has {len(values)} entries: give one per data-parallel rank "
                      f"({data_parallel_size}){per_replica}, in data-parallel rank order")
 

@@ -123,9 +123,10 @@ def _match(model: ShardedModel, source: SafetensorsSource) -> _Plan:
 
 
 def _load_params(model: ShardedModel, source: SafetensorsSource, plan: _Plan) -> None:
-    """Replica 0's ranks read their rows of each unit; one broadcast per unit in the replicate group."""
+    """Replica 0's ranks read their rows of each unit; one broadcast per unit in the replicate group. Replicas
+    of different shard degrees hold different rows: every rank reads its own (no broadcast)."""
     mesh, comm = model.mesh, model.comm
-    reading = mesh.replicate_rank == 0
+    reading = mesh.replicate_rank == 0 or mesh.heterogeneous
     for unit in model.units:
         if not unit.params:
             continue
@@ -137,7 +138,8 @@ def _load_params(model: ShardedModel, source: SafetensorsSource, plan: _Plan) ->
                 for p, rows in columns:  # a row-parallel piece: its columns of the rows read
                     assert p.layout.tp is not None
                     p.sharded_local.copy_(p.layout.tp.piece(rows))
-        comm.broadcast(unit.sharded_flat, 0, "replicate")
+        if not mesh.heterogeneous:
+            comm.broadcast(unit.sharded_flat, 0, "replicate")
 
 
 def _row_requests(params: list[ShardedParam], plan: _Plan) -> tuple[list[tuple[str, int, int, torch.Tensor]],
@@ -165,9 +167,10 @@ def _row_requests(params: list[ShardedParam], plan: _Plan) -> tuple[list[tuple[s
 
 
 def _load_buffers(model: ShardedModel, source: SafetensorsSource, plan: _Plan) -> None:
-    """Replica 0 reads the buffers whole; one broadcast per dtype in the replicate group."""
+    """Replica 0 reads the buffers whole; one broadcast per dtype in the replicate group (every rank reads them
+    on replicas of different shard degrees, which have no one replicate group)."""
     device = model.mesh.device
-    reading = model.mesh.replicate_rank == 0
+    reading = model.mesh.replicate_rank == 0 or model.mesh.heterogeneous
     values = [torch.empty(source.entries[e].shape, dtype=m._buffers[n].dtype, device=device)
               for m, n, e in plan.buffers]
     if reading:
@@ -179,7 +182,8 @@ def _load_buffers(model: ShardedModel, source: SafetensorsSource, plan: _Plan) -
         groups.setdefault(v.dtype, []).append(v)
     for tensors in groups.values():
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        model.comm.broadcast(flat, 0, "replicate")
+        if not model.mesh.heterogeneous:
+            model.comm.broadcast(flat, 0, "replicate")
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.copy_(piece.view_as(t))
     with torch.no_grad():
