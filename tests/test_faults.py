@@ -74,8 +74,8 @@ def test_clip_grad_norm_matches_unsharded_and_replica_check_names_the_parameter(
             assert r["divergence"] is None, r
 
 
-def _run_victim(point: str, victim: int, timeout: float = 3.0,
-                wait_for_victim: bool = False) -> tuple[list[subprocess.Popen], list[str], float]:
+def _run_victim(point: str, victim: int, timeout: float = 3.0, wait_for_victim: bool = False,
+                degrees: str = "2") -> tuple[list[subprocess.Popen], list[str], float]:
     """Four ranks of fault_worker.py; the store lives in this process (as torchrun's agent hosts it), so it
     outlives any rank, rank 0 included. Returns the processes, their outputs and the seconds until every
     rank (the victim too with ``wait_for_victim``; a stopped or killed one never exits by itself) had
@@ -84,7 +84,8 @@ def _run_victim(point: str, victim: int, timeout: float = 3.0,
     procs = []
     for rank in range(4):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1",
+               "FAULT_WORKER_DEGREES": degrees}
         procs.append(subprocess.Popen([sys.executable, str(PROGRAM), point, str(victim), str(timeout)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
@@ -101,10 +102,13 @@ def _run_victim(point: str, victim: int, timeout: float = 3.0,
     return procs, [p.stdout.read() for p in procs], elapsed
 
 
-@pytest.mark.parametrize("point", ["forward", "backward", "step", "gather", "hang"])
-def test_a_dead_rank_ends_every_other_rank_within_the_bound(point: str) -> None:
+@pytest.mark.parametrize(("point", "degrees"), [("forward", "2"), ("backward", "2"), ("step", "2"), ("gather", "2"),
+                                               ("hang", "2"), ("backward", "2,1,1"), ("hang", "2,1,1")])
+def test_a_dead_rank_ends_every_other_rank_within_the_bound(point: str, degrees: str) -> None:
+    """A 2 x 2 mesh, and replicas of degrees [2, 1, 1] (the victim a replica of its own; the others wait in
+    the piece reductions' groups)."""
     victim = 3
-    procs, outputs, elapsed = _run_victim(point, victim)
+    procs, outputs, elapsed = _run_victim(point, victim, degrees=degrees)
     assert "dying in" in outputs[victim], outputs[victim][-2000:]
     for rank, p in enumerate(procs[:victim]):
         assert p.returncode != 0, (rank, outputs[rank][-2000:])

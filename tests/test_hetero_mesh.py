@@ -12,7 +12,8 @@ One 3-rank gloo spawn, nodes of 2 + 1 ranks (torchrun's ``LOCAL_RANK`` / ``LOCAL
   ``2 (R-1)/R x P x 4`` of the trainable parameters' bytes, summed over its ranks (within the tail's few bytes);
 - ``check_replicas`` passes, and names the parameter when one rank's piece is changed (raised on the ranks
   holding that piece only);
-- ``load_pretrained`` into a meta-built model reads every rank's own rows;
+- ``load_pretrained`` into a meta-built model reads every rank's own rows; ``materialize`` initialises the
+  same values on both replicas;
 - ``distributed_sampler(weights=[2, 1])``: one weight per replica spread over its ranks;
 - refused with a ``ValueError`` before any collective: the replica-sharded optimizer, the int8 hop, a list that
   puts one replica on two nodes (on every rank, after the node sizes' all-gather).
@@ -126,6 +127,25 @@ def _pretrained(mesh: hsdp.HSDPMesh, folder: str) -> bool:
                            else model.state_dict()[k], ref[k]) for k in ref)
 
 
+@torch.no_grad()
+def _init(module: torch.nn.Module) -> None:
+    if isinstance(module, Net):  # the root's own tensors
+        module.temperature.fill_(0.7)
+        module.scale.copy_(torch.linspace(0.5, 1.5, module.scale.numel()))
+    else:
+        module.reset_parameters()
+
+
+def _materialized(mesh: hsdp.HSDPMesh) -> dict[str, torch.Tensor]:
+    """A meta-built model initialised by ``hsdp.materialize``: every rank its own rows, replicas alike."""
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        model = hsdp.ShardedModel(Net(), mesh=mesh)
+    hsdp.materialize(model, init=_init)
+    model.check_replicas()
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
 def _refusals(mesh: hsdp.HSDPMesh) -> dict[str, str]:
     out = {}
     for name, kwargs in (("sliced", {"shard_optimizer_across_replicas": True}),
@@ -151,6 +171,7 @@ def _worker(rank: int, world: int, folder: str) -> dict:
     out["weighted"], out["weighted_facts"] = _train(mesh, weighted=True)
     out["check"] = _check_replicas(mesh)
     out["pretrained"] = _pretrained(mesh, folder)
+    out["materialized"] = _materialized(mesh)
     sampler = hsdp.distributed_sampler(list(range(30)), mesh, weights=[2, 1], batch_size=6)
     out["sampler"] = sampler.rank_batch_size
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), "3"  # one node: [1, 2] is allowed
@@ -209,8 +230,12 @@ def test_check_replicas_compares_pieces(results: list[dict]) -> None:
         assert "blocks.1.down.weight" in text and "1 parameter shard(s) differ" in text
 
 
-def test_pretrained_and_sampler(results: list[dict]) -> None:
+def test_pretrained_materialize_and_sampler(results: list[dict]) -> None:
     assert [r["pretrained"] for r in results] == [True] * 3
+    first = results[0]["materialized"]
+    for r in results[1:]:  # replicas of degree 2 and 1 initialised the same full values
+        assert all(torch.equal(r["materialized"][n], v) for n, v in first.items())
+    assert not torch.equal(first["blocks.0.up.weight"], first["blocks.1.up.weight"])  # really initialised
     assert [r["sampler"] for r in results] == [2, 2, 2]  # 6 samples: replica 0 (weight 2) gets 4 over 2 ranks
 
 

@@ -29,7 +29,10 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # hsdp's watchdog must act long before
     rank = dist.get_rank()
-    mesh = hsdp.init_mesh(2, fault_policy=hsdp.FaultPolicy(timeout=timeout, interval=0.5))
+    # FAULT_WORKER_DEGREES: "2" (a 2 x 2 grid) or one degree per replica ("2,1,1": replicas of different sizes).
+    degrees = [int(d) for d in os.environ.get("FAULT_WORKER_DEGREES", "2").split(",")]
+    degree = degrees[0] if len(degrees) == 1 else degrees
+    mesh = hsdp.init_mesh(degree, fault_policy=hsdp.FaultPolicy(timeout=timeout, interval=0.5))
     model = hsdp.ShardedModel(GPT(preset("tiny")), mesh=mesh)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters()))
 
