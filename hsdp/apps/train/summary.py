@@ -42,7 +42,10 @@ def rank_record(model: hsdp.ShardedModel, optimizer: hsdp.ShardedOptimizer, resu
 
 
 def mesh_text(mesh: hsdp.HSDPMesh) -> str:
-    """``"2 x 2"`` (replicas x shards), ``"2 x 2 x 2"`` (x tensor-parallel ranks) when T > 1."""
+    """``"2 x 2"`` (replicas x shards), ``"2 x 2 x 2"`` (x tensor-parallel ranks) when T > 1, ``"[2, 1]"`` (each
+    replica's shard degree) for replicas of different sizes."""
+    if mesh.heterogeneous:
+        return str(list(mesh.replicas.degrees))
     tp = f" x {mesh.tp_degree}" if mesh.tp_degree > 1 else ""
     return f"{mesh.replicate_degree} x {mesh.sharding_degree}{tp}"
 
@@ -81,6 +84,7 @@ def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: Lo
     evals = [r["eval_loss"] for r in result.records if r["eval_loss"] is not None]
     return {
         "mesh": {"replicas": mesh.replicate_degree, "shards": mesh.sharding_degree, "world": mesh.world_size,
+                 **({"shard_degrees": list(mesh.replicas.degrees)} if mesh.heterogeneous else {}),
                  **({"tp": mesh.tp_degree} if mesh.tp_degree > 1 else {})},
         "model": {"preset": cfg.model.preset, "kind": cfg.model.kind, "params": n_params,
                   **({"path": cfg.model.path} if cfg.model.path else {})},
@@ -112,7 +116,8 @@ def run_table(summary: dict[str, Any], data: str) -> Table:
     t.add_column()
     m, s = summary["mesh"], summary["steps"]
     tp = f" x {m['tp']} tensor-parallel" if m.get("tp", 1) > 1 else ""
-    t.add_row("mesh", f"{m['replicas']} replicas x {m['shards']} shards{tp} ({m['world']} ranks)")
+    shards = f"{m['shard_degrees']} shards" if "shard_degrees" in m else f"{m['shards']} shards"
+    t.add_row("mesh", Text(f"{m['replicas']} replicas x {shards}{tp} ({m['world']} ranks)"))
     model = summary["model"]
     # An hf folder's path names the model (its preset is unused); Text: a path may contain "[...]".
     t.add_row("model", Text(f"{model['kind']} '{model.get('path') or model['preset']}', {model['params']:,} "

@@ -69,8 +69,7 @@ def initial_weights(cfg: RunConfig, mesh: hsdp.HSDPMesh) -> list[float]:
     weights = cfg.parallel.batch_weights
     if isinstance(weights, str):
         return [1.0] * mesh.data_parallel_size
-    sizes = cfg.parallel.degree_list or [mesh.sharding_degree] * mesh.replicate_degree
-    return per_rank_weights(weights, sizes)
+    return per_rank_weights(weights, mesh.replicas.degrees)
 
 
 def _to_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
