@@ -15,12 +15,16 @@
 * No arbitrary code runs on load: see :mod:`hsdp.checkpoint.dcp_io` for how DCP's pickled metadata is
   handled. ``extra`` is stored as JSON.
 * ``export_safetensors`` / ``hsdp export``: consolidated weights for plain ``load_state_dict``.
+* ``ReplicaSavePlanner(mesh)``: the DCP save planner ``save_checkpoint`` uses; pass it to a direct
+  ``dcp.save`` of an hsdp model on a heterogeneous mesh (``init_mesh([2, 1])``), whose replicas' chunks
+  overlap. See :mod:`hsdp.checkpoint.replica_planner`.
 """
 
 from hsdp.checkpoint.errors import CheckpointError
 from hsdp.checkpoint.export import export_safetensors, load_safetensors
 from hsdp.checkpoint.load import LoadResult, load_checkpoint, restore
 from hsdp.checkpoint.options import CheckpointOptions
+from hsdp.checkpoint.replica_planner import ReplicaSavePlanner
 from hsdp.checkpoint.rng import capture_rng_state, restore_rng_state
 from hsdp.checkpoint.save import save_checkpoint
 
@@ -28,6 +32,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointOptions",
     "LoadResult",
+    "ReplicaSavePlanner",
     "capture_rng_state",
     "export_safetensors",
     "load_checkpoint",

@@ -9,7 +9,10 @@ Steps (every rank takes part in each agreement, so an error anywhere raises ever
   4. the ranks of replica 0 read the tensors with DCP into fresh buffers (``process_group`` = their shard
      group, so DCP reshards to the current shard degree); replicated plain tensors are read by rank 0 only;
   5. the buffers are broadcast inside each replicate group (and plain tensors from rank 0), so replicas
-     other than 0 read no checkpoint bytes at all and every byte crosses the slow links once;
+     other than 0 read no checkpoint bytes at all and every byte crosses the slow links once. On a
+     heterogeneous mesh (replicas of different shard degrees) a replica's chunks are not replica 0's, so
+     every replica reads its own shards in step 4 (each within its shard group) and only the plain tensors
+     are broadcast: each replica reads the sharded bytes once;
   6. only then are the buffers loaded into the live model and optimizer.
 """
 
@@ -42,7 +45,7 @@ from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 @dataclass(frozen=True)
 class LoadResult:
     """What ``restore`` loaded: this rank's ``extra``, the directory, its step, the checkpoint bytes this
-    rank read (``bytes_read``: metadata, verification and tensors; 0 on replicas other than 0) and of
+    rank read (``bytes_read``: metadata, verification and tensors; 0 on replicas other than 0 of a grid) and of
     those the tensor data DCP read (``tensor_bytes``)."""
 
     extra: Any
@@ -123,9 +126,9 @@ def _choose(comm: Comm, path: str | os.PathLike, options: CheckpointOptions) -> 
 
 
 def _read(spec: dict[str, Any], buffers: Buffers, mesh: HSDPMesh) -> tuple[int, int]:
-    """DCP read on replica 0: shards by every rank of its shard group, plain tensors by rank 0 alone.
-    Returns the metadata and tensor bytes read."""
-    if mesh.replicate_rank != 0:
+    """DCP read on replica 0 (every replica on a heterogeneous mesh): shards by every rank of its shard
+    group, plain tensors by rank 0 alone. Returns the metadata and tensor bytes read."""
+    if mesh.replicate_rank != 0 and not mesh.heterogeneous:
         return 0, 0
     wanted = {k: v for k, v in buffers.values.items() if k in buffers.sharded or mesh.rank == 0}
     reader = CheckpointReader(spec["path"])
@@ -156,9 +159,11 @@ def _broadcast(comm: Comm, tensors: list[torch.Tensor], group: str) -> None:
 
 
 def _fan_out(comm: Comm, buffers: Buffers) -> None:
-    """Shards to the other replicas (replicate group), plain tensors from rank 0 to everyone."""
+    """Shards to the other replicas (replicate group; not on a heterogeneous mesh, whose replicas read their
+    own), plain tensors from rank 0 to everyone."""
     keys = sorted(buffers.locals)
-    _broadcast(comm, [buffers.locals[k] for k in keys if k in buffers.sharded], "replicate")
+    if not comm.mesh.heterogeneous:
+        _broadcast(comm, [buffers.locals[k] for k in keys if k in buffers.sharded], "replicate")
     _broadcast(comm, [buffers.locals[k] for k in keys if k not in buffers.sharded], "world")
 
 

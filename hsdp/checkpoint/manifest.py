@@ -38,16 +38,19 @@ class Manifest:
 
     step: int
     world_size: int
-    mesh: tuple[int, int]
+    mesh: tuple[int, int]  # (replicas, replica 0's shard degree)
     files: dict[str, FileEntry]
     optimizer: str | None = None
     # alias name -> the name the parameter is stored under first (tied weights).
     tied: dict[str, str] = field(default_factory=dict)
+    # Every replica's shard degree (they differ on a heterogeneous mesh); empty in manifests of older hsdp.
+    sharding_degrees: tuple[int, ...] = ()
 
     def to_json(self) -> bytes:
         body = {
             "format": FORMAT, "version": VERSION, "step": self.step, "world_size": self.world_size,
-            "mesh": list(self.mesh), "optimizer": self.optimizer, "tied": self.tied,
+            "mesh": list(self.mesh), "sharding_degrees": list(self.sharding_degrees), "optimizer": self.optimizer,
+            "tied": self.tied,
             "files": {name: {"size": e.size, "sha256": e.sha256} for name, e in sorted(self.files.items())},
         }
         return json.dumps(body, indent=1).encode()
@@ -65,7 +68,8 @@ class Manifest:
                 )
             files = {str(k): FileEntry(int(v["size"]), str(v["sha256"])) for k, v in body["files"].items()}
             return cls(int(body["step"]), int(body["world_size"]), (int(body["mesh"][0]), int(body["mesh"][1])),
-                       files, body.get("optimizer"), {str(k): str(v) for k, v in body.get("tied", {}).items()})
+                       files, body.get("optimizer"), {str(k): str(v) for k, v in body.get("tied", {}).items()},
+                       tuple(int(d) for d in body.get("sharding_degrees", ())))
         except InvalidCheckpoint:
             raise
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:

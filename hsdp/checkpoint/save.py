@@ -3,8 +3,9 @@
 Protocol (each step ends in an agreement, so an error on one rank raises on all):
   1. rank 0 takes (or renews) the run directory's lease, refusing while another job holds it (see
      :mod:`hsdp.checkpoint.lease`), then picks the step and a temporary directory ``step_000010.tmp-<nonce>``;
-  2. every rank writes with DCP: each shard once (replicas hold identical shards; DCP's planner keeps one
-     copy of each and spreads them over the writers), files fsynced;
+  2. every rank writes with DCP: each shard once (on a grid replicas hold identical shards and DCP's planner
+     keeps one copy of each, spread over the writers; on a heterogeneous mesh the replicas' chunks differ
+     and replica 0's are written, see :mod:`hsdp.checkpoint.replica_planner`), files fsynced;
   3. rank 0 writes ``extra.json`` (every rank's ``extra``); the files are hashed, each rank a share;
   4. rank 0 checks that DCP's metadata references only listed files within their sizes, writes
      ``manifest.json`` (sizes, SHA-256), confirms the lease is still this job's, renames the directory to
@@ -31,12 +32,14 @@ from hsdp.checkpoint.lease import confirm_lease, hold_lease
 from hsdp.checkpoint.manifest import MANIFEST, FileEntry, Manifest, hash_file
 from hsdp.checkpoint.names import check_types, optimizer_kind, save_state, tied_aliases
 from hsdp.checkpoint.options import CheckpointOptions
+from hsdp.checkpoint.replica_planner import ReplicaSavePlanner
 from hsdp.checkpoint.resolve import is_checkpoint_dir
 from hsdp.checkpoint.rundir import atomic_write, commit_dir, next_step, prune, step_dir_name, write_latest
 from hsdp.checkpoint.spec import EXTRA
 from hsdp.engine.agreement import on_rank0, run_agreed
 from hsdp.engine.collectives import Comm
 from hsdp.engine.faults.watchdog import Watchdog
+from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 
@@ -76,8 +79,7 @@ def _save(comm: Comm, path: str | os.PathLike, model: ShardedModel, optimizer: S
     tmp = target["tmp"]
     model.reshard()  # the module must hold the sharded parameters
     state = save_state(model, optimizer)
-    run_agreed(comm, f"save_checkpoint: writing {tmp}",
-               lambda: dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True)), CheckpointError)
+    run_agreed(comm, f"save_checkpoint: writing {tmp}", lambda: _write(tmp, state, model.mesh), CheckpointError)
     extras = {"world_size": comm.size("world"), "ranks": [g["extra"] for g in gathered]}
     names = on_rank0(comm, "save_checkpoint: writing extra",
                      lambda: _write_extra(tmp, extras, target["nonce"]), CheckpointError)
@@ -86,7 +88,8 @@ def _save(comm: Comm, path: str | os.PathLike, model: ShardedModel, optimizer: S
     files = {k: v for b in comm.all_gather_bytes(json.dumps(hashes).encode()) for k, v in json.loads(b).items()}
     manifest = Manifest(target["step"], comm.size("world"), (model.mesh.replicate_degree, model.mesh.sharding_degree),
                         {k: FileEntry(*v) for k, v in files.items()},
-                        None if optimizer is None else optimizer_kind(optimizer), tied_aliases(model))
+                        None if optimizer is None else optimizer_kind(optimizer), tied_aliases(model),
+                        model.mesh.replicas.degrees)
     return on_rank0(comm, "save_checkpoint: committing", lambda: _commit(target, manifest, options), CheckpointError)
 
 
@@ -118,6 +121,11 @@ def _prepare(path: str | os.PathLike, step: int | None, watchdog: Watchdog | Non
     tmp = f"{final}.tmp-{nonce}"
     os.makedirs(tmp)
     return {"run_dir": run_dir, "step": step, "final": final, "tmp": tmp, "nonce": nonce}
+
+
+def _write(tmp: str, state: dict[str, Any], mesh: HSDPMesh) -> None:
+    # One chunk layout per key (replica_planner.py): on a heterogeneous mesh the replicas' chunks overlap.
+    dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=ReplicaSavePlanner(mesh))
 
 
 def _write_extra(tmp: str, extras: dict[str, Any], nonce: str) -> list[str]:
