@@ -95,10 +95,11 @@ def one_layout_per_key(all_plans: list[SavePlan], replica_of: tuple[int, ...]) -
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO:
+                assert item.tensor_data is not None, item.index
                 fqn, replica = item.index.fqn, replica_of[rank]
                 first[fqn] = min(first.get(fqn, replica), replica)
                 chunks.setdefault((fqn, replica), set()).add(_chunk(item))
-                sizes[fqn] = tuple(item.tensor_data.size)  # type: ignore[union-attr]  # tensor items have it
+                sizes[fqn] = tuple(item.tensor_data.size)
     layout = {fqn: chunks[fqn, q] for fqn, q in first.items()
               if sum(_volume(c[1]) for c in chunks[fqn, q]) == _volume(sizes[fqn])}
 
@@ -106,6 +107,6 @@ def one_layout_per_key(all_plans: list[SavePlan], replica_of: tuple[int, ...]) -
         reference = layout.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
         return reference is not None and _chunk(item) not in reference and _volume(_chunk(item)[1]) > 0
 
-    out = [dataclasses.replace(plan, items=[i for i in plan.items if not redundant(i)]) for plan in all_plans]
-    # Nothing redundant (a grid): the very plans DefaultSavePlanner would see.
-    return all_plans if all(len(a.items) == len(b.items) for a, b in zip(all_plans, out, strict=True)) else out
+    if not any(redundant(i) for plan in all_plans for i in plan.items):
+        return all_plans  # a grid: the very plans DefaultSavePlanner would see
+    return [dataclasses.replace(plan, items=[i for i in plan.items if not redundant(i)]) for plan in all_plans]
