@@ -25,6 +25,7 @@ _EXPORTS = {
     "load_checkpoint": "hsdp.checkpoint",
     "restore_rng_state": "hsdp.checkpoint",
     "save_checkpoint": "hsdp.checkpoint",
+    "ReplicaSavePlanner": "hsdp.checkpoint",
     "clip_grad_norm_": "hsdp.engine.clip",
     "data_parallel_rank": "hsdp.data.sampler",
     "data_parallel_size": "hsdp.data.sampler",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from hsdp.checkpoint import (
         CheckpointError,
         CheckpointOptions,
+        ReplicaSavePlanner,
         capture_rng_state,
         export_safetensors,
         load_checkpoint,
@@ -113,6 +115,7 @@ __all__ = [
     "PreemptionGuard",
     "ReplicaDivergence",
     "ReplicaHop",
+    "ReplicaSavePlanner",
     "ShardedGradScaler",
     "ShardedModel",
     "ShardedOptimizer",

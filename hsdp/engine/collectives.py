@@ -234,6 +234,7 @@ class Comm:
         if view is None:
             view = copy.copy(self)
             view._groups = {**self._groups, "replicate": self.mesh.replicas.group(holders)}
+            view._sizes = {**self._sizes, "replicate": len(holders)}
             self._views[holders] = view
         return view
 
