@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from hsdp.engine.class_swap import original_class, swap_class
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.adafactor import adafactor_step, state_is_replicated
+from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, warn_dropped_hop_state
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
@@ -47,7 +49,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     An optimizer built on the unwrapped model's parameters (before wrapping, not yet stepped) is
     re-pointed at the shards. ``state_dict()`` is keyed by parameter name (FQN) with per-element state as
-    ``DTensor`` (``Shard(0)`` on the replica's mesh), the format ``torch.distributed.checkpoint`` reshards.
+    ``DTensor`` (``Shard(0)`` on the replica's mesh), the format ``torch.distributed.checkpoint`` reshards;
+    torch's ``get_state_dict(model, optimizer)`` / ``set_state_dict`` (the FSDP2 recipe) give and take the same
+    (see ``dcp_state_dict.py``; they leave out the int8 hop's residuals, with a warning).
     """
 
     _hsdp_model: ShardedModel
@@ -74,6 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         object.__setattr__(optimizer, "_hsdp_sharded_step", _sharded_step(optimizer))
         object.__setattr__(optimizer, "_hsdp_unverified", views is None and _sharded_step(optimizer) is None)
         optimizer._patch_step_function()  # step hooks, as torch.optim.Optimizer.__init__ would install
+        install_named_state_dict(optimizer, ShardedOptimizer.named_state_dict)  # see dcp_state_dict.py
         return optimizer  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -90,6 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # With a closure the loss is evaluated first (these optimizers evaluate it once); the step itself
             # must be local: only a replica slice is stepped (DTensor cannot step it).
             result = _evaluate(closure)
+            _slice_chunk_grads(self._hsdp_model)
             self._step_slices_unit_by_unit()
         elif self._hsdp_local_views is not None and closure is None:
             with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
@@ -138,14 +144,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``."""
+        """torch.optim's own layout, keyed by parameter index: what ``torch.distributed.checkpoint.state_dict``'s
+        helpers read (and rename to parameter names themselves). ``optimizer.state_dict()`` on the instance is
+        the name-keyed layout (:meth:`named_state_dict`); see [Note: two layouts of one optimizer state] in
+        ``dcp_state_dict.py``."""
+        warn_dropped_hop_state(any(unit.hop.state_dict() for unit in self._hsdp_model.units))
+        return self._index_state_dict()
+
+    def _index_state_dict(self) -> dict[str, Any]:
         raw = super().state_dict()
+        # Per-parameter state is already DTensor (built like the DTensor parameters): stamp each chunk with its
+        # rank's coordinates (see [Note: pickled chunks] in runtime/origin.py).
+        state = {idx: {k: stamp(v) for k, v in entries.items()} for idx, entries in raw["state"].items()}
+        return {"state": state, "param_groups": raw["param_groups"]}
+
+    def named_state_dict(self) -> dict[str, Any]:
+        """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` (plus
+        ``"hop_residuals"`` with a stateful inter-node hop): what ``optimizer.state_dict()`` returns, and what
+        ``get_optimizer_state_dict(model, optimizer)`` returns but for the hop residuals."""
+        raw = self._index_state_dict()
         by_param = _sharded_by_param(self._hsdp_model)
-        params = self._index_params()
-        fqn = [by_param[id(p)].fqn for p in params]
-        # Per-parameter state is already DTensor (built like the DTensor parameters): only rename, and stamp
-        # each chunk with its rank's coordinates (see [Note: pickled chunks] in runtime/origin.py).
-        state = {fqn[idx]: {k: stamp(v) for k, v in entries.items()} for idx, entries in raw["state"].items()}
+        fqn = [by_param[id(p)].fqn for p in self._index_params()]
+        state = {fqn[idx]: entries for idx, entries in raw["state"].items()}
         groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in raw["param_groups"]]
         out = {"state": state, "param_groups": groups}
         hop_state = hop_state_dict(self._hsdp_model.units, self._hsdp_model.mesh)
@@ -179,6 +199,19 @@ def _evaluate(closure: Any) -> Any:
         return None
     with torch.enable_grad():
         return closure()
+
+
+def _slice_chunk_grads(model: ShardedModel) -> None:
+    """Replica-sharded optimizer: a gradient placed like its parameter (this rank's whole chunk, e.g.
+    ``torch.zeros_like(p)``, which torch's state dict helpers assign to create the state of a fresh optimizer)
+    becomes this replica's slice of it, the gradient layout the sliced step reads (hsdp's own reductions produce
+    slices directly)."""
+    for sp in model.sharded_params():
+        grad = sp.sharded.grad
+        if sp.slice is None or not isinstance(grad, DTensor):
+            continue
+        if grad.device_mesh == sp.device_mesh and tuple(grad.placements) == tuple(sp.layout.placements):
+            sp.sharded.grad = sp.to_opt_dtensor(sp.slice.of_chunk(grad.to_local()))
 
 
 def _as_state(optimizer: ShardedOptimizer, sp: ShardedParam, key: str, value: Any) -> Any:
