@@ -47,6 +47,8 @@ _EXPORTS = {
     "check_replicas": "hsdp.engine.model",
     "full_state_dict": "hsdp.engine.state_dict",
     "FaultPolicy": "hsdp.engine.faults.watchdog",
+    "ElasticPolicy": "hsdp.engine.elastic.protocol",
+    "QuorumLost": "hsdp.engine.elastic.client",
     "PreemptionGuard": "hsdp.engine.preemption",
     "load_pretrained": "hsdp.engine.init",
     "materialize": "hsdp.engine.init",
@@ -71,6 +73,8 @@ if TYPE_CHECKING:
     from hsdp.data.sampler import data_parallel_rank, data_parallel_size, distributed_sampler
     from hsdp.data.weighted_sampler import WeightedBatchSampler
     from hsdp.engine.clip import clip_grad_norm_
+    from hsdp.engine.elastic.client import QuorumLost
+    from hsdp.engine.elastic.protocol import ElasticPolicy
     from hsdp.engine.faults.watchdog import FaultPolicy
     from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop, ReplicaHop
     from hsdp.engine.init import load_pretrained, materialize
@@ -108,11 +112,13 @@ __all__ = [
     "AllReduceHop",
     "CheckpointError",
     "CheckpointOptions",
+    "ElasticPolicy",
     "FaultPolicy",
     "HSDPMesh",
     "Int8ErrorFeedbackHop",
     "MixedPrecision",
     "PreemptionGuard",
+    "QuorumLost",
     "ReplicaDivergence",
     "ReplicaHop",
     "ReplicaSavePlanner",

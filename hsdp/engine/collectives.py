@@ -62,6 +62,14 @@ class Handle:
         self._on_done = on_done
         self.done = work is None and on_done is None and not self._after
 
+    def _fail(self) -> None:
+        """The collective raised (a peer left): it is no longer pending (the hang ledger must not report it) and
+        its buffers are released; waiting again does nothing."""
+        if self._retire is not None:
+            self._retire(None)
+        self.done = True
+        self._work, self._after, self._on_done = None, [], None
+
     def book_blocked(self, since: float | None) -> None:
         """Book the host's time blocked since ``since`` (``perf_counter``; ``None``: nothing) as ``waited``
         on this collective: its own wait, or a wait for the hop worker to get past it (:class:`Chained`)."""
@@ -86,7 +94,11 @@ class Handle:
             with record_function(f"{self._region} wait" if self._region else "hsdp::wait"):
                 # Exposed time is the host's compute blocked: a hop worker's waits are not (hop_worker.py).
                 blocked = None if self._start is None or on_a_hop_worker() else time.perf_counter()
-                self._work.wait()
+                try:
+                    self._work.wait()
+                except BaseException:
+                    self._fail()
+                    raise
                 self.book_blocked(blocked)
         marker = None
         if self._stats is not None and self._start_event is not None:
@@ -164,12 +176,13 @@ class Comm:
     def __init__(self, mesh: HSDPMesh) -> None:
         self.mesh = mesh
         self.stats = CommStats()
-        # A heterogeneous mesh has no one "replicate" group: its hops run on views (replica_view), one per
-        # holder tuple of the replicate layer; a plain "replicate" collective there is a bug (see _pg).
-        replicate = None if mesh.heterogeneous else mesh.replicate_group
-        self._groups = {"shard": mesh.shard_group, "replicate": replicate, "world": None, "tp": mesh.tp_group}
-        self._sizes = {"shard": mesh.sharding_degree, "replicate": mesh.replicate_degree,
-                       "world": mesh.world_size, "tp": mesh.tp_degree}
+        # "replicate" is the replicate layer's (mesh.replicas): fixed on a grid, one per holder tuple on a
+        # heterogeneous mesh (its hops run on views, replica_view; a plain "replicate" collective there is a bug,
+        # see _group), the current quorum's on an elastic one (asked at each use: it changes between steps).
+        self._layer = mesh.replicas
+        self._groups = {"shard": mesh.shard_group, "world": None, "tp": mesh.tp_group}
+        self._sizes = {"shard": mesh.sharding_degree, "world": mesh.world_size, "tp": mesh.tp_degree}
+        self._replicate: tuple[dist.ProcessGroup, int] | None = None  # a view's own group and size
         # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
         self._watchdog = mesh.watchdog
         self._gloo = dist.get_backend() == "gloo"  # inter-node reduce-scatter as all-to-all + sum (reduce_scatter)
@@ -200,7 +213,21 @@ class Comm:
         return contextlib.nullcontext() if self._ledger is None else self._ledger.busy(what)
 
     def size(self, group: str) -> int:
+        if group == "replicate":
+            return self._replicate[1] if self._replicate is not None else self._layer.count
         return self._sizes[group]
+
+    def _group(self, group: str) -> dist.ProcessGroup | None:
+        if group != "replicate":
+            return self._groups[group]
+        if self._replicate is not None:
+            return self._replicate[0]
+        pg = self._layer.replicate_group
+        if pg is None and self.size("replicate") > 1:
+            # None would mean the world: never silently widen an inter-node collective.
+            raise RuntimeError("a 'replicate' collective on a heterogeneous mesh must go through "
+                               "Comm.replica_view(holders) (an hsdp bug)")
+        return pg
 
     def chain(self, issue: Callable[[], None], label: str, blocked_on: Handle | None = None) -> Chained:
         """Run ``issue`` on the mesh's hop worker after everything chained before (see ``hop_worker.py``):
@@ -233,8 +260,7 @@ class Comm:
         view = self._views.get(holders)
         if view is None:
             view = copy.copy(self)
-            view._groups = {**self._groups, "replicate": self.mesh.replicas.group(holders)}
-            view._sizes = {**self._sizes, "replicate": len(holders)}
+            view._replicate = (self._layer.group(holders), len(holders))
             self._views[holders] = view
         return view
 
@@ -242,12 +268,8 @@ class Comm:
         """The process group to issue on. Inter-node collectives of the main thread first wait until the hop
         worker has issued what was chained before: the group's collectives keep program order everywhere."""
         if group == "replicate":
-            if self._groups["replicate"] is None and self._sizes["replicate"] > 1:
-                # None would mean the world: never silently widen an inter-node collective.
-                raise RuntimeError("a 'replicate' collective on a heterogeneous mesh must go through "
-                                   "Comm.replica_view(holders) (an hsdp bug)")
             self.mesh.hop_worker.drain()
-        return self._groups[group]
+        return self._group(group)
 
     def _record(self, group: str, op: str, nbytes: int, wire_factor: float) -> OpStats:
         return self.stats.record(group, op, nbytes, int(nbytes * wire_factor))
@@ -257,7 +279,7 @@ class Comm:
                    async_op: bool = False, *, label: str = "") -> Handle:
         """``output`` (``n * input.numel()``) receives every rank's ``input`` in rank order. ``label``
         (e.g. the unit's name) names the region in profiler traces: ``hsdp::all_gather[shard] <label>``."""
-        n = self._sizes[group]
+        n = self.size(group)
         if n == 1:
             output.copy_(input.view(output.shape))
             return Handle()
@@ -284,7 +306,7 @@ class Comm:
         reduce-scatter, at the cost of a receive buffer the size of the input. Inside a node the bytes are
         cheap and the buffer (a whole unit's gradients) is not: there gloo's own runs. NCCL's is a ring.
         """
-        n = self._sizes[group]
+        n = self.size(group)
         if n == 1:
             output.copy_(input.view(output.shape))
             return Handle()
@@ -309,7 +331,7 @@ class Comm:
         """Reduce ``tensor`` in place over the group. ``label`` names the profiler region (see
         :meth:`all_gather`). An fp16 ``AVG`` is a pre-divided ``SUM`` post-divided once the handle is waited
         (:func:`divide_factors`); until then ``tensor`` holds neither input nor result."""
-        n = self._sizes[group]
+        n = self.size(group)
         if n == 1:
             return Handle()
         nbytes = tensor.numel() * tensor.element_size()
@@ -327,11 +349,11 @@ class Comm:
         """1D ``input`` is cut in ``input_sizes`` pieces, piece ``i`` going to group rank ``i``; 1D ``output``
         receives ``output_sizes[i]`` elements from rank ``i``, in rank order (sizes may differ and be 0).
         ``wire_bytes`` counts only the pieces that leave this rank."""
-        n = self._sizes[group]
+        n = self.size(group)
         if n == 1:
             output.copy_(input)
             return Handle()
-        me = dist.get_rank(self._groups[group])
+        me = dist.get_rank(self._group(group))
         size = input.element_size()
         sent = (sum(input_sizes) - input_sizes[me]) * size  # the piece for this rank stays here
         stats = self.stats.record(group, "all_to_all", input.numel() * size, sent)
@@ -343,21 +365,22 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, group: str = "world") -> None:
         """Overwrite ``tensor`` with its value on the group's rank ``src_group_rank``."""
-        n = self._sizes[group]
+        n = self.size(group)
         if n == 1:
             return
         stats = self._record(group, "broadcast", tensor.numel() * tensor.element_size(), 1.0)
         pg = self._pg(group)
-        src = src_group_rank if pg is None else dist.get_global_rank(pg, src_group_rank)
         region = profiler_region("broadcast", group)
         with record_function(region):
-            work = dist.broadcast(tensor, src=src, group=pg, async_op=True)
+            # By group rank: an elastic job's replicate groups have no global ranks (elastic/groups.py).
+            work = dist.broadcast(tensor, src=src_group_rank, async_op=True) if pg is None else \
+                dist.broadcast(tensor, group=pg, group_src=src_group_rank, async_op=True)
         self._finish(work, stats, async_op=False, region=region)
 
     def barrier(self, group: str = "world") -> None:
         """Return once every rank of the group has called it: e.g. so that a timed region starts together
         everywhere. Booked as ``barrier`` with no bytes."""
-        if self._sizes[group] == 1:
+        if self.size(group) == 1:
             return
         stats = self._record(group, "barrier", 0, 0.0)
         region = profiler_region("barrier", group)
@@ -384,7 +407,7 @@ class Comm:
     # -- small control messages (checkpointing: agreeing on an error, sharing a resolved path; measurements)
     def all_gather_bytes(self, data: bytes, group: str = "world") -> list[bytes]:
         """Every group rank's ``data``, in group-rank order: two all-gathers (lengths, padded payloads)."""
-        n = self._sizes[group]
+        n = self.size(group)
         if n == 1:
             return [data]
         device = self.mesh.device
@@ -402,7 +425,7 @@ class Comm:
     def all_gather_floats(self, values: Sequence[float], group: str = "world") -> list[list[float]]:
         """Every group rank's ``values``, in group-rank order (every rank passes as many): for measurements
         such as step times or byte counts, sent as float64 (integers are exact below 2**53)."""
-        n = self._sizes[group]
+        n = self.size(group)
         mine = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
         everyone = torch.empty(n * mine.numel(), dtype=torch.float64, device=self.mesh.device)
         self.all_gather(everyone, mine, group)
@@ -410,7 +433,7 @@ class Comm:
 
     def broadcast_bytes(self, data: bytes | None, src_group_rank: int = 0, group: str = "world") -> bytes:
         """``data`` of the group's rank ``src_group_rank`` (ignored elsewhere; pass ``None`` there)."""
-        if self._sizes[group] == 1:
+        if self.size(group) == 1:
             return data or b""
         device = self.mesh.device
         length = torch.tensor([len(data or b"")], dtype=torch.int64, device=device)

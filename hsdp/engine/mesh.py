@@ -28,6 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hsdp.engine.elastic.bootstrap import elastic_env
+from hsdp.engine.elastic.bootstrap import join as elastic_join
+from hsdp.engine.elastic.layer import ElasticLayer
+from hsdp.engine.elastic.protocol import ElasticPolicy
 from hsdp.engine.faults.launcher import watch_launcher
 from hsdp.engine.faults.watchdog import FaultPolicy, Watchdog, start_watchdog
 from hsdp.engine.hop_worker import HopWorker
@@ -69,11 +73,11 @@ class HSDPMesh:
     # CPUs: the thread that issues inter-node hops behind their reduce-scatters (hop_worker.py). Per mesh, so
     # that every model on the mesh keeps one order of the inter-node group's collectives.
     hop_worker: HopWorker = field(default_factory=HopWorker, compare=False, repr=False)
-    # Set for a heterogeneous mesh; a grid's layer is derived from its DeviceMesh (replicas).
-    layer: ReplicaLayer | None = field(default=None, compare=False, repr=False)
+    # Set for a heterogeneous or elastic mesh; a grid's layer is derived from its DeviceMesh (replicas).
+    layer: ReplicaLayer | ElasticLayer | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
-    def replicas(self) -> ReplicaLayer:
+    def replicas(self) -> ReplicaLayer | ElasticLayer:
         """The replicas (their shard degrees), this rank's place among them, and the groups of one rank per
         replica that reduce gradients across them."""
         # cached_property writes the instance __dict__ directly, which a frozen dataclass allows.
@@ -86,6 +90,11 @@ class HSDPMesh:
     def heterogeneous(self) -> bool:
         """Whether the replicas differ in shard degree (no ``DeviceMesh`` grid describes the mesh)."""
         return not self.replicas.regular
+
+    @property
+    def elastic(self) -> ElasticLayer | None:
+        """The elastic replicate layer (``init_mesh(elastic=True)``: replicas that leave and rejoin), else None."""
+        return self.replicas if isinstance(self.replicas, ElasticLayer) else None
 
     @property
     def device(self) -> torch.device:
@@ -161,13 +170,14 @@ class HSDPMesh:
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.tp_degree
+        """The ranks of the process group (an elastic mesh: of this replica's own job)."""
+        return dist.get_world_size()
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks reading distinct data: every replica's ranks (the T ranks of a tensor-parallel group read the
-        same batch): R x S on a grid."""
-        return sum(self.replicas.degrees)
+        same batch): R x S on a grid; the configured replicas' on an elastic mesh."""
+        return self.replicas.data_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
@@ -231,6 +241,8 @@ def init_mesh(
     device_mesh: DeviceMesh | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     fault_policy: FaultPolicy | None = DEFAULT_FAULT_POLICY,
+    elastic: bool | ElasticPolicy = False,
+    coordinator: str | None = None,
 ) -> HSDPMesh:
     """Build the replicate x shard mesh (x tp with ``tensor_parallel_degree``), initialising the default
     process group when needed.
@@ -257,7 +269,16 @@ def init_mesh(
     whose shard groups straddle nodes (torchrun's ``LOCAL_WORLD_SIZE`` ranks per node) warns, naming the
     override (:func:`node_crossing_warning`).
     ``fault_policy`` starts the dead-rank watchdog (see ``hsdp.engine.faults.watchdog``); ``None`` disables it.
+
+    ``elastic=True`` (or an ``ElasticPolicy`` with its timeouts): this process's torchrun job is one replica of
+    an elastic job whose replicas come and go between steps (``hsdp/engine/elastic/``): the coordinator at
+    ``coordinator`` (default ``$HSDP_COORDINATOR``), this replica's id from ``$HSDP_REPLICA_ID``. The replica's
+    ranks shard every parameter (``sharding_degree`` is the job's world size); blocks until the coordinator
+    admits the replica. Tensor parallelism and a list of degrees are refused.
     """
+    if elastic:
+        return _elastic_mesh(sharding_degree, tensor_parallel_degree, device_mesh, coordinator, timeout, fault_policy,
+                             elastic if isinstance(elastic, ElasticPolicy) else ElasticPolicy())
     listed = check_degree_list(sharding_degree, tensor_parallel_degree, device_mesh)
     if device_mesh is not None:
         return _from_user_mesh(device_mesh, sharding_degree, tensor_parallel_degree, fault_policy)
@@ -283,6 +304,34 @@ def init_mesh(
     shape = mesh_shape(dist.get_world_size(), degree, tensor_parallel_degree, allow_cross_node_shards)
     names = MESH_DIM_NAMES if len(shape) == 2 else TP_MESH_DIM_NAMES
     return HSDPMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), watchdog)
+
+
+def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None, device_mesh: DeviceMesh | None,
+                  coordinator: str | None, timeout: timedelta, fault_policy: FaultPolicy | None,
+                  policy: ElasticPolicy) -> HSDPMesh:
+    """One replica of an elastic job (see :func:`init_mesh`): checks first, then the process group of this
+    torchrun job, the coordinator's admission, and the replica's 1-D shard mesh."""
+    if device_mesh is not None or tp_degree not in (None, 1) or isinstance(sharding_degree, list | tuple):
+        raise ValueError("init_mesh(elastic=True) builds one replica per torchrun job, sharded over its ranks: drop "
+                         "device_mesh, tensor_parallel_degree and per-replica degree lists")
+    found = elastic_env(coordinator)
+    if not dist.is_initialized():
+        _init_process_group(timeout)
+    world = dist.get_world_size()
+    if sharding_degree not in (None, world):
+        raise ValueError(f"sharding_degree={sharding_degree}: an elastic replica is one torchrun job sharded over "
+                         f"all its {world} ranks; drop sharding_degree or start {sharding_degree} ranks per job")
+    device_type = device_type_for(str(dist.get_backend()), torch.cuda.is_available())
+    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
+    watch_launcher(watchdog)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    client, step, replicas = elastic_join(found, world, device, policy)
+    param_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    layer = ElasticLayer(client, found.replica_id, world, replicas, dist.get_rank(), param_mesh.get_group(),
+                         param_mesh, device_type, policy, step)
+    return HSDPMesh(None, watchdog, layer=layer)
 
 
 def _from_user_mesh(device_mesh: DeviceMesh, sharding_degree: int | None, tp_degree: int | None,

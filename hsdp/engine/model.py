@@ -11,6 +11,7 @@ from torch import nn
 
 from hsdp.engine.class_swap import swap_class
 from hsdp.engine.collectives import Comm
+from hsdp.engine.elastic.layer import StepRecord
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
@@ -217,6 +218,13 @@ class ShardedModel(nn.Module):
                 else:
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """On an elastic mesh (``init_mesh(elastic=True)``), what the last ``optimizer.step()`` did: its step
+        number, whether it was committed (applied on every member) or discarded, and the replica ids whose
+        gradients it averaged; after a joining replica's heal, the step it resumes after. ``None`` elsewhere."""
+        return self.mesh.elastic.last if self.mesh.elastic is not None else None
 
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across

@@ -71,6 +71,17 @@ class ReplicaLayer:
         1 on a grid, where nothing is multiplied."""
         return self.degree * self.count / sum(self.degrees)
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks reading distinct data: every replica's."""
+        return sum(self.degrees)
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """A grid's one replicate group (this rank's shard position on every replica); ``None`` for replicas of
+        different degrees, whose pieces go over several (:meth:`group`)."""
+        return self._groups[(self.shard_rank,) * self.count] if self.regular else None
+
     def own_position_groups(self) -> list[Holders]:
         """The position groups (``replica_pieces.position_groups``) this rank belongs to, sorted: where what
         every rank needs whole (flags, weights, 0-d parameters) is reduced."""

@@ -138,7 +138,8 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
             key = _unit_key(prefixes[id(m)].rstrip("."), i, group[0].param.dtype)
             units.append(_build_unit(m, group, [value_of[id(a.param)] for a in group], comm, mesh, options, key))
     # Heterogeneous replicas: the groups every unit's pieces are reduced over, created now on every rank.
-    mesh.replicas.ensure_groups(holder_tuples([p.layout for u in units for p in u.params], mesh.replicas.degrees))
+    if mesh.heterogeneous:
+        mesh.replicas.ensure_groups(holder_tuples([p.layout for u in units for p in u.params], mesh.replicas.degrees))
     skip = {id(b) for n in nested for b in n.buffers()}
     move_buffers(module, mesh.device, skip)
     _broadcast_from_rank0(comm, _own_buffers(module, skip), mesh.device)
@@ -185,7 +186,14 @@ def _check_tp_options(mesh: HSDPMesh, options: UnitOptions) -> None:
 
 
 def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
-    """What replicas of different shard degrees do not compose with yet, refused before any collective."""
+    """What replicas of different shard degrees, or elastic ones, do not compose with yet, refused before any
+    collective."""
+    if mesh.elastic is not None:
+        if options.shard_optimizer_across_replicas or options.replica_hop.state_dict() is not None:
+            raise ValueError("an elastic mesh's replicas come and go, so state split or kept per replica does not "
+                             "carry over: turn shard_optimizer_across_replicas off and use replica_hop="
+                             "hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16)")
+        return
     if not mesh.heterogeneous:
         return
     degrees = list(mesh.replicas.degrees)

@@ -16,6 +16,7 @@ from hsdp.engine.class_swap import original_class, swap_class
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.adafactor import adafactor_step, state_is_replicated
 from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, warn_dropped_hop_state
+from hsdp.engine.optim.elastic_heal import attach_heal, elastic_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
@@ -79,6 +80,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         object.__setattr__(optimizer, "_hsdp_unverified", views is None and _sharded_step(optimizer) is None)
         optimizer._patch_step_function()  # step hooks, as torch.optim.Optimizer.__init__ would install
         install_named_state_dict(optimizer, ShardedOptimizer.named_state_dict)  # see dcp_state_dict.py
+        if model.mesh.elastic is not None:
+            attach_heal(model, optimizer)  # a joining replica is healed here, before its first forward
         return optimizer  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -88,6 +91,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
         self._hsdp_model._hsdp_state.step_read.before_step()  # as torch's step pre-hook, which these may skip
+        if self._hsdp_model.mesh.elastic is not None and not elastic_step(self._hsdp_model):
+            return None  # discarded on every member (elastic_heal.py): nothing is applied anywhere
         if self._hsdp_sharded_step is not None:  # Adafactor, Muon: see adafactor.py, muon.py
             result = _evaluate(closure)
             self._hsdp_sharded_step(self, self._hsdp_model)

@@ -262,12 +262,17 @@ class Reduction:
         self._set_output(self.output.new_empty(packed.shape[1]))
         return unit.hop.start_scatter(self.output, packed, unit.comm, unit.key)
 
-    def abandon(self) -> None:
-        """Wait for the collective in flight and drop its result (the backward that started it raised)."""
+    def abandon(self, quiet: bool = False) -> None:
+        """Wait for the collective in flight and drop its result (the backward that started it raised; ``quiet``:
+        a collective that fails too, as the rest of an elastic step's hops do once a peer left, is dropped)."""
         if self._chained is not None:
             self._chained.settle()  # let the worker's issue end; the backward's own error is the one to see
             self._chained = None
-        self._handle.wait()
+        try:
+            self._handle.wait()
+        except RuntimeError:
+            if not quiet:
+                raise
         self._handle = Handle()
         self.unit.streams.wait(self._scattered)
         self.unit.streams.wait(self._hopped)

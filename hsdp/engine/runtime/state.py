@@ -99,6 +99,7 @@ class HSDPState:
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
         self.step_read = StepRead()  # the step's one host read, if any (step_read.py)
+        self.step_read.elastic = mesh.elastic is not None
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
         # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
         # gloo's reduce-scatter work reports completion only once waited: nothing to poll), the mesh's hop
@@ -156,6 +157,8 @@ class HSDPState:
             if not self._in_forward:
                 self._repair_torn_step()
                 self._in_forward = True
+                if self.mesh.elastic is not None:
+                    self.mesh.elastic.begin_step()  # the coordinator gathers the quorum during the forward
                 self.buffers.pre_forward()
                 self._pre_seen, self._post_seen = [], []
             args, kwargs = unit.policy.cast_inputs(args, kwargs)
@@ -298,16 +301,38 @@ class HSDPState:
             has_leftover = any(p.unsharded.grad is not None for p in unit.params)
             if unit.used_in_grad_forward or has_leftover:
                 self._reduce(unit)
-        # Every hop in flight before waiting for any: the last units' hops overlap each other.
-        for reduction in self._pending:
-            reduction.start_replica_hop()
-        for reduction in self._pending:
-            reduction.finish()
+        try:
+            self._finish_hops()
+        except RuntimeError as e:
+            if self.mesh.elastic is None:
+                raise
+            self._drop_failed_hops(e)  # a member left mid-step: the step is discarded at the optimizer
+            return
         try:
             self.step_read.after_backward(self._pending, self.batch_weight)  # may raise a deferred check
         finally:
             self._pending.clear()
             self._reset_step()
+
+    def _finish_hops(self) -> None:
+        # Every hop in flight before waiting for any: the last units' hops overlap each other.
+        for reduction in self._pending:
+            reduction.start_replica_hop()
+        for reduction in self._pending:
+            reduction.finish()
+
+    def _drop_failed_hops(self, error: RuntimeError) -> None:
+        """Elastic: an inter-node collective of this step failed (a peer replica died or stopped). Every
+        reduction is waited for and dropped, the vote says why, and the backward returns normally: the
+        coordinator aborts the step on every member, and ``ShardedOptimizer.step`` applies nothing."""
+        assert self.mesh.elastic is not None
+        self.mesh.elastic.fail(f"{type(error).__name__}: {error}")
+        for reduction in self._pending:
+            reduction.abandon(quiet=True)
+        self._pending.clear()
+        for unit in self.units:
+            unit.partial = None
+        self._reset_step()
 
     def _reset_step(self) -> None:
         for unit in self.units:

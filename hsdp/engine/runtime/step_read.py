@@ -35,6 +35,7 @@ class StepRead:
         self.deferred: list[DeferredRead] = []  # values read with the next host read
         self._read_this_step = False  # a backward since the last optimizer step read the flags
         self._agreement: DeferredRead | None = None  # the weights' check on an unweighted rank
+        self.elastic = False  # an elastic mesh: only a ShardedOptimizer may step (it applies committed steps)
         hook = register_optimizer_step_pre_hook(_before_any_step(self))
         weakref.finalize(self, hook.remove)
 
@@ -74,8 +75,13 @@ def _before_any_step(read: StepRead) -> Callable[..., None]:
     """A torch optimizer step pre-hook running ``read.before_step``, holding ``read`` weakly."""
     ref = weakref.ref(read)
 
-    def hook(*_: object) -> None:
+    def hook(optimizer: object, *_: object) -> None:
         live = ref()
-        if live is not None:
-            live.before_step()
+        if live is None:
+            return
+        if live.elastic and getattr(optimizer, "_hsdp_model", None) is None:
+            raise ValueError(f"{type(optimizer).__name__} steps an elastic model's parameters directly, so a step "
+                             f"the coordinator discards would still be applied: wrap it, "
+                             f"optimizer = hsdp.ShardedOptimizer(model, optimizer)")
+        live.before_step()
     return hook

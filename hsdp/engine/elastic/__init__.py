@@ -1,0 +1,1 @@
+"""Elastic replicas: replica groups that leave and rejoin between steps (``docs/design/elastic.md``)."""

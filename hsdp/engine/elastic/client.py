@@ -1,0 +1,138 @@
+"""A replica's side of the coordinator protocol (``protocol.py``): register, heartbeat, ask, vote, read.
+
+Every rank of a replica holds one client (a ``TCPStore`` connection to the coordinator). The replica's leader
+(its local rank 0) registers the incarnation, keeps the heartbeat and asks for each step's quorum; every rank
+reads the quorum, votes on its own inter-node reduction and reads the decision. Nothing here is a collective:
+the ranks of one replica learn the leader's incarnation and admission step through the caller (one broadcast
+in the replica's own group).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hsdp.engine.elastic.protocol import ABORT, COMMIT, STOP, ElasticPolicy, Quorum, key
+
+
+class QuorumLost(RuntimeError):
+    """The coordinator stopped the job: fewer live replicas than the minimum (or no live replica to heal from).
+    Stop cleanly (``hsdp train`` writes a checkpoint first)."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` -> ``(host, port)``; ``ValueError`` naming the expected form."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"coordinator address {address!r} is not host:port: set HSDP_COORDINATOR=host:port (the "
+                         f"address `hsdp coordinator --port PORT` prints), e.g. HSDP_COORDINATOR=10.0.0.1:29400")
+    return host, int(port)
+
+
+def connect(address: str, job: str, policy: ElasticPolicy) -> dist.Store:
+    """A store client on the coordinator serving ``job``; raises ``ValueError`` naming the address and the
+    command that starts a coordinator within ``policy.connect_timeout`` instead of hanging."""
+    host, port = parse_address(address)
+    timeout = timedelta(seconds=policy.connect_timeout)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as e:
+        raise ValueError(f"no hsdp coordinator reachable at {address} within {policy.connect_timeout:g} s ({e}): "
+                         f"start one with `hsdp coordinator --port {port} --replicas N` on that host (hsdp launch "
+                         f"--elastic starts it for the emulated cluster), or fix HSDP_COORDINATOR") from None
+    try:
+        store.wait([key(job, "coordinator")], timeout)
+    except (RuntimeError, TimeoutError):
+        raise ValueError(f"the coordinator at {address} serves no elastic job {job!r}: start it with `hsdp "
+                         f"coordinator --job {job}`, or set HSDP_ELASTIC_JOB to the job it serves") from None
+    return store
+
+
+class CoordinatorClient:
+    """One rank's connection to the coordinator for replica ``replica_id`` of ``job``."""
+
+    def __init__(self, store: dist.Store, address: str, job: str, replica_id: int, leader: bool,
+                 policy: ElasticPolicy) -> None:
+        self.store, self.address, self.job, self.replica_id = store, address, job, replica_id
+        self.leader, self.policy = leader, policy
+        self.incarnation = 0
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    # -- leader ------------------------------------------------------------------------------------------
+    def register(self, degree: int) -> int:
+        """Leader: announce a new incarnation of this replica (``degree`` ranks) and start its heartbeat."""
+        self.incarnation = int(self.store.add(key(self.job, "inc", self.replica_id), 1))
+        self.store.set(key(self.job, "reg", self.replica_id, self.incarnation), json.dumps({"degree": degree}))
+        self._beat = threading.Thread(target=self._heartbeat, name="hsdp-elastic-heartbeat", daemon=True)
+        self._beat.start()
+        return self.incarnation
+
+    def _heartbeat(self) -> None:
+        # Its own connection: a blocked wait on the main one must not stop the beat.
+        host, port = parse_address(self.address)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.policy.connect_timeout),
+                              wait_for_workers=False)
+        beat = key(self.job, "hb", self.replica_id, self.incarnation)
+        while not self._stop.wait(self.policy.heartbeat_interval):
+            try:
+                store.add(beat, 1)
+            except (RuntimeError, TimeoutError):
+                return  # the coordinator is gone: the next wait on the main connection reports it
+
+    def admitted(self) -> int:
+        """Leader: block until the coordinator admits this incarnation; the step it joins at."""
+        admit = key(self.job, "admit", self.replica_id, self.incarnation)
+        reject = key(self.job, "reject", self.replica_id, self.incarnation)
+        deadline = self.policy.join_timeout
+        waited = 0.0
+        while waited < deadline:
+            if self.store.check([reject]):
+                raise ValueError(self.store.get(reject).decode())
+            if self.store.check([admit]):
+                return int(self.store.get(admit).decode())
+            self._stop.wait(0.01)
+            waited += 0.01
+        raise TimeoutError(f"replica {self.replica_id} was not admitted by the coordinator at {self.address} within "
+                           f"{deadline:g} s")
+
+    def want(self, step: int) -> None:
+        """Leader: this replica reached ``step`` (the coordinator may publish its quorum)."""
+        self.store.set(key(self.job, "want", step, self.replica_id), str(self.incarnation))
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- every rank --------------------------------------------------------------------------------------
+    def quorum(self, step: int) -> Quorum:
+        """Block until the quorum of ``step`` is published; :class:`QuorumLost` when the job was stopped."""
+        text = self._wait(key(self.job, "quorum", step), f"the quorum of step {step}")
+        data = json.loads(text)
+        if STOP in data:
+            raise QuorumLost(f"hsdp elastic: the coordinator stopped the job at step {step}: {data[STOP]}")
+        return Quorum.from_json(text)
+
+    def vote(self, step: int, ok: bool, why: str = "") -> None:
+        """This rank's inter-node reduction of ``step`` completed (``ok``), or failed (``why``)."""
+        if ok:
+            self.store.add(key(self.job, "ok", step, self.replica_id), 1)
+        else:
+            self.store.set(key(self.job, "why", step, self.replica_id), why[:500])
+            self.store.add(key(self.job, "fail", step), 1)
+
+    def decision(self, step: int) -> bool:
+        """Block until ``step`` is decided: True to commit, False to discard."""
+        text = self._wait(key(self.job, "decision", step), f"the decision of step {step}")
+        assert text in (COMMIT, ABORT), text
+        return text == COMMIT
+
+    def _wait(self, k: str, what: str) -> str:
+        try:
+            self.store.wait([k], timedelta(seconds=self.policy.join_timeout))
+        except (RuntimeError, TimeoutError) as e:
+            raise TimeoutError(f"hsdp elastic: no answer from the coordinator at {self.address} for {what} within "
+                               f"{self.policy.join_timeout:g} s ({e})") from None
+        return self.store.get(k).decode()

@@ -1,0 +1,157 @@
+"""The replicate layer of an elastic job: replicas that leave and rejoin between steps.
+
+Same face as ``replica_layer.ReplicaLayer`` (the runtime reads one or the other): this rank's replica is its
+own torchrun job, whose world is the shard group and whose mesh is ``param_mesh``; the other replicas are the
+current quorum's members (``protocol.Quorum``), and the ``"replicate"`` group is that quorum's group for this
+rank's shard position (``groups.py``), rebuilt when the epoch changes. Every replica has the same degree, so the
+replica hop is the grid's: one all-reduce of the whole slot (no piece plan).
+
+One step is one transaction: :meth:`begin_step` (the root's forward) tells the coordinator this replica reached
+the step; the first inter-node collective, or the commit, waits for the step's quorum (:meth:`await_quorum`:
+overlapped with the forward and the backward's first units), rebuilding the group and healing joiners first
+when the members changed; :meth:`finish_step` votes and returns whether every member's reduction completed,
+in which case, and only then, the optimizer applies the step everywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hsdp.engine.elastic.client import CoordinatorClient
+from hsdp.engine.elastic.groups import abort_group, build_group
+from hsdp.engine.elastic.protocol import ElasticPolicy, Quorum
+
+Heal = Callable[[Quorum], None]  # exchanges state with the quorum's joiners (registered by the optimizer)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the last optimizer step did: ``step`` (0-based), whether it was ``committed`` (applied on every
+    member) or discarded, and the replica ids whose gradients it averaged."""
+
+    step: int
+    committed: bool
+    replicas: tuple[int, ...]
+
+
+class ElasticLayer:
+    """The quorum of an elastic job as the runtime's replicate layer (see the module docstring)."""
+
+    regular = True  # every replica has the same degree: one hop over the "replicate" group
+    scale = 1.0
+
+    def __init__(self, client: CoordinatorClient, replica_id: int, degree: int, replicas: int, shard_rank: int,
+                 shard_group: dist.ProcessGroup, param_mesh: DeviceMesh, device_type: str, policy: ElasticPolicy,
+                 step: int) -> None:
+        self.client, self.replica_id, self.degree, self.configured = client, replica_id, degree, replicas
+        self.shard_rank, self.shard_group, self.param_mesh = shard_rank, shard_group, param_mesh
+        self.device_type, self.policy = device_type, policy
+        self.step = step  # the next step this replica runs
+        self.quorum: Quorum | None = None
+        self.last: StepRecord | None = None
+        self.heals: list[Heal] = []
+        self._group: dist.ProcessGroup | None = None
+        self._epoch = -1
+        self._wanted = -1
+        self._failure = ""  # why this step's inter-node reduction failed on this rank ("" = it did not)
+        self._unhealed: Quorum | None = None  # a quorum with joiners read before any heal was registered
+        self._lock = threading.RLock()
+
+    # -- the replica-layer face the runtime reads -------------------------------------------------------
+    @property
+    def index(self) -> int:
+        return self.replica_id  # stable: the data this replica reads does not move when others leave
+
+    @property
+    def count(self) -> int:
+        return len(self.await_quorum().members)
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return (self.degree,) * self.count
+
+    @property
+    def start(self) -> int:
+        return self.replica_id * self.degree
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.configured * self.degree
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        self.await_quorum()
+        assert self._group is not None
+        return self._group
+
+    def own_position_groups(self) -> list[tuple[int, ...]]:
+        return [(self.shard_rank,) * self.count]
+
+    def group(self, holders: tuple[int, ...]) -> dist.ProcessGroup:
+        return self.replicate_group
+
+    def ensure_groups(self, tuples: object) -> None:
+        pass  # groups are per quorum epoch, built when it starts
+
+    # -- the step transaction ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """This replica reached its next step (the leader tells the coordinator, once; never blocks)."""
+        with self._lock:
+            if self.client.leader and self._wanted < self.step:
+                self.client.want(self.step)
+            self._wanted = self.step
+
+    def await_quorum(self) -> Quorum:
+        """The quorum of the current step, waited for once; rebuilds the group and heals joiners when the members
+        changed. Raises ``QuorumLost`` when the coordinator stopped the job."""
+        with self._lock:
+            if self.quorum is not None and self.quorum.step == self.step:
+                return self.quorum
+            self.begin_step()
+            quorum = self.client.quorum(self.step)
+            if quorum.epoch != self._epoch:
+                abort_group(self._group)
+                self._group = build_group(self.client.store, self.client.job, quorum.epoch, self.shard_rank,
+                                          quorum.index(self.replica_id), len(quorum.members), self.device_type,
+                                          self.policy.hop_timeout)
+                self._epoch = quorum.epoch
+            self.quorum = quorum
+            if quorum.joiners:
+                self._unhealed = quorum
+                self.heal()
+            return quorum
+
+    def heal(self) -> None:
+        """Exchange state with the current quorum's joiners, once, when a heal is registered (the optimizer's:
+        the quorum may be read before it exists, e.g. while the model is wrapped)."""
+        with self._lock:
+            quorum, self._unhealed = self._unhealed, None
+            if quorum is None:
+                return
+            if not self.heals:
+                self._unhealed = quorum
+                return
+            for heal in self.heals:
+                heal(quorum)
+
+    def fail(self, why: str) -> None:
+        """This rank's inter-node reduction of the current step failed (a member died mid-step): the step will
+        be discarded everywhere; the backward itself goes on."""
+        self._failure = self._failure or why
+
+    def finish_step(self) -> bool:
+        """Vote on the current step and wait for the decision; True: apply it (every member's reduction
+        completed). Moves on to the next step either way."""
+        with self._lock:
+            quorum = self.await_quorum()
+            failure, self._failure = self._failure, ""
+            self.client.vote(self.step, not failure, failure)
+            committed = self.client.decision(self.step)
+            self.last = StepRecord(self.step, committed, quorum.members)
+            self.step += 1
+            return committed

@@ -1,0 +1,90 @@
+"""What elastic replicas and their coordinator say to each other: store keys, quorums, decisions, timeouts.
+
+The coordinator (``hsdp coordinator``, ``hsdp/tools/coordinator/server.py``) hosts a ``TCPStore`` and is the
+only one that decides; replicas write requests and read decisions, all under one job prefix:
+
+* ``reg/<id>/<incarnation>``: a replica started (its leader, local rank 0); ``inc/<id>`` counts incarnations
+  (a torchrun restart is a new one). ``hb/<id>/<incarnation>``: its heartbeat counter, which the coordinator
+  watches with its own clock (no clock is compared across hosts);
+* ``admit/<id>/<incarnation>``: the step the coordinator admits it at, or ``reject/...``: why not (the id is
+  used by a live replica, the job is full);
+* ``want/<step>/<id>``: a member reached step ``step``; ``quorum/<step>``: the members of that step (JSON,
+  :class:`Quorum`), published once every live member asked, or ``stop`` below the minimum;
+* ``ok/<step>/<id>`` (a counter, one per rank) and ``fail/<step>``: each rank's vote on whether its
+  inter-node reduction of the step completed; ``decision/<step>``: ``commit`` when every rank of every member
+  voted ok, ``abort`` when one failed or a member died. Every rank applies the optimizer step only on commit,
+  so no step is applied twice or by some replicas only.
+
+Pure data; the timeouts live in :class:`ElasticPolicy`, chosen so that inner ones are shorter than outer ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+COORDINATOR_ENV = "HSDP_COORDINATOR"  # host:port of the coordinator's store
+REPLICA_ID_ENV = "HSDP_REPLICA_ID"  # this replica's stable id (hsdp launch: the node index)
+JOB_ENV = "HSDP_ELASTIC_JOB"  # the job's key prefix on the coordinator (two jobs may share one coordinator)
+COMMIT, ABORT, STOP = "commit", "abort", "stop"
+
+
+@dataclass(frozen=True)
+class ElasticPolicy:
+    """Timeouts of elastic training, in seconds, from the innermost out.
+
+    ``heartbeat_interval``: how often a replica's leader bumps its heartbeat; ``heartbeat_timeout``: silence
+    after which the coordinator drops a replica (a SIGSTOPped one too); ``hop_timeout``: how long an
+    inter-node collective may block before it fails (gloo's group timeout); ``connect_timeout``: how long a
+    rank tries to reach the coordinator before it raises naming the address; ``join_timeout``: how long a
+    replica waits to be admitted. The watchdog's own timeout (``FaultPolicy.timeout``, 45 s) stays above all
+    of them, so a dead peer replica costs a step, never the job.
+    """
+
+    heartbeat_interval: float = 0.25
+    heartbeat_timeout: float = 3.0
+    hop_timeout: float = 5.0
+    connect_timeout: float = 10.0
+    join_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise ValueError(f"need 0 < heartbeat_interval < heartbeat_timeout, got {self.heartbeat_interval} and "
+                             f"{self.heartbeat_timeout}")
+        if self.hop_timeout <= 0 or self.connect_timeout <= 0 or self.join_timeout <= 0:
+            raise ValueError("elastic timeouts must be positive")
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The replicas that reduce together at ``step``: ``members`` (replica ids, sorted; their incarnations in
+    ``incarnations``), of which ``joiners`` are new and are healed from ``source`` (a member that trained the
+    previous step) before the step; ``epoch`` changes whenever the members do (the replicate groups are rebuilt
+    under it)."""
+
+    step: int
+    epoch: int
+    members: tuple[int, ...]
+    incarnations: tuple[int, ...]
+    joiners: tuple[int, ...] = ()
+    source: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "epoch": self.epoch, "members": list(self.members),
+                           "incarnations": list(self.incarnations), "joiners": list(self.joiners),
+                           "source": self.source})
+
+    @classmethod
+    def from_json(cls, text: str) -> Quorum:
+        d = json.loads(text)
+        return cls(d["step"], d["epoch"], tuple(d["members"]), tuple(d["incarnations"]), tuple(d["joiners"]),
+                   d["source"])
+
+    def index(self, replica_id: int) -> int:
+        """This replica's rank in the quorum's groups (members in id order)."""
+        return self.members.index(replica_id)
+
+
+def key(job: str, *parts: object) -> str:
+    """A store key under the job's prefix."""
+    return "/".join(["hsdp", job, *map(str, parts)])

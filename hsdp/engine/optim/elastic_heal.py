@@ -1,0 +1,90 @@
+"""Healing a replica that joins an elastic job from a live peer, and the optimizer step as a transaction.
+
+A joining replica's rank receives, from the same shard rank of the quorum's ``source`` replica, over the new
+epoch's replicate group: every unit's flat shard (the parameters), the optimizer's state of its shards and its
+param groups' hyperparameters (a scheduled learning rate included), and hsdp's step counters. No checkpoint is
+read. The other members take part in the same broadcasts (their values are already equal). The heal runs where
+the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
+inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's
+LR scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
+
+:func:`elastic_step` gates ``ShardedOptimizer.step``: the step is applied only when the coordinator committed
+it (every member's inter-node reduction completed); otherwise the gradients are dropped and nothing changes.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hsdp.engine.elastic.layer import StepRecord
+from hsdp.engine.elastic.protocol import Quorum
+
+if TYPE_CHECKING:
+    from hsdp.engine.model import ShardedModel
+
+
+def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
+    """Register the heal of ``model`` + ``optimizer`` with the mesh's elastic layer and take part in the
+    current step's quorum now (a joiner is healed here, before its first forward)."""
+    layer = model.mesh.elastic
+    assert layer is not None
+
+    def heal(quorum: Quorum) -> None:
+        assert quorum.source is not None
+        source = quorum.index(quorum.source)
+        joining = layer.replica_id in quorum.joiners
+        comm = model.comm
+        with torch.no_grad():
+            for unit in model._hsdp_state.units:
+                if unit.params:
+                    comm.broadcast(unit.sharded_flat, source, "replicate")
+            payload = _optimizer_payload(optimizer) if layer.replica_id == quorum.source else None
+            data = comm.broadcast_bytes(payload, source, "replicate")
+        if joining:
+            _load_optimizer_payload(optimizer, data)
+            layer.last = StepRecord(quorum.step - 1, True, tuple(r for r in quorum.members if r not in quorum.joiners))
+
+    layer.heals.append(heal)
+    layer.await_quorum()
+    layer.heal()  # a quorum read before this heal existed (while the model was wrapped)
+
+
+def elastic_step(model: ShardedModel) -> bool:
+    """Before ``ShardedOptimizer.step`` applies anything on an elastic mesh: vote, wait for the decision, and on
+    an abort drop every gradient; True when the step is to be applied."""
+    layer = model.mesh.elastic
+    assert layer is not None
+    committed = layer.finish_step()
+    if not committed:
+        for p in model.parameters():
+            p.grad = None
+    return committed
+
+
+def _optimizer_payload(optimizer: torch.optim.Optimizer) -> bytes:
+    """The optimizer's state of this rank's shards (DTensors as their local tensors), in torch's index layout
+    (every member's parameters are in the same order), and hsdp's step counter."""
+    state = torch.optim.Optimizer.state_dict(optimizer)
+    state["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
+                      for i, entry in state["state"].items()}
+    buffer = io.BytesIO()
+    torch.save({"optimizer": state, "steps": optimizer._hsdp_steps}, buffer)  # type: ignore[attr-defined]
+    return buffer.getvalue()
+
+
+def _load_optimizer_payload(optimizer: torch.optim.Optimizer, data: bytes) -> None:
+    payload: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    state = payload["optimizer"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, entry in state["state"].items():
+        p = params[i]
+        for k, v in entry.items():
+            if isinstance(p, DTensor) and v.shape == p.to_local().shape and v.dim() > 0:
+                entry[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                              stride=p.stride())
+    torch.optim.Optimizer.load_state_dict(optimizer, state)
+    object.__setattr__(optimizer, "_hsdp_steps", payload["steps"])

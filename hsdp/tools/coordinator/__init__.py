@@ -1,0 +1,1 @@
+"""The elastic coordinator service (``hsdp coordinator``)."""

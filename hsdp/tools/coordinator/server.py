@@ -1,0 +1,195 @@
+"""The elastic coordinator: the one process that decides membership and commits, on torch's ``TCPStore``.
+
+It hosts the store the replicas meet on and runs one small state machine per job (keys and meanings:
+``hsdp/engine/elastic/protocol.py``). Per step: wait until every live member asked for the step (``want``),
+drop members whose heartbeat went silent, admit registered replicas as joiners (healed from a live member),
+publish the quorum; then wait for every rank's vote and publish ``commit`` or ``abort``. Liveness is judged by
+heartbeat counters read with the coordinator's own clock, so hosts' clocks never need to agree.
+
+State is tiny (members, step, epoch) and lives in this process: like torchft's lighthouse the coordinator is a
+single point of failure. It is reached through the ``Store`` interface only, so a replicated store (etcd, which
+torch's elastic rendezvous speaks) can replace the ``TCPStore`` later.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from hsdp.engine.elastic.protocol import ABORT, COMMIT, STOP, ElasticPolicy, Quorum, key
+
+
+@dataclass
+class _Incarnation:
+    replica: int
+    number: int
+    degree: int
+    registered: float
+    beats: int = -1
+    seen: float = 0.0  # coordinator clock when the heartbeat last moved (or when registered)
+
+
+@dataclass
+class JobState:
+    """What the coordinator knows about one job (inspectable by tests)."""
+
+    step: int = 0
+    epoch: int = -1
+    members: dict[int, _Incarnation] = field(default_factory=dict)
+    pending: dict[int, _Incarnation] = field(default_factory=dict)  # registered, not yet admitted
+    known: dict[int, int] = field(default_factory=dict)  # replica id -> incarnations seen
+    quorum: Quorum | None = None  # published for ``step``, awaiting votes
+    last: dict[int, int] = field(default_factory=dict)  # the previous quorum's members: id -> incarnation
+    stopped: str = ""
+    history: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)  # (step, decision, members)
+
+
+class Coordinator:
+    """Decide quorums and commits for ``job``: ``replicas`` configured replica ids (0..replicas-1), at least
+    ``min_replicas`` live ones to go on (default: a majority). Call :meth:`poll` in a loop (:meth:`serve`)."""
+
+    def __init__(self, store: dist.Store, job: str, replicas: int, min_replicas: int | None = None,
+                 policy: ElasticPolicy | None = None, clock: Callable[[], float] = time.monotonic,
+                 start_grace: float = 10.0) -> None:
+        if replicas < 1:
+            raise ValueError(f"an elastic job needs at least one replica, got replicas={replicas}")
+        self.min_replicas = replicas // 2 + 1 if min_replicas is None else min_replicas
+        if not 1 <= self.min_replicas <= replicas:
+            raise ValueError(f"min_replicas={min_replicas} must lie in 1..{replicas} (replicas={replicas})")
+        self.store, self.job, self.replicas = store, job, replicas
+        self.policy = policy or ElasticPolicy()
+        self.clock = clock
+        self.start_grace = start_grace  # at step 0: how long to wait for every configured replica
+        self.state = JobState()
+        self._started = clock()
+        store.set(key(job, "coordinator"), json.dumps({"replicas": replicas, "min_replicas": self.min_replicas}))
+
+    def serve(self, stop: Callable[[], bool] = lambda: False, period: float = 0.005) -> None:
+        """Poll until ``stop()`` is true."""
+        while not stop():
+            self.poll()
+            time.sleep(period)
+
+    # -- one round ---------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        if self.state.stopped:
+            return
+        self._discover()
+        self._beat()
+        self._reject_duplicates()
+        if self.state.quorum is None:
+            self._maybe_decide_quorum()
+        else:
+            self._maybe_decide_commit()
+
+    def _get(self, *parts: object) -> str | None:
+        k = key(self.job, *parts)
+        return self.store.get(k).decode() if self.store.check([k]) else None
+
+    def _counter(self, *parts: object) -> int:
+        return int(self.store.add(key(self.job, *parts), 0))
+
+    def _discover(self) -> None:
+        """New incarnations (a replica's leader registered): pending until admitted."""
+        s = self.state
+        for replica in range(self.replicas):
+            count = self._counter("inc", replica)
+            for number in range(s.known.get(replica, 0) + 1, count + 1):
+                reg = self._get("reg", replica, number)
+                if reg is None:
+                    return  # registered its number but not yet its details: next round
+                now = self.clock()
+                s.pending[replica] = _Incarnation(replica, number, json.loads(reg)["degree"], now, seen=now)
+                s.known[replica] = number
+
+    def _beat(self) -> None:
+        now = self.clock()
+        for inc in [*self.state.members.values(), *self.state.pending.values()]:
+            beats = self._counter("hb", inc.replica, inc.number)
+            if beats != inc.beats:
+                inc.beats, inc.seen = beats, now
+
+    def _alive(self, inc: _Incarnation) -> bool:
+        return self.clock() - inc.seen <= self.policy.heartbeat_timeout
+
+    def _reject_duplicates(self) -> None:
+        """A new incarnation of an id whose member still beats, past the timeout: a second replica using the id
+        (a restart would have stopped beating by then)."""
+        s = self.state
+        for replica, inc in list(s.pending.items()):
+            old = s.members.get(replica)
+            if old is not None and self._alive(old) and self.clock() - inc.registered > self.policy.heartbeat_timeout:
+                self.store.set(key(self.job, "reject", replica, inc.number),
+                               f"replica id {replica} of job {self.job!r} is in use by a live replica (incarnation "
+                               f"{old.number}): give every replica group its own {'HSDP_REPLICA_ID'}, or run a "
+                               f"second job under another HSDP_ELASTIC_JOB prefix")
+                del s.pending[replica]
+
+    # -- quorum ------------------------------------------------------------------------------------------
+    def _maybe_decide_quorum(self) -> None:
+        s = self.state
+        for replica, inc in list(s.members.items()):
+            if not self._alive(inc):
+                del s.members[replica]
+        if s.step == 0 and not s.members:
+            if not self._start_ready():
+                return
+        elif any(self._get("want", s.step, r) is None for r in s.members):
+            return  # a live member is still computing the previous step
+        joiners = {r: inc for r, inc in s.pending.items() if self._alive(inc) and inc.beats >= 0
+                   and (r not in s.members or not self._alive(s.members[r]))}
+        merged = {**s.members, **joiners}
+        if len(merged) < self.min_replicas:
+            self._stop(f"{len(merged)} live replica(s) {sorted(merged)} is below the minimum of {self.min_replicas}")
+            return
+        source = min(s.members) if s.members else min(merged)
+        if not s.members:  # the first quorum: everyone but the source is healed from it, so all start equal
+            joiners = {r: inc for r, inc in merged.items() if r != source}
+        if {r: inc.number for r, inc in merged.items()} != s.last:
+            s.epoch += 1  # the replicate groups are rebuilt under the new epoch
+            s.last = {r: inc.number for r, inc in merged.items()}
+        for r, inc in merged.items():
+            if s.pending.get(r) is inc:  # new incarnations (the source of a first quorum too) learn their step
+                del s.pending[r]
+                self.store.set(key(self.job, "admit", r, inc.number), str(s.step))
+        s.members = merged
+        ids = tuple(sorted(merged))
+        s.quorum = Quorum(s.step, s.epoch, ids, tuple(merged[r].number for r in ids), tuple(sorted(joiners)),
+                          source if joiners else None)
+        self.store.set(key(self.job, "quorum", s.step), s.quorum.to_json())
+
+    def _start_ready(self) -> bool:
+        """Step 0: every configured replica registered and beating, or enough of them after the grace period."""
+        s = self.state
+        ready = [inc for inc in s.pending.values() if self._alive(inc) and inc.beats >= 0]
+        if len(ready) == self.replicas:
+            return True
+        return len(ready) >= self.min_replicas and self.clock() - self._started > self.start_grace
+
+    def _stop(self, reason: str) -> None:
+        s = self.state
+        s.stopped = reason
+        self.store.set(key(self.job, "quorum", s.step), json.dumps({STOP: reason}))
+
+    # -- commit ------------------------------------------------------------------------------------------
+    def _maybe_decide_commit(self) -> None:
+        s = self.state
+        q = s.quorum
+        assert q is not None
+        if self._counter("fail", q.step) > 0 or any(not self._alive(s.members[r]) for r in q.members):
+            decision = ABORT
+        elif all(self._counter("ok", q.step, r) >= s.members[r].degree for r in q.members):
+            decision = COMMIT
+        else:
+            return
+        self.store.set(key(self.job, "decision", q.step), decision)
+        if decision == ABORT:
+            s.last = {}  # a new epoch next step: the groups of an aborted step may be broken
+        s.history.append((q.step, decision, q.members))
+        s.quorum = None
+        s.step += 1
+

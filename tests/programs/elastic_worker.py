@@ -1,0 +1,83 @@
+"""One rank of one replica of an elastic hsdp job (tests/test_elastic.py starts them, one job per replica).
+
+Environment: the replica's own RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, HSDP_COORDINATOR, HSDP_REPLICA_ID,
+HSDP_ELASTIC_JOB; ``ELASTIC_OUT`` (a folder), ``ELASTIC_FAULT`` (``kill`` or ``stop`` with ``ELASTIC_VICTIM`` and
+``ELASTIC_FAULT_STEP``: that replica's ranks SIGKILL, or its rank 0 SIGSTOPs, itself in the backward of that
+step; a restarted replica runs without the fault).
+
+Every replica trains the same tiny model with AdamW; at step k, replica r's rank s reads batch ``(k, r, s)``.
+Each rank appends what ``model.last_step`` says after every optimizer step, with the loss of the step, to
+``<out>/r<replica>_s<rank>_i<incarnation>.jsonl``; the run stops after two consecutive committed steps of every
+replica at step >= 5, then checks replicas and saves the full parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import hsdp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import ParityNet, batch, loss_fn
+
+REPLICAS = 3
+POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=3.0, connect_timeout=10.0,
+                            join_timeout=120.0)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out, replica = os.environ["ELASTIC_OUT"], int(os.environ["HSDP_REPLICA_ID"])
+    fault = os.environ.get("ELASTIC_FAULT", "")
+    victim, fault_step = int(os.environ.get("ELASTIC_VICTIM", "-1")), int(os.environ.get("ELASTIC_FAULT_STEP", "-1"))
+    # The watchdog's bound (a stopped rank of the own replica ends it) above the hop timeout.
+    mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8.0, interval=0.5))
+    torch.manual_seed(replica)  # replicas start different: the first quorum heals them all from replica 0
+    model = hsdp.ShardedModel(ParityNet(), mesh=mesh)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    rank = mesh.shard_rank
+    incarnation = mesh.elastic.client.incarnation  # 0 on ranks but the leader
+    log = open(os.path.join(out, f"r{replica}_s{rank}_i{os.getpid()}.jsonl"), "w")  # noqa: SIM115
+    step = model.last_step.step + 1 if model.last_step is not None else 0
+    log.write(json.dumps({"joined": step, "incarnation": incarnation}) + "\n")
+
+    def die(*_: object) -> None:
+        if replica == victim and step == fault_step and fault:
+            log.write(json.dumps({"fault": fault, "t": time.time()}) + "\n")
+            log.flush()
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif rank == 0:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    model.blocks[1].register_full_backward_pre_hook(die)
+    together = 0
+    while step < 400:
+        x, y = batch(step, REPLICAS * replica + rank)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        last = model.last_step
+        log.write(json.dumps({"step": last.step, "committed": last.committed, "replicas": list(last.replicas),
+                              "loss": loss.item(), "t": time.time()}) + "\n")
+        log.flush()
+        together = together + 1 if last.committed and len(last.replicas) == REPLICAS else 0
+        step = last.step + 1
+        if together >= 2 and last.step >= 5:
+            break
+    model.check_replicas()
+    torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},
+               os.path.join(out, f"params_r{replica}_s{rank}.pt"))
+    log.write(json.dumps({"done": step}) + "\n")
+    log.close()
+
+
+if __name__ == "__main__":
+    main()
