@@ -130,8 +130,9 @@ def _replay(steps: list[dict]) -> tuple[dict[str, torch.Tensor], dict[tuple[int,
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(coordinator: str, tmp_path: Path, fault: str) -> None:
     replicas, restarted = _run(coordinator, tmp_path, fault)
-    for job in [*replicas[:VICTIM], restarted]:
-        assert all(p.returncode == 0 for p in job.procs), job.outputs()[-4000:]
+    for name, job in [("replica 0", replicas[0]), ("replica 1", replicas[1]), ("restarted", restarted)]:
+        assert all(p.returncode == 0 for p in job.procs), (name, [p.returncode for p in job.procs],
+                                                            job.outputs()[-4000:])
     logs = _records(tmp_path)
     survivor = [r for r in logs[(0, 0)][0] if "step" in r]
     assert [r for r in logs[(1, 1)][0] if "step" in r] == [

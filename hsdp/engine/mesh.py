@@ -326,8 +326,7 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     watch_launcher(watchdog)
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    client, step, replicas = elastic_join(found, world, device, policy)
+    client, step, replicas = elastic_join(found, world, policy)
     param_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     layer = ElasticLayer(client, found.replica_id, world, replicas, dist.get_rank(), param_mesh.get_group(),
                          param_mesh, device_type, policy, step)

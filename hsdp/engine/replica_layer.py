@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.engine.replica_degrees import replica_starts
 from hsdp.engine.replica_pieces import global_ranks, position_groups
+from hsdp.engine.store_exchange import exchange
 
 Holders = tuple[int, ...]  # per replica, the shard rank holding some rows (replica_pieces.Piece.holders)
 
@@ -124,13 +125,11 @@ def grid_layer(device_mesh: DeviceMesh) -> ReplicaLayer:
 
 
 def gather_node_sizes() -> tuple[int, ...]:
-    """Ranks per node, in node order, from every rank's torchrun ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (one
-    all-gather over the world; torchrun numbers a node's ranks consecutively, so a node starts where
-    ``LOCAL_RANK`` is 0)."""
-    mine = (int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["LOCAL_WORLD_SIZE"]))
-    everyone: list[tuple[int, int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return tuple(size for entry in everyone if entry is not None for local, size in [entry] if local == 0)
+    """Ranks per node, in node order, from every rank's torchrun ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+    (torchrun numbers a node's ranks consecutively, so a node starts where ``LOCAL_RANK`` is 0)."""
+    mine = f"{int(os.environ.get('LOCAL_RANK', '0'))} {int(os.environ['LOCAL_WORLD_SIZE'])}"
+    everyone = [tuple(map(int, v.split())) for v in exchange(mine)]
+    return tuple(size for local, size in everyone if local == 0)
 
 
 def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str) -> ReplicaLayer:

@@ -3,8 +3,9 @@
 Each replica is its own torchrun job: its world is the replica (the shard group). The environment names the
 coordinator (``$HSDP_COORDINATOR``, ``host:port``), this replica's stable id (``$HSDP_REPLICA_ID``; ``hsdp launch
 --elastic`` sets the node index) and the job's prefix on the coordinator (``$HSDP_ELASTIC_JOB``, default
-``default``). Every check runs before any collective; the admission step is then broadcast from the replica's
-leader (local rank 0 of its job), the one rank that registered and waited for it.
+``default``). Every check runs before any collective; the admission step is then told by the replica's
+leader (local rank 0 of its job), the one rank that registered and waited for it, through the replica's own
+rendezvous store.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from hsdp.engine.elastic.client import CoordinatorClient, connect
 from hsdp.engine.elastic.protocol import COORDINATOR_ENV, JOB_ENV, REPLICA_ID_ENV, ElasticPolicy, key
+from hsdp.engine.store_exchange import exchange
 
 
 @dataclass(frozen=True)
@@ -43,32 +44,29 @@ def elastic_env(coordinator: str | None, env: Mapping[str, str] | None = None) -
     return ElasticEnv(address, int(text), env.get(JOB_ENV, "default"))
 
 
-def join(found: ElasticEnv, degree: int, device: torch.device,
-         policy: ElasticPolicy) -> tuple[CoordinatorClient, int, int]:
+def join(found: ElasticEnv, degree: int, policy: ElasticPolicy) -> tuple[CoordinatorClient, int, int]:
     """Connect every rank, register this replica (its leader) and wait for admission; ``(client, step it joins
-    at, configured replica count)``. One broadcast over the replica's world."""
+    at, configured replica count)``; the leader tells the others through the replica's store."""
     store = connect(found.address, found.job, policy)
     leader = dist.get_rank() == 0
     client = CoordinatorClient(store, found.address, found.job, found.replica_id, leader, policy)
-    answer = torch.zeros(2, dtype=torch.int64, device=device)
-    error = ""
+    answer: dict[str, object] = {}
     if leader:
         try:
-            answer[1] = configured = _configured(store, found)
+            answer["replicas"] = configured = _configured(store, found)
             if found.replica_id >= configured:
                 raise ValueError(f"{REPLICA_ID_ENV}={found.replica_id} is outside the coordinator's {configured} "
                                  f"replicas (ids 0..{configured - 1}): start it with more --replicas")
             client.register(degree)
-            answer[0] = client.admitted()
+            answer["step"] = client.admitted()
         except (ValueError, TimeoutError) as e:
-            error = str(e)
-            answer[0] = -1
-    dist.broadcast(answer, 0)
-    if int(answer[0]) < 0:
+            answer["error"] = str(e)
+    # The leader's answer to the replica's other ranks: through the replica's rendezvous store.
+    told = json.loads(exchange(json.dumps(answer) if leader else "{}")[0])
+    if "error" in told:
         client.close()
-        raise ValueError(error or f"replica {found.replica_id} was refused by the coordinator at {found.address} "
-                                  f"(see rank 0's error)")
-    return client, int(answer[0]), int(answer[1])
+        raise ValueError(told["error"])
+    return client, int(told["step"]), int(told["replicas"])
 
 
 def _configured(store: dist.Store, found: ElasticEnv) -> int:

@@ -104,7 +104,10 @@ class CoordinatorClient:
         self.store.set(key(self.job, "want", step, self.replica_id), str(self.incarnation))
 
     def close(self) -> None:
+        """Stop the heartbeat (the coordinator drops this replica after its timeout)."""
         self._stop.set()
+        if self._beat is not None and self._beat is not threading.current_thread():
+            self._beat.join(timeout=2 * self.policy.heartbeat_interval + 1.0)
 
     # -- every rank --------------------------------------------------------------------------------------
     def quorum(self, step: int) -> Quorum:

@@ -15,7 +15,10 @@ in which case, and only then, the optimizer applies the step everywhere.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +64,9 @@ class ElasticLayer:
         self._failure = ""  # why this step's inter-node reduction failed on this rank ("" = it did not)
         self._unhealed: Quorum | None = None  # a quorum with joiners read before any heal was registered
         self._lock = threading.RLock()
+        # At exit, before the interpreter tears threads down: stop the heartbeat, shut the group down (a gloo
+        # group destroyed with its threads still running ends the process with std::terminate).
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- the replica-layer face the runtime reads -------------------------------------------------------
     @property
@@ -139,6 +145,14 @@ class ElasticLayer:
             for heal in self.heals:
                 heal(quorum)
 
+    def close(self) -> None:
+        """Stop the heartbeat and shut the current group down (the replica leaves; idempotent)."""
+        self.client.close()
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(RuntimeError):
+                group.shutdown()
+
     def fail(self, why: str) -> None:
         """This rank's inter-node reduction of the current step failed (a member died mid-step): the step will
         be discarded everywhere; the backward itself goes on."""
@@ -155,3 +169,9 @@ class ElasticLayer:
             self.last = StepRecord(self.step, committed, quorum.members)
             self.step += 1
             return committed
+
+
+def _close_at_exit(ref: weakref.ref[ElasticLayer]) -> None:
+    layer = ref()
+    if layer is not None:
+        layer.close()
