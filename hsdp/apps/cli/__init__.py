@@ -1,8 +1,8 @@
 """The ``hsdp`` command line: one parser whose subcommands dispatch to the tools and applications.
 
-Each subcommand's arguments live in a module of this package (``launch``, ``plan``, ``tune``, ``bench``,
-``runs``, ``env``) or, for ``hsdp train``, with the job (:mod:`hsdp.apps.train.command`). Building the parser imports
-no torch, so ``hsdp --help``, ``hsdp version`` and ``hsdp plan`` answer at once; a subcommand that needs
+Each subcommand's arguments live in a module of this package (``launch``, ``coordinator``, ``plan``, ``tune``,
+``bench``, ``runs``, ``env``) or, for ``hsdp train``, with the job (:mod:`hsdp.apps.train.command`). Building the
+parser imports no torch, so ``hsdp --help``, ``hsdp version`` and ``hsdp plan`` answer at once; a subcommand that needs
 torch imports it when it runs.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from hsdp.apps.cli import bench, env, launch, plan, runs, tune
+from hsdp.apps.cli import bench, coordinator, env, launch, plan, runs, tune
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_version(sub)
     launch.add_demo(sub)
     launch.add_launch(sub)
+    coordinator.add_coordinator(sub)
     runs.add_export(sub)
     _add_train(sub)
     runs.add_report(sub)

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
+
+if TYPE_CHECKING:  # the launcher's modules are imported when the command runs
+    from hsdp.tools.launch.elastic import ElasticOptions
+
+ELASTIC_RESTARTS = 3  # hsdp.tools.launch.elastic.DEFAULT_RESTARTS, spelled here so --help imports nothing
 
 LAUNCH_EPILOG = """\
 examples:
@@ -17,6 +23,7 @@ examples:
   hsdp launch --inter-node-bandwidth 50mbit --stats-json traffic.json -- -m my.module
   hsdp launch --nodes 2 --nproc-per-node 2 --node-cpus 1.0,0.5 -- train.py
   hsdp launch --nproc-per-node 4,2 -- train.py      # 2 nodes: ranks 0-3 on node 0, 4-5 on node 1
+  hsdp launch --elastic --nodes 3 --nproc-per-node 2 -- train.py   # 3 replicas, each restarted on failure
   hsdp launch --cleanup
 
 With root and iproute2, every node is a network namespace behind a shaped link and the run ends with a
@@ -25,6 +32,13 @@ loopback (a one-line warning says why; --require-emulation makes that an error).
 node's agent and ranks at a CPU budget (a cgroup v1 cpu group per node, root needed), in either mode.
 --nproc-per-node with one count per node emulates nodes of different sizes: ranks are numbered node-major
 (LOCAL_WORLD_SIZE is the node's count, WORLD_SIZE the sum); the list's length is the node count.
+
+--elastic makes every node one replica of an elastic job (hsdp.init_mesh(elastic=True)): its own torchrun
+job (--standalone --nnodes 1 --max-restarts K; WORLD_SIZE is the node's ranks) whose ranks get
+HSDP_COORDINATOR, HSDP_REPLICA_ID (the node index) and HSDP_ELASTIC_JOB, plus an `hsdp coordinator` on
+node 0 that this launch starts first and stops last. A node whose rank dies is restarted by its torchrun and
+rejoins while the others go on; the launch ends when every node has ended, with the first failed node's
+status (0 when none failed past its restarts). Every node needs the same number of ranks.
 """
 
 
@@ -52,6 +66,13 @@ def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="CPU budget of each node's agent and ranks, comma-separated floats (e.g. 1.0,0.5) or one "
                         "value for every node; a cgroup v1 cpu group per node (needs root)")
     p.add_argument("--stats-json", metavar="FILE", help="also write the per-node traffic report as JSON")
+    p.add_argument("--elastic", action="store_true",
+                   help="every node one replica of an elastic job (its own torchrun job), with a coordinator")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                   help=f"with --elastic: torchrun restarts of each node before it counts as failed (default: "
+                        f"{ELASTIC_RESTARTS})")
+    p.add_argument("--min-replicas", type=int, default=None, metavar="M",
+                   help="with --elastic: live nodes needed to go on (default: a majority)")
     p.add_argument("--cleanup", action="store_true",
                    help="remove namespaces, links and processes left by runs whose launcher died, then exit")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
@@ -78,11 +99,27 @@ def run_launch(args: argparse.Namespace) -> int:
         options = LaunchOptions(tuple(script), nodes=nodes, nproc_per_node=nproc_per_node,
                                 bandwidth=args.inter_node_bandwidth, latency=args.inter_node_latency,
                                 require_emulation=args.require_emulation, no_emulation=args.no_emulation,
-                                stats_json=args.stats_json, node_cpus=node_cpus)
+                                stats_json=args.stats_json, node_cpus=node_cpus, elastic=_elastic(args))
     except ValueError as e:  # a bad rate, duration, count, CPU budget or no script: a usage error, not a traceback
         print(f"hsdp launch: error: {e}\nusage: hsdp launch [options] -- SCRIPT [ARGS...]", file=sys.stderr)
         return USAGE_ERROR
     return launch(options)
+
+
+def _elastic(args: argparse.Namespace) -> ElasticOptions | None:
+    """The elastic options of ``args`` (``None`` without ``--elastic``); ``ValueError`` for an elastic-only
+    option without it."""
+    from hsdp.tools.launch.elastic import ElasticOptions
+
+    if not args.elastic:
+        given = [flag for flag, value in (("--max-restarts", args.max_restarts), ("--min-replicas", args.min_replicas))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only apply to an elastic job: add --elastic (without it one "
+                             f"rank's failure ends the whole job, and no node is restarted)")
+        return None
+    restarts = ELASTIC_RESTARTS if args.max_restarts is None else args.max_restarts
+    return ElasticOptions(max_restarts=restarts, min_replicas=args.min_replicas)
 
 
 def add_demo(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

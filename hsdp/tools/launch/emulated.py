@@ -33,6 +33,7 @@ from typing import Any
 from hsdp.engine.faults.signals import handle_signals
 from hsdp.tools.launch import cpu_groups
 from hsdp.tools.launch.cpu_groups import CpuGroupError, CpuGroups, cleanup_leftover_groups, loopback_run
+from hsdp.tools.launch.elastic import ElasticOptions, NodePlace, loopback_places, namespace_places, run_elastic
 from hsdp.tools.launch.entry import missing_entry_point
 from hsdp.tools.launch.layout import NodeLayout
 from hsdp.tools.launch.local import (
@@ -82,6 +83,9 @@ class LaunchOptions:
     scheduler weight that keeps each node near its budget against other busy processes while the budgets
     sum to at most the machine's CPUs (see :mod:`hsdp.tools.launch.cpu_groups`).
 
+    ``elastic``: every node is one replica of an elastic job, its own torchrun job restarted on failure, all
+    meeting on a coordinator this launch runs (:mod:`hsdp.tools.launch.elastic`).
+
     ``ValueError`` on construction for an empty or missing script or module, bad counts, rates, durations or
     CPU budgets, both of those flags, or ``node_cpus`` where the cgroup v1 cpu controller is not writable."""
 
@@ -95,6 +99,7 @@ class LaunchOptions:
     stats_json: str | None = None
     env: Mapping[str, str] | None = None
     node_cpus: tuple[float, ...] | None = None
+    elastic: ElasticOptions | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before anything is created: a typo must not cost a cluster setup and teardown.
@@ -103,6 +108,8 @@ class LaunchOptions:
         if not 1 <= self.nodes <= MAX_NODES:
             raise ValueError(f"nodes={self.nodes} must be in 1..{MAX_NODES}")
         layout = NodeLayout.of(self.nproc_per_node, self.nodes)  # a bad count, a list of the wrong length
+        if self.elastic is not None:
+            self.elastic.check(layout)  # replicas of one degree, a reachable minimum
         if not isinstance(self.nproc_per_node, int):  # a list given: stored as a tuple, hashable as the rest
             object.__setattr__(self, "nproc_per_node", layout.nprocs)
         if self.require_emulation and self.no_emulation:
@@ -200,6 +207,15 @@ def _run_agents(agents: list[AgentSpec]) -> tuple[int, float]:
     return code, time.monotonic() - started
 
 
+def _run_elastic(options: LaunchOptions, places: list[NodePlace], script: list[str], env: dict[str, str],
+                 groups: CpuGroups | None) -> tuple[int, float]:
+    assert options.elastic is not None
+    started = time.monotonic()
+    code = run_elastic(places, options.layout, script, options.elastic, env,
+                       lambda agents: in_cpu_groups(agents, groups, options.nproc_per_node, options.env))
+    return code, time.monotonic() - started
+
+
 def _finish(report: TrafficReport, stats_json: str | None) -> int:
     print_report(report)
     if stats_json:
@@ -217,10 +233,13 @@ def _run_fallback(options: LaunchOptions) -> int:
             # No namespaces to hold the processes: the reaper stops what is left in the groups and removes them.
             parts["reaper"] = Reaper(run.name, None, logs, cpu_groups.CPU_ROOT)
             groups = _create_cpu_groups(options, run.name, parts)
-        agents = local_agents(options.nodes, options.nproc_per_node,
-                              [*torchrun_flags(logs), *options.script_args], {**(options.env or {}),
-                                                                              **rank_prefix_env()})
-        code, elapsed = _run_agents(in_cpu_groups(agents, groups, options.nproc_per_node, options.env))
+        script = [*torchrun_flags(logs), *options.script_args]
+        env = {**(options.env or {}), **rank_prefix_env()}
+        if options.elastic is not None:
+            code, elapsed = _run_elastic(options, loopback_places(options.nodes), script, env, groups)
+        else:
+            agents = local_agents(options.nodes, options.nproc_per_node, script, env)
+            code, elapsed = _run_agents(in_cpu_groups(agents, groups, options.nproc_per_node, options.env))
     except CpuGroupError as e:
         _warn(f"error: {e}")
         return 1
@@ -264,8 +283,12 @@ def _run_job(tools: Tools, cluster: EmulatedCluster, options: LaunchOptions, par
     spec = cluster.spec
     before = cluster.counters()
     script = [*torchrun_flags(parts["logs"]), *options.script_args]
-    agents = namespace_agents(tools, spec, options.nproc_per_node, script, options.env)
-    code, elapsed = _run_agents(in_cpu_groups(agents, parts.get("cpu"), options.nproc_per_node, options.env))
+    if options.elastic is not None:
+        code, elapsed = _run_elastic(options, namespace_places(tools.ip, spec), script,
+                                     {**(options.env or {}), **rank_prefix_env()}, parts.get("cpu"))
+    else:
+        agents = namespace_agents(tools, spec, options.nproc_per_node, script, options.env)
+        code, elapsed = _run_agents(in_cpu_groups(agents, parts.get("cpu"), options.nproc_per_node, options.env))
     report = TrafficReport(True, spec.nodes, options.layout.nproc_per_node, code, elapsed, spec.bandwidth_bit_s,
                            spec.latency_s, cluster.latency_emulated, node_traffic(spec, before, cluster.counters()))
     return _finish(report, options.stats_json)

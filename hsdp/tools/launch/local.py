@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -120,17 +121,86 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+@dataclass(frozen=True)
+class Service:
+    """A started process the agents rely on (the elastic coordinator): see :func:`start_service`."""
+
+    proc: subprocess.Popen[bytes]
+    label: str
+
+
+def start_service(spec: AgentSpec, ready: str, timeout_s: float, sink: IO[str] | None = None) -> tuple[Service, str]:
+    """Start ``spec`` and wait until it prints a line starting with ``ready``; the service and that line.
+
+    The lines before it (and it) are copied to ``sink`` (default: stdout) with the label. No thread is
+    started (the agents are forked later, and forking must not meet another thread's locks): the pipe is
+    read a byte at a time, so nothing after the line is taken from the pump that reads on later.
+    ``RuntimeError`` with the service's output when it exits or stays silent for ``timeout_s`` first."""
+    sink = sink or sys.stdout
+    proc = _spawn(spec)
+    try:
+        return _wait_ready(proc, spec.label, ready, timeout_s, sink)
+    except BaseException:  # Ctrl-C included: the service must not outlive a launcher that gives up on it
+        _signal_groups([proc], signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], label: str, ready: str, timeout_s: float,
+                sink: IO[str]) -> tuple[Service, str]:
+    assert proc.stdout is not None
+    fd, line = proc.stdout.fileno(), b""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        byte = os.read(fd, 1) if readable else b""
+        if byte and byte != b"\n":
+            line += byte
+            continue
+        text = line.decode("utf-8", errors="replace")
+        if byte:
+            sink.write(f"[{label}] {text}\n")
+            sink.flush()
+            seen.append(text)
+            line = b""
+            if text.startswith(ready):
+                return Service(proc, label), text
+            continue
+        _signal_groups([proc], signal.SIGKILL)
+        proc.wait()
+        error = proc.stderr.read().decode("utf-8", errors="replace") if proc.stderr else ""
+        said = "\n".join([*seen, text, error]).strip()
+        how = "exited" if readable else f"printed no {ready!r} line within {timeout_s:g} s"
+        raise RuntimeError(f"{label} {how}: {said or '(no output)'}")
+
+
+def _spawn(agent: AgentSpec) -> subprocess.Popen[bytes]:
+    # Own session: one killpg reaches the process and everything it forked.
+    return subprocess.Popen(list(agent.command), env=dict(agent.env), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
 class Supervisor:
     """Run :class:`AgentSpec` processes together; stop all of them as soon as one fails.
 
     ``run()`` returns 0 when every process exits 0, else the exit status of the first that failed
     (``128 + signal`` when one was killed by a signal; 130 after Ctrl-C, 143 after SIGTERM).
+
+    ``keep_going``: a failed agent does not stop the others (the nodes of an elastic job, each its own job,
+    go on without it); ``run()`` returns once every agent has ended. ``services``: started processes the
+    agents need (:func:`start_service`); their output is relayed, they are stopped after the agents, and one
+    that exits while agents still run fails the run (status 1 if it exited 0), stopping the agents.
     """
 
     def __init__(self, agents: Sequence[AgentSpec], *, grace_s: float = DEFAULT_GRACE_S,
-                 stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> None:
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, keep_going: bool = False,
+                 services: Sequence[Service] = ()) -> None:
         self.agents = list(agents)
         self.grace_s = grace_s
+        self.keep_going = keep_going
+        self.services = list(services)
         self._out = stdout or sys.stdout
         self._err = stderr or sys.stderr
         self._lock = threading.Lock()
@@ -141,7 +211,7 @@ class Supervisor:
         with handle_signals([signal.SIGTERM], raise_interrupted):
             try:
                 self._start()
-                return self._wait_for_first_failure()
+                return self._wait_for_the_agents()
             except KeyboardInterrupt as e:  # Ctrl-C, or a signal turned into Interrupted
                 self._write(self._err, "launcher", "interrupted: stopping every node\n")
                 return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
@@ -151,44 +221,46 @@ class Supervisor:
                     t.join(timeout=5.0)
 
     def _start(self) -> None:
-        on_linux = sys.platform.startswith("linux")
         for agent in self.agents:
-            # Own session: one killpg reaches the agent and every worker it forked.
-            proc = subprocess.Popen(list(agent.command), env=dict(agent.env), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    preexec_fn=_die_with_parent if on_linux else None)
-            self._procs.append(proc)
+            self._procs.append(_spawn(agent))
         # Readers start after every fork: preexec_fn must not run while other threads hold locks.
-        for agent, proc in zip(self.agents, self._procs):
+        labelled = [*zip([a.label for a in self.agents], self._procs), *((s.label, s.proc) for s in self.services)]
+        for label, proc in labelled:
             for stream, sink in ((proc.stdout, self._out), (proc.stderr, self._err)):
-                t = threading.Thread(target=self._pump, args=(stream, sink, agent.label), daemon=True)
+                t = threading.Thread(target=self._pump, args=(stream, sink, label), daemon=True)
                 t.start()
                 self._pumps.append(t)
 
-    def _wait_for_first_failure(self) -> int:
+    def _wait_for_the_agents(self) -> int:
+        reported: set[int] = set()
+        first: int | None = None
         while True:
             codes = [p.poll() for p in self._procs]
-            failed = [(a, c) for a, c in zip(self.agents, codes) if c not in (None, 0)]
-            if failed:
-                agent, code = failed[0]
-                others = "stopping the others" if len(self.agents) > 1 else "done"
-                self._write(self._err, "launcher", f"{agent.label} exited with status {code}: {others}")
-                return _exit_code(code)
-            if all(c == 0 for c in codes):
-                return 0
+            for i, (agent, code) in enumerate(zip(self.agents, codes)):
+                if code in (None, 0) or i in reported:
+                    continue
+                reported.add(i)
+                first = _exit_code(code) if first is None else first
+                if not self.keep_going or len(self.agents) == 1:
+                    others = "stopping the others" if len(self.agents) > 1 else "done"
+                    self._write(self._err, "launcher", f"{agent.label} exited with status {code}: {others}")
+                    return first
+                self._write(self._err, "launcher", f"{agent.label} exited with status {code}: the other nodes go on")
+            if all(c is not None for c in codes):
+                return 0 if first is None else first
+            for service in self.services:
+                code = service.proc.poll()
+                if code is not None:
+                    self._write(self._err, "launcher", f"{service.label} exited with status {code} while the nodes "
+                                                       f"ran: stopping them")
+                    return _exit_code(code) or 1
             time.sleep(_POLL_S)
 
     def stop(self) -> None:
-        """SIGTERM every live agent's process group, then SIGKILL what is left after ``grace_s``."""
-        live = [p for p in self._procs if p.poll() is None]
-        _signal_groups(live, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while live and time.monotonic() < deadline:
-            live = [p for p in live if p.poll() is None]
-            time.sleep(_POLL_S)
-        _signal_groups(live, signal.SIGKILL)
-        for p in live:
-            p.wait()
+        """SIGTERM every live agent's process group, then SIGKILL what is left after ``grace_s``; then the
+        services alike (the agents may need them until they end)."""
+        stop_groups(self._procs, self.grace_s)
+        stop_groups([s.proc for s in self.services], self.grace_s)
 
     def _pump(self, stream: IO[bytes], sink: IO[str], label: str) -> None:
         for raw in iter(stream.readline, b""):
@@ -200,6 +272,20 @@ class Supervisor:
         with self._lock:  # whole lines only: the nodes' outputs interleave by line, never inside one
             sink.write(f"[{label}] {line}")
             sink.flush()
+
+
+def stop_groups(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = DEFAULT_GRACE_S) -> None:
+    """SIGTERM the process group of each live process in ``procs`` (each leads its own session), SIGKILL what is
+    left after ``grace_s``; return once they are gone."""
+    live = [p for p in procs if p.poll() is None]
+    _signal_groups(live, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while live and time.monotonic() < deadline:
+        live = [p for p in live if p.poll() is None]
+        time.sleep(_POLL_S)
+    _signal_groups(live, signal.SIGKILL)
+    for p in live:
+        p.wait()
 
 
 def _signal_groups(procs: Sequence[subprocess.Popen[bytes]], sig: signal.Signals) -> None:

@@ -1,0 +1,274 @@
+"""Elastic replicas under repeated faults: committed steps against a failure-free run, recovery and rejoin times.
+
+Two runs of the same elastic job (``hsdp launch --elastic --nodes 3 --nproc-per-node 2``: 3 emulated nodes of 2
+ranks, each its own torchrun job with ``--max-restarts``, a coordinator on node 0), a GPT preset of
+``hsdp.models.gpt`` trained with AdamW for the same wall time, counted from each run's first committed step:
+
+* failure-free;
+* with a fault every ``--kill-every`` seconds: this driver SIGKILLs every rank of one node (replica 0, 1, 2, 0,
+  ... in turn), whose torchrun restarts it; it rejoins and is healed from a live replica. No kill falls in
+  the last ``--margin`` seconds, so that every replica is back before the run ends.
+
+Measured from the replicas' own step logs (each replica's rank 0 appends one line per step):
+
+* committed steps of the faulty run / of the failure-free one, within the window (target >= 90 %);
+* recovery: the kill -> the survivors' next committed step; rejoin: the kill -> the killed replica's first
+  committed step (torchrun's restart, interpreter and torch start-up, admission and healing included);
+  medians over the kills.
+
+After the window the driver waits until all three replicas commit together, then asks every replica to stop
+at one step ahead (a file they check each step), so all of them end at the same step and the launch exits 0.
+Writes ``benchmarks/results/elastic_recovery_<date>.{json,md}`` with the commands.
+
+    sudo python benchmarks/elastic_recovery.py                          # 5 min per run, a kill every 60 s
+    sudo python benchmarks/elastic_recovery.py --minutes 2 --kill-every 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+NODES, NPROC = 3, 2
+MARKER_ENV = "ELASTIC_BENCH_MARKER"  # tells this run's ranks from any other process
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One rank of the job (under torchrun, one job per node).
+# ---------------------------------------------------------------------------------------------------------
+def job(preset_name: str, out: Path) -> None:
+    import torch
+
+    import hsdp
+    from hsdp.models.gpt import GPT, preset
+
+    torch.set_num_threads(1)
+    mesh = hsdp.init_mesh(elastic=True)
+    replica, restart = int(os.environ["HSDP_REPLICA_ID"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    cfg = preset(preset_name)
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(GPT(cfg), mesh=mesh)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    log = open(out / f"steps_r{replica}.jsonl", "a") if mesh.shard_rank == 0 else None  # noqa: SIM115
+    step = model.last_step.step + 1 if model.last_step is not None else 0
+    stop_file, stop_at = out / "stop", None
+    while stop_at is None or step <= stop_at:
+        if stop_at is None and stop_file.exists():
+            stop_at = int(stop_file.read_text())
+        g = torch.Generator().manual_seed(1000 * step + NPROC * replica + mesh.shard_rank)
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1), generator=g)
+        _, loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        last = model.last_step
+        if log is not None:
+            log.write(json.dumps({"t": time.time(), "step": last.step, "committed": last.committed,
+                                  "replicas": list(last.replicas), "restart": restart}) + "\n")
+            log.flush()
+        step = last.step + 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The driver.
+# ---------------------------------------------------------------------------------------------------------
+def _records(out: Path) -> dict[int, list[dict]]:
+    records: dict[int, list[dict]] = {}
+    for replica in range(NODES):
+        path = out / f"steps_r{replica}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        records[replica] = [json.loads(line) for line in lines if line.endswith("}")]  # a line being written
+    return records
+
+
+def _ranks_of(replica: int, marker: str) -> list[int]:
+    """The running ranks of node ``replica`` of this run (torchrun's workers: they have a restart count)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if (env.get(MARKER_ENV.encode()) == marker.encode() and b"TORCHELASTIC_RESTART_COUNT" in env
+                and env.get(b"HSDP_REPLICA_ID") == str(replica).encode()):
+            found.append(int(entry))
+    return found
+
+
+def _wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the launch ended (status {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _all_together(out: Path, after: float) -> bool:
+    return any(r["committed"] and len(r["replicas"]) == NODES and r["t"] > after
+               for r in _records(out).get(0, []))
+
+
+def _launch_command(args: argparse.Namespace, out: Path, stats: Path) -> list[str]:
+    return [sys.executable, "-m", "hsdp", "launch", "--elastic", "--nodes", str(NODES), "--nproc-per-node",
+            str(NPROC), "--max-restarts", str(args.max_restarts), "--inter-node-bandwidth", args.bandwidth,
+            "--stats-json", str(stats), "--", str(Path(__file__).resolve()), "--job", "--preset", args.preset,
+            "--out", str(out)]
+
+
+def run_once(args: argparse.Namespace, kills: bool, tmp: Path) -> dict:
+    """One launch: its records, kill times and victims, the window start, the exit status and emulation."""
+    out, marker = tmp / ("faulty" if kills else "clean"), uuid.uuid4().hex
+    out.mkdir()
+    stats, log = out / "links.json", out / "launch.log"
+    env = {**os.environ, MARKER_ENV: marker,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    window = args.minutes * 60
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(_launch_command(args, out, stats), cwd=ROOT, env=env, stdout=sink,
+                                stderr=subprocess.STDOUT)
+        try:
+            _wait_for("first committed step", lambda: any(r["committed"] for r in _records(out)[0]), 600, proc)
+            t0 = min(r["t"] for r in _records(out)[0] if r["committed"])
+            events = []
+            k = 1
+            while kills and k * args.kill_every <= window - args.margin:
+                time.sleep(max(0.0, t0 + k * args.kill_every - time.time()))
+                victim = (k - 1) % NODES
+                pids = _ranks_of(victim, marker)
+                at = time.time()
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                events.append({"t": at, "victim": victim, "ranks_killed": len(pids)})
+                print(f"[bench] {'faulty' if kills else 'clean'}: killed replica {victim} ({len(pids)} ranks) at "
+                      f"+{at - t0:.1f} s", flush=True)
+                k += 1
+            time.sleep(max(0.0, t0 + window - time.time()))
+            _wait_for("step of all three replicas", lambda: _all_together(out, t0 + window - 1), 300, proc)
+            (out / "stop").write_text(str(max(r["step"] for r in _records(out)[0]) + 20))
+            code = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+    return {"records": _records(out), "kills": events, "t0": t0, "window": window, "code": code,
+            "emulated": json.loads(stats.read_text())["emulated"] if stats.exists() else None,
+            "log_tail": log.read_text()[-3000:]}
+
+
+def _committed_in_window(run: dict) -> int:
+    steps = {r["step"] for rs in run["records"].values() for r in rs
+             if r["committed"] and run["t0"] <= r["t"] <= run["t0"] + run["window"]}
+    return len(steps)
+
+
+def _recoveries(run: dict) -> tuple[list[float], list[float]]:
+    recovery, rejoin = [], []
+    for kill in run["kills"]:
+        t, victim = kill["t"], kill["victim"]
+        survivors = [r["t"] for q, rs in run["records"].items() if q != victim for r in rs
+                     if r["committed"] and r["t"] > t]
+        restart_before = max((r["restart"] for r in run["records"][victim] if r["t"] <= t), default=-1)
+        back = [r["t"] for r in run["records"][victim] if r["committed"] and r["t"] > t
+                and r["restart"] > restart_before]
+        if survivors:
+            recovery.append(min(survivors) - t)
+        if back:
+            rejoin.append(min(back) - t)
+    return recovery, rejoin
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 2) if values else None
+
+
+def drive(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = run_once(args, False, Path(tmp))
+        faulty = run_once(args, True, Path(tmp))
+    for name, run in (("failure-free", clean), ("faulty", faulty)):
+        if run["code"] != 0:
+            print(run["log_tail"], file=sys.stderr)
+            raise SystemExit(f"the {name} launch exited with status {run['code']}")
+    recovery, rejoin = _recoveries(faulty)
+    committed = {"clean": _committed_in_window(clean), "faulty": _committed_in_window(faulty)}
+    result = {
+        "date": datetime.date.today().isoformat(), "preset": args.preset, "nodes": NODES, "nproc_per_node": NPROC,
+        "minutes": args.minutes, "kill_every_s": args.kill_every, "margin_s": args.margin,
+        "bandwidth": args.bandwidth, "max_restarts": args.max_restarts, "emulated": faulty["emulated"],
+        "committed_steps": committed, "committed_ratio": round(committed["faulty"] / max(1, committed["clean"]), 4),
+        "kills": len(faulty["kills"]), "ranks_killed": [k["ranks_killed"] for k in faulty["kills"]],
+        "victims": [k["victim"] for k in faulty["kills"]],
+        "recovery_s": [round(x, 2) for x in recovery], "rejoin_s": [round(x, 2) for x in rejoin],
+        "recovery_median_s": _median(recovery), "rejoin_median_s": _median(rejoin),
+        "command": shlex.join(["sudo", "python", "benchmarks/elastic_recovery.py", "--minutes", f"{args.minutes:g}",
+                               "--kill-every", f"{args.kill_every:g}", "--preset", args.preset]),
+        "launch": "hsdp launch --elastic --nodes 3 --nproc-per-node 2 --max-restarts "
+                  f"{args.max_restarts} --inter-node-bandwidth {args.bandwidth} --stats-json links.json -- "
+                  f"benchmarks/elastic_recovery.py --job --preset {args.preset} --out RUN_DIR",
+    }
+    _write(result, args.tag)
+
+
+def _write(result: dict, tag: str) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"elastic_recovery_{result['date']}{'_' + tag if tag else ''}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    c = result["committed_steps"]
+    mode = {True: "emulated nodes (network namespaces, shaped links)", False: "loopback nodes (no emulation)",
+            None: "unknown"}[result["emulated"]]
+    lines = [f"# Elastic recovery: {result['nodes']} replicas x {result['nproc_per_node']} ranks, a kill every "
+             f"{result['kill_every_s']:g} s", "",
+             f"GPT `{result['preset']}`, AdamW, {result['minutes']:g} min window per run (from its first committed "
+             f"step), {mode} at {result['bandwidth']}; each node its own torchrun job (`--max-restarts "
+             f"{result['max_restarts']}`), the coordinator on node 0; default `ElasticPolicy` (heartbeat timeout "
+             f"3 s). Each kill: SIGKILL of every rank of one node (replicas {result['victims']} in turn).", "",
+             "```", result["command"], result["launch"], "```", "",
+             "| | value |", "|---|---|",
+             f"| committed steps, failure-free | {c['clean']} |",
+             f"| committed steps, with {result['kills']} kills | {c['faulty']} |",
+             f"| ratio (target >= 0.90) | {result['committed_ratio']:.3f} |",
+             f"| recovery: kill -> survivors' next committed step, median (s) | {result['recovery_median_s']} |",
+             f"| rejoin: kill -> killed replica's first committed step, median (s) | {result['rejoin_median_s']} |",
+             "", f"Per kill, recovery (s): {result['recovery_s']}; rejoin (s): {result['rejoin_s']}."]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", action="store_true", help="run one rank of the job (what the launch starts)")
+    parser.add_argument("--out", type=Path, help="--job: the run's folder (step logs, the stop file)")
+    parser.add_argument("--preset", default="tiny", help="a GPT preset of hsdp.models.gpt (default: tiny)")
+    parser.add_argument("--minutes", type=float, default=5.0, help="window of each run (default: 5)")
+    parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills (default: 60)")
+    parser.add_argument("--margin", type=float, default=40.0,
+                        help="no kill in the window's last this many seconds (default: 40)")
+    parser.add_argument("--max-restarts", type=int, default=20, help="torchrun restarts per node (default: 20)")
+    parser.add_argument("--bandwidth", default="1gbit", help="each node link's rate (default: 1gbit)")
+    parser.add_argument("--tag", default="", help="suffix of the result files' names")
+    args = parser.parse_args()
+    if args.job:
+        job(args.preset, args.out)
+    else:
+        drive(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""``hsdp launch --elastic`` and ``hsdp coordinator``: one torchrun job per node, a coordinator, restarts.
+
+Without processes: the arguments and what they refuse (an elastic-only flag without --elastic, nodes of
+different rank counts, a minimum out of range, bad coordinator input), the command and environment each
+node's torchrun gets and the coordinator's command (both parsed back by their own parsers), the address
+flowing from the coordinator's printed line into every node, the membership lines and summary.
+
+With small processes (no torch): the supervisor lets the other nodes go on when one fails, and fails the
+run when the coordinator dies; a service is ready on its line, or reported with its output.
+
+With torch: the coordinator command on a free port (its address line, a taken port refused, SIGTERM ends it
+with a summary and status 0); ONE real ``hsdp launch --elastic --nodes 3 --nproc-per-node 2 --no-emulation``
+of :data:`WORKER`, whose node 2 SIGKILLs its ranks at step 3 once: torchrun restarts that node, it rejoins
+(the coordinator says so, the worker says it started again at a later step), every node ends together and
+the launch exits 0 leaving no process behind. With root and iproute2, the same script on 2 emulated nodes
+of 1 rank (no fault): the coordinator on node 0's namespace is reached from the other's, nothing is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hsdp.apps.cli import build_parser
+from hsdp.apps.cli import launch as launch_cli
+from hsdp.engine.elastic.protocol import Quorum
+from hsdp.tools.coordinator.config import CoordinatorConfig
+from hsdp.tools.coordinator.events import MembershipLog
+from hsdp.tools.launch import elastic
+from hsdp.tools.launch.elastic import (
+    ElasticOptions,
+    coordinator_command,
+    elastic_agents,
+    loopback_places,
+    namespace_places,
+    replica_command,
+)
+from hsdp.tools.launch.emulated import LaunchOptions
+from hsdp.tools.launch.layout import NodeLayout
+from hsdp.tools.launch.local import AgentSpec, Service, Supervisor, start_service, threads_per_rank
+from hsdp.tools.launch.netns import ClusterSpec, RunId, find_tools, list_namespaces
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 240
+KILL_NODE, KILL_STEP = 2, 3
+TESTS_DIR = str(ROOT / "tests")
+
+# The job every node runs: ParityNet (tests/models.py) trained with AdamW; node KILL_NODE's ranks SIGKILL
+# themselves before step KILL_STEP in their first incarnation (torchrun's restart count 0). Every rank stops
+# after two committed steps of all NODES replicas past MIN_STEP (the same step on every replica: they agree on
+# the history), so a restarted replica must rejoin for the job to end.
+WORKER = textwrap.dedent(f"""\
+    import os, signal, sys
+    import torch
+    import hsdp
+    sys.path.insert(0, {TESTS_DIR!r})
+    from models import ParityNet, batch, loss_fn
+
+    NODES, MIN_STEP = int(os.environ["TEST_NODES"]), int(os.environ["TEST_MIN_STEP"])
+    KILL_NODE, KILL_STEP = int(os.environ.get("TEST_KILL_NODE", "-1")), int(os.environ.get("TEST_KILL_STEP", "-1"))
+    POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=3.0,
+                                connect_timeout=30.0, join_timeout=120.0)
+    torch.set_num_threads(1)
+    replica, restart = int(os.environ["HSDP_REPLICA_ID"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8.0, interval=0.5))
+    torch.manual_seed(replica)
+    model = hsdp.ShardedModel(ParityNet(), mesh=mesh)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step = model.last_step.step + 1 if model.last_step is not None else 0
+    rank = mesh.shard_rank
+    if rank == 0:
+        print(f"worker: replica {{replica}} starts at step {{step}} (restart {{restart}})", flush=True)
+    together = 0
+    while step < 300:
+        if replica == KILL_NODE and step == KILL_STEP and restart == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(step, NODES * replica + rank)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        last = model.last_step
+        together = together + 1 if last.committed and len(last.replicas) == NODES else 0
+        step = last.step + 1
+        if together >= 2 and last.step >= MIN_STEP:
+            break
+    model.check_replicas()
+    if rank == 0:
+        print(f"worker: replica {{replica}} done at step {{last.step}} with replicas {{list(last.replicas)}}",
+              flush=True)
+    sys.exit(0 if step < 300 else 3)
+""")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arguments and refusals (no process).
+# ---------------------------------------------------------------------------------------------------------
+def _launch_args(*flags: str, script: str = "train.py") -> argparse.Namespace:
+    return build_parser().parse_args(["launch", *flags, "--", script])
+
+
+def test_elastic_flags_parse_with_three_restarts_by_default(tmp_path: Path) -> None:
+    args = _launch_args("--elastic", "--nodes", "3", "--nproc-per-node", "2")
+    assert launch_cli._elastic(args) == ElasticOptions(max_restarts=3, min_replicas=None)
+    assert launch_cli.ELASTIC_RESTARTS == elastic.DEFAULT_RESTARTS
+    args = _launch_args("--elastic", "--max-restarts", "0", "--min-replicas", "1")
+    assert launch_cli._elastic(args) == ElasticOptions(max_restarts=0, min_replicas=1)
+    assert launch_cli._elastic(_launch_args("--nodes", "2")) is None
+    script = tmp_path / "s.py"
+    script.write_text("")
+    options = LaunchOptions((str(script),), nodes=3, nproc_per_node=(2, 2, 2), elastic=ElasticOptions())
+    assert options.layout.nprocs == (2, 2, 2)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-restarts", "2"], "only apply to an elastic job: add --elastic"),
+    (["--min-replicas", "1"], "only apply to an elastic job"),
+    (["--elastic", "--nproc-per-node", "2,1"], "every replica must have the same number of ranks"),
+    (["--elastic", "--nodes", "3", "--min-replicas", "4"], "give a count in 1..3"),
+    (["--elastic", "--nodes", "3", "--min-replicas", "0"], "give a count in 1..3"),
+    (["--elastic", "--max-restarts", "-1"], "--max-restarts -1: give a whole number, at least 0"),
+])
+def test_launch_refuses_bad_elastic_input_before_starting_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    args = _launch_args(*flags, script=str(script))
+    assert launch_cli.run_launch(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: hsdp launch" in err, err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--port", "0", "--replicas", "0"], "--replicas 0: an elastic job needs at least 1 replica"),
+    (["--port", "0", "--replicas", "3", "--min-replicas", "4"], "--min-replicas 4: give a count in 1..3"),
+    (["--port", "70000", "--replicas", "2"], "--port 70000: give a TCP port"),
+    (["--port", "0", "--replicas", "2", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0.0: give a positive"),
+    (["--port", "0", "--replicas", "2", "--job", "a/b"], "without '/'"),
+])
+def test_coordinator_refuses_bad_input(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+    args = build_parser().parse_args(["coordinator", *flags])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_coordinator_config_defaults_to_a_majority() -> None:
+    assert CoordinatorConfig(port=0, replicas=3).min_replicas == 2
+    assert CoordinatorConfig(port=0, replicas=4).min_replicas == 3
+    assert CoordinatorConfig(port=0, replicas=1).policy().heartbeat_timeout == 3.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What each node and the coordinator run (no process).
+# ---------------------------------------------------------------------------------------------------------
+def test_every_node_is_its_own_torchrun_job_told_the_coordinator_and_its_id() -> None:
+    from torch.distributed.run import parse_args
+
+    layout = NodeLayout.of(2, 3)
+    agents = elastic_agents(loopback_places(3), layout, ["--tee", "3", "train.py", "--lr", "1"], "127.0.0.1:4321",
+                            ElasticOptions(max_restarts=5, job="j"), {"EXTRA": "1"})
+    assert [a.label for a in agents] == ["node 0", "node 1", "node 2"]
+    for i, agent in enumerate(agents):
+        assert agent.command[:3] == (sys.executable, "-m", "hsdp.tools.launch.agent")
+        parsed = parse_args(list(agent.command[3:]))
+        assert parsed.standalone and parsed.nnodes == "1" and parsed.nproc_per_node == "2"
+        assert parsed.max_restarts == 5 and parsed.local_addr == "127.0.0.1" and parsed.tee == "3"
+        assert parsed.training_script == "train.py" and parsed.training_script_args == ["--lr", "1"]
+        assert agent.env["HSDP_COORDINATOR"] == "127.0.0.1:4321" and agent.env["HSDP_REPLICA_ID"] == str(i)
+        assert agent.env["HSDP_ELASTIC_JOB"] == "j" and agent.env["EXTRA"] == "1"
+        assert agent.env["OMP_NUM_THREADS"] == str(threads_per_rank(6))  # all ranks of the machine share it
+        assert "GLOO_SOCKET_IFNAME" not in agent.env
+
+
+def test_in_namespaces_each_node_enters_its_own_and_the_coordinator_sits_on_node_0() -> None:
+    spec = ClusterSpec(3, 10**9, 0.0, RunId(7, 1234, 99))
+    places = namespace_places("/sbin/ip", spec)
+    agents = elastic_agents(places, NodeLayout.of(1, 3), ["train.py"], "10.213.7.1:555", ElasticOptions())
+    for i, agent in enumerate(agents):
+        node = spec.node(i)
+        assert agent.command[:4] == ("/sbin/ip", "netns", "exec", node.namespace)
+        assert agent.command[4:7] == (sys.executable, "-m", "hsdp.tools.launch.agent")
+        assert agent.env["GLOO_SOCKET_IFNAME"] == node.interface and agent.env["HSDP_REPLICA_ID"] == str(i)
+        assert agent.env["HSDP_COORDINATOR"] == "10.213.7.1:555"
+    command = coordinator_command(places[0], 3, ElasticOptions(min_replicas=1, job="j"))
+    assert command[:4] == ["/sbin/ip", "netns", "exec", spec.node(0).namespace]
+    assert command[4:7] == [sys.executable, "-m", "hsdp"]
+    args = build_parser().parse_args(command[7:])
+    assert (args.command, args.host, args.port, args.replicas, args.min_replicas, args.job) == (
+        "coordinator", "10.213.7.1", 0, 3, 1, "j")
+    assert replica_command(2, 0, ["-m", "pkg"])[-2:] == ["-m", "pkg"]
+
+
+def test_run_elastic_hands_the_printed_address_to_every_node_and_wraps_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def fake_start(spec: AgentSpec, ready: str, timeout_s: float) -> tuple[Service, str]:
+        seen["coordinator"] = spec
+        proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+        return Service(proc, spec.label), f"{ready}127.0.0.1:777"
+
+    class FakeSupervisor:
+        def __init__(self, agents: list[AgentSpec], *, keep_going: bool, services: list[Service]) -> None:
+            seen.update(agents=agents, keep_going=keep_going, services=services)
+
+        def run(self) -> int:
+            return 7
+
+    monkeypatch.setattr(elastic, "start_service", fake_start)
+    monkeypatch.setattr(elastic, "Supervisor", FakeSupervisor)
+    wrapped = lambda agents: [AgentSpec(("wrapped", *a.command), a.env, a.label) for a in agents]  # noqa: E731
+    code = elastic.run_elastic(loopback_places(2), NodeLayout.of(1, 2), ["t.py"], ElasticOptions(), wrap=wrapped)
+    assert code == 7 and seen["keep_going"] is True
+    agents = seen["agents"]
+    assert isinstance(agents, list) and all(a.command[0] == "wrapped" for a in agents)
+    assert [a.env["HSDP_COORDINATOR"] for a in agents] == ["127.0.0.1:777"] * 2
+    coordinator = seen["coordinator"]
+    assert isinstance(coordinator, AgentSpec) and "--replicas" in coordinator.command
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Membership lines (no process).
+# ---------------------------------------------------------------------------------------------------------
+def _inc(number: int, degree: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(number=number, degree=degree)
+
+
+def _state(step: int, epoch: int, members: dict, pending: dict | None = None, quorum: Quorum | None = None,
+           history: list | None = None, stopped: str = "") -> SimpleNamespace:
+    return SimpleNamespace(step=step, epoch=epoch, members=members, pending=pending or {}, quorum=quorum,
+                           history=history or [], stopped=stopped)
+
+
+def test_membership_log_says_what_changed_and_nothing_else() -> None:
+    log = MembershipLog(heartbeat_timeout=3.0, clock=lambda: 0.0)
+    text = lambda lines: [line.split(" ", 1)[1] for line in lines]  # noqa: E731 - without the time stamp
+    pending = {0: _inc(1), 1: _inc(1), 2: _inc(1)}
+    assert text(log.observe(_state(0, -1, {}, pending))) == [
+        f"replica {r} registered (incarnation 1, 2 ranks), waiting to be admitted" for r in range(3)]
+    three = {0: _inc(1), 1: _inc(1), 2: _inc(1)}
+    assert text(log.observe(_state(0, 0, three, quorum=Quorum(0, 0, (0, 1, 2), (1, 1, 1), (1, 2), 0)))) == [
+        "step 0, epoch 0: started with replicas [0, 1, 2] (healed from replica 0)"]
+    history = [(s, "commit", (0, 1, 2)) for s in range(3)]
+    assert log.observe(_state(3, 0, three, quorum=Quorum(3, 0, (0, 1, 2), (1, 1, 1)), history=history)) == []
+    history = [*history, (3, "abort", (0, 1, 2))]
+    two = {0: _inc(1), 1: _inc(1)}
+    assert text(log.observe(_state(4, 1, two, {2: _inc(2)}, Quorum(4, 1, (0, 1), (1, 1)), history))) == [
+        "replica 2 registered (incarnation 2, 2 ranks), waiting to be admitted",
+        "step 3 discarded (a member failed or went silent during it); replicas [0, 1, 2]",
+        "step 4, epoch 1: replica 2 left (no heartbeat for 3 s); replicas [0, 1]"]
+    assert text(log.observe(_state(6, 2, {**two, 2: _inc(2)}, quorum=Quorum(6, 2, (0, 1, 2), (1, 1, 2), (2,), 0),
+                                   history=history))) == [
+        "step 6, epoch 2: replica 2 rejoined (incarnation 2, healed from replica 0); replicas [0, 1, 2]"]
+    assert text(log.observe(_state(9, 2, two, {1: _inc(2)}, history=history))) == [
+        "replica 1 registered (incarnation 2, 2 ranks), waiting to be admitted"]
+    assert text(log.observe(_state(9, 2, two, history=history))) == [
+        "replica 1 incarnation 2 refused: id 1 is in use by a live replica"]
+    assert text(log.observe(_state(9, 2, {0: _inc(1)}, history=history, stopped="1 live replica(s)"))) == [
+        "job stopped at step 9: 1 live replica(s)"]
+    summary = log.summary(_state(9, 2, {0: _inc(1)}, history=history, stopped="1 live"), "j", 125.0)
+    assert "after 2m05s" in summary and "4 (3 committed, 1 discarded)" in summary
+    assert "1 join(s), 1 departure(s), 1 refused; last epoch 2" in summary and "stopped: 1 live" in summary
+
+
+def test_serve_reports_a_replica_that_came_and_went_and_exits_once_none_is_left() -> None:
+    import torch.distributed as dist
+
+    from hsdp.engine.elastic.client import CoordinatorClient
+    from hsdp.engine.elastic.protocol import ElasticPolicy
+    from hsdp.tools.coordinator.service import serve
+
+    lines: list[str] = []
+    address = threading.Event()
+
+    class Out:
+        def write(self, text: str) -> None:
+            lines.extend(text.splitlines())
+            address.set() if any(line.startswith("HSDP_COORDINATOR=") for line in lines) else None
+
+        def flush(self) -> None:
+            pass
+
+    def replica() -> None:  # one replica of one rank: admitted, commits step 0, dies during step 1
+        address.wait(30)
+        where = next(line for line in lines if line.startswith("HSDP_COORDINATOR=")).split("=")[1]
+        host, port = where.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+        client = CoordinatorClient(store, where, "t", 0, True, ElasticPolicy(heartbeat_interval=0.1,
+                                                                            heartbeat_timeout=2.0))
+        client.register(1)
+        assert client.admitted() == 0 and client.quorum(0).members == (0,)
+        client.vote(0, True)
+        assert client.decision(0)
+        client.want(1)
+        client.quorum(1)
+        client.close()  # no heartbeat, no vote: dead
+
+    thread = threading.Thread(target=replica, daemon=True)
+    thread.start()
+    config = CoordinatorConfig(port=0, replicas=1, host="127.0.0.1", job="t", heartbeat_timeout=2.0)
+    assert serve(config, out=Out(), linger=0.1) == 0  # no replica left: the job is over
+    thread.join(5)
+    said = [line.split(" ", 1)[1] for line in lines if line[:2].isdigit()]  # the time-stamped lines
+    # Registered and admitted in one poll: no "registered" line (it is for a replica that has to wait).
+    assert said == ["step 0, epoch 0: started with replicas [0]",
+                    "step 1 discarded (a member failed or went silent during it); replicas [0]",
+                    "job stopped at step 2: no live replica left (they finished, or all failed)"], lines
+    assert "  steps decided: 2 (1 committed, 1 discarded)" in lines, lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Supervising (small processes, no torch).
+# ---------------------------------------------------------------------------------------------------------
+def _python(code: str, label: str) -> AgentSpec:
+    return AgentSpec((sys.executable, "-c", code), dict(os.environ), label)
+
+
+def test_keep_going_lets_the_other_nodes_finish_and_returns_the_failed_status(tmp_path: Path) -> None:
+    done = tmp_path / "done"
+    agents = [_python("raise SystemExit(3)", "node 0"),
+              _python(f"import time; time.sleep(1.0); open({str(done)!r}, 'w').close()", "node 1")]
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        assert Supervisor(agents, keep_going=True, stdout=sink, stderr=sink).run() == 3
+    assert done.exists(), out.read_text()
+    assert "node 0 exited with status 3: the other nodes go on" in out.read_text()
+
+
+def test_a_service_is_ready_on_its_line_and_its_death_stops_the_nodes(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        service, line = start_service(_python("print('hello'); print('READY=x:1', flush=True); import time; "
+                                              "time.sleep(0.5)", "svc"), "READY=", 30.0, sink)
+        assert line == "READY=x:1"
+        started = time.monotonic()
+        code = Supervisor([_python("import time; time.sleep(60)", "node 0")], keep_going=True, services=[service],
+                          stdout=sink, stderr=sink).run()
+    assert code == 1 and time.monotonic() - started < 30
+    text = out.read_text()
+    assert "[svc] hello" in text and "svc exited with status 0 while the nodes ran: stopping them" in text
+    with open(os.devnull, "w") as sink, pytest.raises(RuntimeError, match="svc exited: boom"):
+        start_service(_python("import sys; print('boom'); sys.exit(1)", "svc"), "READY=", 30.0, sink)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real processes.
+# ---------------------------------------------------------------------------------------------------------
+def _env(marker: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "TEST_MARKER": marker}
+
+
+def test_the_coordinator_prints_its_address_refuses_a_taken_port_and_ends_cleanly_on_sigterm() -> None:
+    command = [sys.executable, "-m", "hsdp", "coordinator", "--port", "0", "--replicas", "2", "--host", "127.0.0.1"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=_env("c"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(2)]  # what it serves, then the address alone on its line
+        match = re.fullmatch(r"HSDP_COORDINATOR=127\.0\.0\.1:(\d+)\n", lines[1])
+        assert match and "elastic job 'default', 2 replica(s)" in lines[0], lines
+        taken = subprocess.run([*command[:5], match.group(1), *command[6:]], cwd=ROOT, env=_env("c"),
+                               capture_output=True, text=True, timeout=60)
+        assert taken.returncode == 1 and "cannot serve on 127.0.0.1" in taken.stderr, taken.stderr
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert "summary of elastic job 'default'" in rest and "never started" in rest, rest
+
+
+def _alive_with(marker: str) -> list[int]:
+    """Processes whose environment carries ``TEST_MARKER=marker`` (the launcher's children, all of them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _launch(tmp_path: Path, flags: list[str], worker_env: dict[str, str]) -> tuple[int, str, list[int]]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    marker = uuid.uuid4().hex
+    env = {**_env(marker), **worker_env}
+    proc = subprocess.Popen([sys.executable, "-m", "hsdp", "launch", "--elastic", *flags, "--", str(script)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"hsdp launch --elastic did not finish in {RUN_TIMEOUT_S} s:\n{output[-6000:]}")
+    deadline = time.monotonic() + 10  # a killed process's /proc entry may linger a moment
+    while _alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc.returncode, output, _alive_with(marker)
+
+
+def test_a_killed_node_is_restarted_by_its_torchrun_and_rejoins(tmp_path: Path) -> None:
+    code, output, left = _launch(tmp_path, ["--nodes", "3", "--nproc-per-node", "2", "--no-emulation"],
+                                 {"TEST_NODES": "3", "TEST_MIN_STEP": str(KILL_STEP + 2),
+                                  "TEST_KILL_NODE": str(KILL_NODE), "TEST_KILL_STEP": str(KILL_STEP)})
+    assert code == 0, output[-6000:]
+    assert left == [], f"processes left behind: {left}"
+    assert re.search(r"\[coordinator\] HSDP_COORDINATOR=127\.0\.0\.1:\d+", output), output[-6000:]
+    assert re.search(r"\[coordinator\] \S+ step 0, epoch 0: started with replicas \[0, 1, 2\]", output), output
+    assert re.search(rf"\[coordinator\] .*replica {KILL_NODE} left \(no heartbeat", output), output[-6000:]
+    assert re.search(rf"\[coordinator\] .*replica {KILL_NODE} rejoined \(incarnation 2, healed from replica 0\)",
+                     output), output[-6000:]
+    starts = re.findall(rf"\[node {KILL_NODE}\] .*worker: replica {KILL_NODE} starts at step (\d+) \(restart (\d)\)",
+                        output)
+    assert len(starts) == 2 and starts[0] == ("0", "0"), output[-6000:]
+    assert int(starts[1][0]) > KILL_STEP and starts[1][1] == "1", starts  # torchrun's first restart, healed
+    done = re.findall(r"\[node (\d)\] .*worker: replica \1 done at step (\d+) with replicas \[0, 1, 2\]", output)
+    assert sorted(n for n, _ in done) == ["0", "1", "2"] and len({s for _, s in done}) == 1, output[-6000:]
+    assert "summary of elastic job 'default'" in output and "1 join(s), 1 departure(s)" in output, output[-3000:]
+
+
+def test_emulated_nodes_reach_the_coordinator_on_node_0_and_leave_nothing(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or find_tools() is None:
+        pytest.skip("network emulation needs root and iproute2 (`ip`, `tc`)")
+    before = set(list_namespaces(find_tools()))
+    code, output, left = _launch(tmp_path, ["--nodes", "2", "--nproc-per-node", "1", "--require-emulation",
+                                            "--min-replicas", "1"], {"TEST_NODES": "2", "TEST_MIN_STEP": "2"})
+    assert code == 0, output[-6000:]
+    assert left == [] and set(list_namespaces(find_tools())) <= before, output[-3000:]
+    assert re.search(r"\[coordinator\] HSDP_COORDINATOR=10\.213\.\d+\.1:\d+", output), output[-6000:]
+    assert len(re.findall(r"worker: replica \d done at step \d+ with replicas \[0, 1\]", output)) == 2, output
+    assert "Inter-node traffic" in output, output[-3000:]
