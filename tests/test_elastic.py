@@ -11,7 +11,8 @@ replica again, with no checkpoint. Checked:
 - the restarted replica is admitted at a later step, healed from replica 0, and all three train on together
   (two committed steps of all three), after which ``check_replicas`` passes on every rank;
 - no step is applied twice or partially: every rank's losses and the final parameters equal one plain process
-  replaying exactly the committed steps, each on the concatenated batches of the replicas it lists (1e-5).
+  replaying exactly the committed steps, each on the concatenated batches of the replicas it lists (1e-5);
+- the replica-sharded optimizer is refused on an elastic mesh, before any collective.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(coordinator: str,
     fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
     after = [r for r in survivor if r["step"] > FAULT_STEP and r["committed"]]
     assert after[0]["replicas"] == [0, 1] and after[0]["t"] - fault_at < 10, (after[0], fault_at)
+    assert "an elastic mesh's replicas come and go" in logs[(0, 0)][0][0]["refused"]
     joined = logs[(VICTIM, 0)][1][0]["joined"]
     assert joined > FAULT_STEP and by_step[joined]["replicas"] == [0, 1, 2]
     for replica in range(REPLICAS):  # every replica agrees on the committed history it took part in

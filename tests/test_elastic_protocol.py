@@ -107,3 +107,19 @@ def test_unreachable_or_wrong_coordinator_fails_fast_naming_the_fix() -> None:
     Coordinator(master, "other", replicas=1)
     with pytest.raises(ValueError, match="serves no elastic job 'job'"):
         connect(f"127.0.0.1:{master.port}", "job", ElasticPolicy(connect_timeout=1.0))
+
+
+def test_elastic_mesh_refusals_before_any_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsdp.engine.elastic.bootstrap import elastic_env
+    from hsdp.engine.mesh import init_mesh
+
+    with pytest.raises(ValueError, match="drop device_mesh, tensor_parallel_degree and per-replica degree lists"):
+        init_mesh(elastic=True, tensor_parallel_degree=2)
+    with pytest.raises(ValueError, match="drop device_mesh, tensor_parallel_degree and per-replica degree lists"):
+        init_mesh([2, 1], elastic=True)
+    monkeypatch.delenv("HSDP_COORDINATOR", raising=False)
+    with pytest.raises(ValueError, match=r"set HSDP_COORDINATOR=host:port .*hsdp coordinator --port PORT"):
+        init_mesh(elastic=True)
+    with pytest.raises(ValueError, match="set HSDP_REPLICA_ID to 0, 1"):
+        elastic_env("127.0.0.1:1", {"HSDP_REPLICA_ID": "x"})
+    assert elastic_env(None, {"HSDP_COORDINATOR": "h:1", "HSDP_REPLICA_ID": "2"}).job == "default"

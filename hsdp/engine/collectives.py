@@ -449,5 +449,9 @@ class Comm:
 def _padded_bytes(data: bytes, size: int, device: torch.device) -> torch.Tensor:
     out = torch.zeros(size, dtype=torch.uint8, device=device)
     if data:
-        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        buffer = bytearray(data)
+        view = torch.frombuffer(buffer, dtype=torch.uint8)
+        out[: len(data)] = view  # a copy (to the device too)
+        # The view exports the bytearray's memory: drop it first, or freeing the bytearray raises SystemError.
+        del view
     return out

@@ -38,6 +38,11 @@ def main() -> None:
     victim, fault_step = int(os.environ.get("ELASTIC_VICTIM", "-1")), int(os.environ.get("ELASTIC_FAULT_STEP", "-1"))
     # The watchdog's bound (a stopped rank of the own replica ends it) above the hop timeout.
     mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8.0, interval=0.5))
+    try:  # refused before any collective: replica-split state does not survive membership changes
+        hsdp.ShardedModel(ParityNet(), mesh=mesh, shard_optimizer_across_replicas=True)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     torch.manual_seed(replica)  # replicas start different: the first quorum heals them all from replica 0
     model = hsdp.ShardedModel(ParityNet(), mesh=mesh)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -45,7 +50,7 @@ def main() -> None:
     incarnation = mesh.elastic.client.incarnation  # 0 on ranks but the leader
     log = open(os.path.join(out, f"r{replica}_s{rank}_i{os.getpid()}.jsonl"), "w")  # noqa: SIM115
     step = model.last_step.step + 1 if model.last_step is not None else 0
-    log.write(json.dumps({"joined": step, "incarnation": incarnation}) + "\n")
+    log.write(json.dumps({"joined": step, "incarnation": incarnation, "refused": refused}) + "\n")
 
     def die(*_: object) -> None:
         if replica == victim and step == fault_step and fault:
