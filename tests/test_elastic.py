@@ -3,11 +3,13 @@
 Three replicas of two ranks, each its own job (its own rendezvous store, as one torchrun per node), and an hsdp
 coordinator in this process (``tests/programs/elastic_worker.py`` is the training loop). At step 3 the victim
 replica's ranks die in backward (SIGKILL), or its rank 0 is stopped (SIGSTOP; its own watchdog then ends the
-replica); this test plays torchrun's part: once a rank of the victim exited it ends the rest and starts the
+replica; that case also accumulates two micro-batches per step, the hop deferred to the last); this test plays
+torchrun's part: once a rank of the victim exited it ends the rest and starts the
 replica again, with no checkpoint. Checked:
 
 - the survivors discard the interrupted step (``model.last_step.committed`` False, on both) and commit their
-  next step within 10 s of the fault, with the two of them;
+  next step within 10 s of the fault, with the two of them (the replicate groups' own timeout is 60 s: a
+  stopped peer's collective is given up on the coordinator's notice, not on a timeout);
 - the restarted replica is admitted at a later step, healed from replica 0, and all three train on together
   (two committed steps of all three), after which ``check_replicas`` passes on every rank;
 - no step is applied twice or partially: every rank's losses and the final parameters equal one plain process
@@ -37,7 +39,8 @@ from hsdp.tools.coordinator.server import Coordinator
 
 PROGRAM = Path(__file__).parent / "programs" / "elastic_worker.py"
 REPLICAS, RANKS, VICTIM, FAULT_STEP = 3, 2, 2, 3
-POLICY = ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=3.0)  # as the worker's
+POLICY = ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=60.0)  # as the worker's
+ACCUM = {"kill": 1, "stop": 2}  # the stopped-replica case also accumulates two micro-batches per step
 
 
 @pytest.fixture()
@@ -55,7 +58,7 @@ def coordinator() -> Iterator[str]:
 class Replica:
     """One replica's job: its ranks, and the store its own process group meets on (torchrun's agent's)."""
 
-    def __init__(self, replica: int, address: str, out: Path, fault: str) -> None:
+    def __init__(self, replica: int, address: str, out: Path, fault: str, accum: int) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.procs = []
         for rank in range(RANKS):
@@ -63,7 +66,8 @@ class Replica:
                    "LOCAL_WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
                    "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1", "HSDP_COORDINATOR": address,
                    "HSDP_REPLICA_ID": str(replica), "HSDP_ELASTIC_JOB": "test", "ELASTIC_OUT": str(out),
-                   "ELASTIC_FAULT": fault, "ELASTIC_VICTIM": str(VICTIM), "ELASTIC_FAULT_STEP": str(FAULT_STEP)}
+                   "ELASTIC_FAULT": fault, "ELASTIC_VICTIM": str(VICTIM), "ELASTIC_FAULT_STEP": str(FAULT_STEP),
+                   "ELASTIC_ACCUM": str(accum)}
             self.procs.append(subprocess.Popen([sys.executable, str(PROGRAM)], env=env, stdout=subprocess.PIPE,
                                                stderr=subprocess.STDOUT, text=True))
 
@@ -81,13 +85,13 @@ class Replica:
 
 
 def _run(address: str, out: Path, fault: str) -> tuple[list[Replica], Replica]:
-    replicas = [Replica(r, address, out, fault) for r in range(REPLICAS)]
+    replicas = [Replica(r, address, out, fault, ACCUM[fault]) for r in range(REPLICAS)]
     deadline = time.monotonic() + 120
     while not replicas[VICTIM].any_exited():  # torchrun's part: a rank of the replica ended
         assert time.monotonic() < deadline, "the victim replica never failed"
         time.sleep(0.1)
     replicas[VICTIM].end()
-    restarted = Replica(VICTIM, address, out, fault="")
+    restarted = Replica(VICTIM, address, out, "", ACCUM[fault])
     for job in [*replicas[:VICTIM], restarted]:
         for p in job.procs:
             try:
@@ -107,21 +111,25 @@ def _records(out: Path) -> dict[tuple[int, int], list[list[dict]]]:
     return logs
 
 
-def _replay(steps: list[dict]) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], float]]:
-    """One process: every committed step on the concatenated batches of its replicas; the loss each rank saw."""
+def _replay(steps: list[dict], accum: int) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], list[float]]]:
+    """One process: every committed step on the concatenated batches of its replicas (and micro-batches, all of
+    one size: the mean over them is the mean of their means); the losses each rank saw."""
     torch.manual_seed(0)  # the first quorum healed every replica from replica 0
     model = ParityNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = {}
     for record in steps:
         k, members = record["step"], record["replicas"]
-        parts = {(r, s): batch(k, REPLICAS * r + s) for r in range(REPLICAS) for s in range(RANKS)}
+        parts = {(r, s, m): batch(1000 * m + k, REPLICAS * r + s)
+                 for r in range(REPLICAS) for s in range(RANKS) for m in range(accum)}
         with torch.no_grad():
-            for (r, s), (x, y) in parts.items():
-                losses[(k, r, s)] = loss_fn(model(x), y).item()
+            for r in range(REPLICAS):
+                for s in range(RANKS):
+                    losses[(k, r, s)] = [loss_fn(model(parts[(r, s, m)][0]), parts[(r, s, m)][1]).item()
+                                         for m in range(accum)]
         if not record["committed"]:
             continue
-        chosen = [parts[(r, s)] for r in members for s in range(RANKS)]
+        chosen = [parts[(r, s, m)] for r in members for s in range(RANKS) for m in range(accum)]
         loss_fn(model(torch.cat([x for x, _ in chosen])), torch.cat([y for _, y in chosen])).backward()
         opt.step()
         opt.zero_grad()
@@ -136,9 +144,6 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(coordinator: str,
                                                             job.outputs()[-4000:])
     logs = _records(tmp_path)
     survivor = [r for r in logs[(0, 0)][0] if "step" in r]
-    assert [r for r in logs[(1, 1)][0] if "step" in r] == [
-        {**r, "loss": pytest.approx(r["loss"], abs=10), "t": pytest.approx(r["t"], abs=1e9)} for r in
-        [x for x in logs[(1, 1)][0] if "step" in x]]
     by_step = {r["step"]: r for r in survivor}
     assert by_step[FAULT_STEP]["committed"] is False  # the interrupted step is discarded
     fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
@@ -152,10 +157,10 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(coordinator: str,
             mine = [r for r in logs[(replica, rank)][-1] if "step" in r]
             assert [(r["step"], r["committed"], r["replicas"]) for r in mine] == [
                 (r["step"], r["committed"], r["replicas"]) for r in survivor if r["step"] >= mine[0]["step"]]
-    params, losses = _replay(survivor)
+    params, losses = _replay(survivor, ACCUM[fault])
     for (replica, rank), incarnations in logs.items():
         for record in (r for lines in incarnations for r in lines if "step" in r):
-            assert record["loss"] == pytest.approx(losses[(record["step"], replica, rank)], abs=1e-5), (replica, rank)
+            assert record["losses"] == pytest.approx(losses[(record["step"], replica, rank)], abs=1e-5), (replica, rank)
         saved = torch.load(tmp_path / f"params_r{replica}_s{rank}.pt")
         for name, value in params.items():
             torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-5, msg=f"{replica}/{rank} {name}")

@@ -38,6 +38,7 @@ def coordinator() -> Iterator[tuple[str, Coordinator]]:
 def _client(address: str, replica: int) -> CoordinatorClient:
     client = CoordinatorClient(connect(address, "job", POLICY), address, "job", replica, True, POLICY)
     client.register(degree=2)
+    client.ready()
     return client
 
 

@@ -14,142 +14,20 @@ import contextlib
 import copy
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from hsdp.engine.averaging import split_average
-from hsdp.engine.comm_stats import CommStats, OpStats, recorded_event
-from hsdp.engine.hop_worker import on_a_hop_worker
+from hsdp.engine.comm_stats import CommStats, OpStats
+from hsdp.engine.handles import Chained, Handle, completion_event
 from hsdp.engine.mesh import HSDPMesh
 
+__all__ = ["GROUPS", "Chained", "Comm", "Handle", "profiler_region"]
+
 GROUPS = ("shard", "replicate", "world", "tp")
-
-
-class Handle:
-    """In-flight collectives. ``wait()`` is idempotent, books the elapsed time to the stats row, then runs
-    ``on_done`` (e.g. decompress, cast back, or the post-division of an fp16 average). On CUDA with NCCL,
-    waiting makes the current stream wait for the collective without blocking the host: with
-    ``cuda_timed`` the time booked is then the span between a CUDA event recorded on the current stream
-    at issue (the handle is built right after the collective is enqueued) and one recorded after the wait
-    (see :class:`OpStats`); otherwise it is host time.
-    """
-
-    def __init__(self, work: dist.Work | None = None, stats: OpStats | None = None,
-                 on_done: Callable[[], None] | None = None, after: list[Handle] | None = None,
-                 region: str = "", retire: Callable[[Any], None] | None = None, cuda_timed: bool = False,
-                 completion: Callable[[], Any] | None = None) -> None:
-        self._work = work
-        # Takes the collective out of the ledger's pending set once waited: at once where the wait blocks until
-        # it completed (gloo), or, given ``completion`` (CUDA: an event recorded on the waiting stream), when
-        # that marker says so, so that a stuck NCCL collective stays pending for the hang watchdog.
-        self._retire = retire
-        self._completion = completion
-        self._region = region  # the collective's profiler region; waiting shows as "<region> wait"
-        self._stats = stats
-        self._after = after or []
-        # No clock under torch.compile (Dynamo would warn about, and break the graph at, perf_counter): the
-        # runtime issues collectives only from hooks that run eagerly, so only user code tracing a Comm
-        # call directly loses its seconds.
-        self._start = None if torch.compiler.is_compiling() else time.perf_counter()
-        self._start_event = recorded_event() if cuda_timed and stats is not None and self._start is not None \
-            else None
-        self._on_done = on_done
-        self.done = work is None and on_done is None and not self._after
-
-    def _fail(self) -> None:
-        """The collective raised (a peer left): it is no longer pending (the hang ledger must not report it) and
-        its buffers are released; waiting again does nothing."""
-        if self._retire is not None:
-            self._retire(None)
-        self.done = True
-        self._work, self._after, self._on_done = None, [], None
-
-    def book_blocked(self, since: float | None) -> None:
-        """Book the host's time blocked since ``since`` (``perf_counter``; ``None``: nothing) as ``waited``
-        on this collective: its own wait, or a wait for the hop worker to get past it (:class:`Chained`)."""
-        if self._stats is not None and since is not None:
-            self._stats.waited += time.perf_counter() - since
-
-    def then(self, on_done: Callable[[], None]) -> Handle:
-        """A handle that waits for this one, then runs ``on_done``."""
-        return Handle(after=[self], on_done=on_done)
-
-    @staticmethod
-    def all(handles: list[Handle], on_done: Callable[[], None] | None = None) -> Handle:
-        return Handle(after=handles, on_done=on_done)
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        for h in self._after:
-            h.wait()
-        if self._work is not None:
-            # A separate region: in a trace, the exposed (not overlapped) communication is the wait.
-            with record_function(f"{self._region} wait" if self._region else "hsdp::wait"):
-                # Exposed time is the host's compute blocked: a hop worker's waits are not (hop_worker.py).
-                blocked = None if self._start is None or on_a_hop_worker() else time.perf_counter()
-                try:
-                    self._work.wait()
-                except BaseException:
-                    self._fail()
-                    raise
-                self.book_blocked(blocked)
-        marker = None
-        if self._stats is not None and self._start_event is not None:
-            # After the wait: the current stream now waits for the collective, so this event completes
-            # only once it has. No host synchronisation here: the pair is resolved when the stats are read.
-            marker = recorded_event()
-            self._stats.book_events(self._start_event, marker)
-            self._start_event = None
-        elif self._stats is not None and self._start is not None:
-            self._stats.book(time.perf_counter() - self._start)
-        if self._retire is not None:
-            if marker is None and self._completion is not None and self._work is not None:
-                marker = self._completion()
-            self._retire(marker if self._completion is not None else None)
-        self.done = True
-        # A finished work still references its input and output buffers: drop it so they can be freed.
-        self._work, self._after = None, []
-        if self._on_done is not None:
-            on_done, self._on_done = self._on_done, None
-            on_done()
-
-
-class Chained:
-    """A call handed to the hop worker (:meth:`Comm.chain`). :meth:`wait` returns once it has run and
-    re-raises its error; the host's time blocked there is booked as ``waited`` on ``blocked_on`` (the
-    collective the call waits for), so exposed-communication figures stay those of the host."""
-
-    def __init__(self, future: Future[None], blocked_on: Handle | None) -> None:
-        self._future = future
-        self._blocked_on = blocked_on
-
-    def wait(self) -> None:
-        since = None if self._future.done() else time.perf_counter()
-        try:
-            self._future.result()
-        finally:
-            if self._blocked_on is not None:
-                self._blocked_on.book_blocked(since)
-                self._blocked_on = None
-
-    def settle(self) -> None:
-        """Wait without raising (after an error elsewhere, whose report matters more)."""
-        self._future.exception()
-
-
-def _completion_event() -> torch.cuda.Event:
-    """An event on the current stream right after it was made to wait for a collective: it completes when the
-    collective does (a wait on CUDA only enqueues; the host moves on)."""
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 def _divide(output: torch.Tensor, divisor: float) -> None:
@@ -288,7 +166,7 @@ class Comm:
         region = profiler_region("all_gather", group, label)
         with record_function(region):
             work = dist.all_gather_single(output, input, group=self._pg(group), async_op=True)
-            return self._finish(work, stats, async_op, region)
+            return self._finish(work, stats, group, async_op, region)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: str = "shard",
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG, async_op: bool = False, *,
@@ -319,10 +197,10 @@ class Comm:
                 received = torch.empty_like(input)
                 work = dist.all_to_all_single(received, input, group=self._pg(group), async_op=True)
                 divisor = n if wire_op == dist.ReduceOp.AVG else post
-                return self._finish(work, stats, async_op, region,
+                return self._finish(work, stats, group, async_op, region,
                                     functools.partial(_sum_chunks, received, output, n, divisor))
             work = dist.reduce_scatter_single(output, input, op=wire_op, group=self._pg(group), async_op=True)
-            return self._finish(work, stats, async_op, region,
+            return self._finish(work, stats, group, async_op, region,
                                 None if post == 1 else functools.partial(_divide, output, post))
 
     def all_reduce(self, tensor: torch.Tensor, group: str = "replicate",
@@ -340,7 +218,7 @@ class Comm:
         with record_function(region):
             wire_op, post = split_average(tensor, op, n)
             work = dist.all_reduce(tensor, op=wire_op, group=self._pg(group), async_op=True)
-            return self._finish(work, stats, async_op, region,
+            return self._finish(work, stats, group, async_op, region,
                                 None if post == 1 else functools.partial(_divide, tensor, post))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
@@ -361,7 +239,7 @@ class Comm:
         with record_function(region):
             work = dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self._pg(group),
                                           async_op=True)
-            return self._finish(work, stats, async_op, region)
+            return self._finish(work, stats, group, async_op, region)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, group: str = "world") -> None:
         """Overwrite ``tensor`` with its value on the group's rank ``src_group_rank``."""
@@ -375,7 +253,7 @@ class Comm:
             # By group rank: an elastic job's replicate groups have no global ranks (elastic/groups.py).
             work = dist.broadcast(tensor, src=src_group_rank, async_op=True) if pg is None else \
                 dist.broadcast(tensor, group=pg, group_src=src_group_rank, async_op=True)
-        self._finish(work, stats, async_op=False, region=region)
+        self._finish(work, stats, group, async_op=False, region=region)
 
     def barrier(self, group: str = "world") -> None:
         """Return once every rank of the group has called it: e.g. so that a timed region starts together
@@ -386,9 +264,9 @@ class Comm:
         region = profiler_region("barrier", group)
         with record_function(region):
             work = dist.barrier(group=self._pg(group), async_op=True)
-        self._finish(work, stats, async_op=False, region=region)
+        self._finish(work, stats, group, async_op=False, region=region)
 
-    def _finish(self, work: dist.Work, stats: OpStats, async_op: bool, region: str = "",
+    def _finish(self, work: dist.Work, stats: OpStats, group: str, async_op: bool, region: str = "",
                 on_done: Callable[[], None] | None = None) -> Handle:
         retire = None
         if self._ledger is not None:
@@ -398,8 +276,11 @@ class Comm:
             else:  # on the hop worker: book to the entry chain() reserved
                 entry.work, self._worker_local.booked = work, True
             retire = functools.partial(self._ledger.done_when, entry)
+        # Elastic: a wait in the replicate group gives up once the coordinator says a member is gone, instead
+        # of blocking until the group's timeout (gloo cannot abort a collective in flight).
+        interrupt = getattr(self._layer, "interrupted", None) if group == "replicate" else None
         handle = Handle(work, stats, on_done=on_done, region=region, retire=retire, cuda_timed=self._cuda,
-                        completion=_completion_event if self._cuda else None)
+                        completion=completion_event if self._cuda else None, interrupt=interrupt)
         if not async_op:
             handle.wait()
         return handle

@@ -273,8 +273,8 @@ def init_mesh(
     ``elastic=True`` (or an ``ElasticPolicy`` with its timeouts): this process's torchrun job is one replica of
     an elastic job whose replicas come and go between steps (``hsdp/engine/elastic/``): the coordinator at
     ``coordinator`` (default ``$HSDP_COORDINATOR``), this replica's id from ``$HSDP_REPLICA_ID``. The replica's
-    ranks shard every parameter (``sharding_degree`` is the job's world size); blocks until the coordinator
-    admits the replica. Tensor parallelism and a list of degrees are refused.
+    ranks shard every parameter (``sharding_degree`` is the job's world size); the replica is admitted once its
+    ``ShardedOptimizer`` exists (a joiner is healed there). Tensor parallelism and a list of degrees are refused.
     """
     if elastic:
         return _elastic_mesh(sharding_degree, tensor_parallel_degree, device_mesh, coordinator, timeout, fault_policy,
@@ -326,10 +326,10 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     watch_launcher(watchdog)
-    client, step, replicas = elastic_join(found, world, policy)
+    client, replicas = elastic_join(found, world, policy)
     param_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     layer = ElasticLayer(client, found.replica_id, world, replicas, dist.get_rank(), param_mesh.get_group(),
-                         param_mesh, device_type, policy, step)
+                         param_mesh, device_type, policy)
     return HSDPMesh(None, watchdog, layer=layer)
 
 

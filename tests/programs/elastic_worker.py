@@ -5,7 +5,8 @@ HSDP_ELASTIC_JOB; ``ELASTIC_OUT`` (a folder), ``ELASTIC_FAULT`` (``kill`` or ``s
 ``ELASTIC_FAULT_STEP``: that replica's ranks SIGKILL, or its rank 0 SIGSTOPs, itself in the backward of that
 step; a restarted replica runs without the fault).
 
-Every replica trains the same tiny model with AdamW; at step k, replica r's rank s reads batch ``(k, r, s)``.
+Every replica trains the same tiny model with AdamW; at step k, replica r's rank s reads batch ``(k, r, s)``
+(``ELASTIC_ACCUM`` micro-batches of it, the inter-node hop deferred to the last).
 Each rank appends what ``model.last_step`` says after every optimizer step, with the loss of the step, to
 ``<out>/r<replica>_s<rank>_i<incarnation>.jsonl``; the run stops after two consecutive committed steps of every
 replica at step >= 5, then checks replicas and saves the full parameters.
@@ -27,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import ParityNet, batch, loss_fn
 
 REPLICAS = 3
-POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=3.0, connect_timeout=10.0,
+ACCUM = int(os.environ.get("ELASTIC_ACCUM", "1"))  # micro-batches per step
+POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
 
 
@@ -64,14 +66,18 @@ def main() -> None:
     model.blocks[1].register_full_backward_pre_hook(die)
     together = 0
     while step < 400:
-        x, y = batch(step, REPLICAS * replica + rank)
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        losses = []
+        for micro in range(ACCUM):  # accumulation: the hop only on the last micro-batch
+            x, y = batch(1000 * micro + step, REPLICAS * replica + rank)
+            model.set_requires_all_reduce(micro == ACCUM - 1)
+            loss = loss_fn(model(x), y)
+            (loss / ACCUM).backward()
+            losses.append(loss.item())
         opt.step()
         opt.zero_grad()
         last = model.last_step
         log.write(json.dumps({"step": last.step, "committed": last.committed, "replicas": list(last.replicas),
-                              "loss": loss.item(), "t": time.time()}) + "\n")
+                              "losses": losses, "t": time.time()}) + "\n")
         log.flush()
         together = together + 1 if last.committed and len(last.replicas) == REPLICAS else 0
         step = last.step + 1

@@ -44,9 +44,9 @@ def elastic_env(coordinator: str | None, env: Mapping[str, str] | None = None) -
     return ElasticEnv(address, int(text), env.get(JOB_ENV, "default"))
 
 
-def join(found: ElasticEnv, degree: int, policy: ElasticPolicy) -> tuple[CoordinatorClient, int, int]:
-    """Connect every rank, register this replica (its leader) and wait for admission; ``(client, step it joins
-    at, configured replica count)``; the leader tells the others through the replica's store."""
+def join(found: ElasticEnv, degree: int, policy: ElasticPolicy) -> tuple[CoordinatorClient, int]:
+    """Connect every rank and register this replica (its leader: the heartbeat starts); ``(client, configured
+    replica count)``. Admission waits until the replica is ready (:func:`admit`)."""
     store = connect(found.address, found.job, policy)
     leader = dist.get_rank() == 0
     client = CoordinatorClient(store, found.address, found.job, found.replica_id, leader, policy)
@@ -58,7 +58,6 @@ def join(found: ElasticEnv, degree: int, policy: ElasticPolicy) -> tuple[Coordin
                 raise ValueError(f"{REPLICA_ID_ENV}={found.replica_id} is outside the coordinator's {configured} "
                                  f"replicas (ids 0..{configured - 1}): start it with more --replicas")
             client.register(degree)
-            answer["step"] = client.admitted()
         except (ValueError, TimeoutError) as e:
             answer["error"] = str(e)
     # The leader's answer to the replica's other ranks: through the replica's rendezvous store.
@@ -66,7 +65,24 @@ def join(found: ElasticEnv, degree: int, policy: ElasticPolicy) -> tuple[Coordin
     if "error" in told:
         client.close()
         raise ValueError(told["error"])
-    return client, int(told["step"]), int(told["replicas"])
+    return client, int(told["replicas"])
+
+
+def admit(client: CoordinatorClient) -> int:
+    """Tell the coordinator this replica is ready (its model and optimizer exist) and wait for admission; the
+    step it joins at, on every rank of the replica (the leader asks and tells the others through the store)."""
+    answer: dict[str, object] = {}
+    if client.leader:
+        try:
+            client.ready()
+            answer["step"] = client.admitted()
+        except (ValueError, TimeoutError) as e:
+            answer["error"] = str(e)
+    told = json.loads(exchange(json.dumps(answer) if client.leader else "{}")[0])
+    if "error" in told:
+        client.close()
+        raise ValueError(told["error"])
+    return int(told["step"])
 
 
 def _configured(store: dist.Store, found: ElasticEnv) -> int:

@@ -61,6 +61,7 @@ class CoordinatorClient:
         self.incarnation = 0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._watch: dist.Store | None = None  # down(): a connection of its own
 
     # -- leader ------------------------------------------------------------------------------------------
     def register(self, degree: int) -> int:
@@ -82,6 +83,20 @@ class CoordinatorClient:
                 store.add(beat, 1)
             except (RuntimeError, TimeoutError):
                 return  # the coordinator is gone: the next wait on the main connection reports it
+
+    def ready(self) -> None:
+        """Leader: the replica's model and optimizer exist; it may be admitted."""
+        self.store.set(key(self.job, "ready", self.replica_id, self.incarnation), "1")
+
+    def down(self, epoch: int) -> str:
+        """Why the groups of ``epoch`` are given up ("" while they are not); on its own connection, since the hop
+        worker asks while the main thread may be blocked in a wait on the main one."""
+        if self._watch is None:
+            host, port = parse_address(self.address)
+            self._watch = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=self.policy.connect_timeout))
+        k = key(self.job, "down", epoch)
+        return self._watch.get(k).decode() if self._watch.check([k]) else ""
 
     def admitted(self) -> int:
         """Leader: block until the coordinator admits this incarnation; the step it joins at."""

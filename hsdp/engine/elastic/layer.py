@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hsdp.engine.elastic.bootstrap import admit
 from hsdp.engine.elastic.client import CoordinatorClient
 from hsdp.engine.elastic.groups import abort_group, build_group
 from hsdp.engine.elastic.protocol import ElasticPolicy, Quorum
@@ -49,12 +50,12 @@ class ElasticLayer:
     scale = 1.0
 
     def __init__(self, client: CoordinatorClient, replica_id: int, degree: int, replicas: int, shard_rank: int,
-                 shard_group: dist.ProcessGroup, param_mesh: DeviceMesh, device_type: str, policy: ElasticPolicy,
-                 step: int) -> None:
+                 shard_group: dist.ProcessGroup, param_mesh: DeviceMesh, device_type: str,
+                 policy: ElasticPolicy) -> None:
         self.client, self.replica_id, self.degree, self.configured = client, replica_id, degree, replicas
         self.shard_rank, self.shard_group, self.param_mesh = shard_rank, shard_group, param_mesh
         self.device_type, self.policy = device_type, policy
-        self.step = step  # the next step this replica runs
+        self.step: int | None = None  # the next step this replica runs; known once admitted
         self.quorum: Quorum | None = None
         self.last: StepRecord | None = None
         self.heals: list[Heal] = []
@@ -105,12 +106,24 @@ class ElasticLayer:
         pass  # groups are per quorum epoch, built when it starts
 
     # -- the step transaction ---------------------------------------------------------------------------
+    def interrupted(self) -> str:
+        """Why a wait in the current replicate group should give up ("" while it should go on): the
+        coordinator's ``down`` notice for the epoch (a member died, a rank's reduction failed)."""
+        return self.client.down(self._epoch) if self._epoch >= 0 else ""
+
+    def _admit(self) -> int:
+        if self.step is None:
+            self.step = admit(self.client)
+        return self.step
+
     def begin_step(self) -> None:
-        """This replica reached its next step (the leader tells the coordinator, once; never blocks)."""
+        """This replica reached its next step (the leader tells the coordinator, once; never blocks once the
+        replica is admitted; admission waits for the coordinator)."""
         with self._lock:
-            if self.client.leader and self._wanted < self.step:
-                self.client.want(self.step)
-            self._wanted = self.step
+            step = self._admit()
+            if self.client.leader and self._wanted < step:
+                self.client.want(step)
+            self._wanted = step
 
     def await_quorum(self) -> Quorum:
         """The quorum of the current step, waited for once; rebuilds the group and heals joiners when the members
@@ -119,6 +132,7 @@ class ElasticLayer:
             if self.quorum is not None and self.quorum.step == self.step:
                 return self.quorum
             self.begin_step()
+            assert self.step is not None
             quorum = self.client.quorum(self.step)
             if quorum.epoch != self._epoch:
                 abort_group(self._group)
@@ -164,10 +178,11 @@ class ElasticLayer:
         with self._lock:
             quorum = self.await_quorum()
             failure, self._failure = self._failure, ""
-            self.client.vote(self.step, not failure, failure)
-            committed = self.client.decision(self.step)
-            self.last = StepRecord(self.step, committed, quorum.members)
-            self.step += 1
+            step = quorum.step
+            self.client.vote(step, not failure, failure)
+            committed = self.client.decision(step)
+            self.last = StepRecord(step, committed, quorum.members)
+            self.step = step + 1
             return committed
 
 

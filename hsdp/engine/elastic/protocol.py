@@ -6,14 +6,17 @@ only one that decides; replicas write requests and read decisions, all under one
 * ``reg/<id>/<incarnation>``: a replica started (its leader, local rank 0); ``inc/<id>`` counts incarnations
   (a torchrun restart is a new one). ``hb/<id>/<incarnation>``: its heartbeat counter, which the coordinator
   watches with its own clock (no clock is compared across hosts);
-* ``admit/<id>/<incarnation>``: the step the coordinator admits it at, or ``reject/...``: why not (the id is
-  used by a live replica, the job is full);
+* ``ready/<id>/<incarnation>``: its model and optimizer exist (a replica is admitted only then, so a member's
+  heal never waits for a joiner's start-up); ``admit/<id>/<incarnation>``: the step the coordinator admits it
+  at, or ``reject/...``: why not (the id is used by a live replica);
 * ``want/<step>/<id>``: a member reached step ``step``; ``quorum/<step>``: the members of that step (JSON,
   :class:`Quorum`), published once every live member asked, or ``stop`` below the minimum;
 * ``ok/<step>/<id>`` (a counter, one per rank) and ``fail/<step>``: each rank's vote on whether its
   inter-node reduction of the step completed; ``decision/<step>``: ``commit`` when every rank of every member
   voted ok, ``abort`` when one failed or a member died. Every rank applies the optimizer step only on commit,
-  so no step is applied twice or by some replicas only.
+  so no step is applied twice or by some replicas only;
+* ``down/<epoch>``: a member of that epoch died or a rank's reduction failed: ranks still waiting in that epoch's
+  groups give up at once (``handles.py``: gloo cannot abort a collective in flight).
 
 Pure data; the timeouts live in :class:`ElasticPolicy`, chosen so that inner ones are shorter than outer ones.
 """
@@ -34,8 +37,10 @@ class ElasticPolicy:
     """Timeouts of elastic training, in seconds, from the innermost out.
 
     ``heartbeat_interval``: how often a replica's leader bumps its heartbeat; ``heartbeat_timeout``: silence
-    after which the coordinator drops a replica (a SIGSTOPped one too); ``hop_timeout``: how long an
-    inter-node collective may block before it fails (gloo's group timeout); ``connect_timeout``: how long a
+    after which the coordinator drops a replica (a SIGSTOPped one too), and the others' collectives still
+    waiting for it give up; ``hop_timeout``: the replicate groups' own timeout, the last resort when the
+    coordinator itself is gone (large: a healthy collective of a big unit on slow links may take long);
+    ``connect_timeout``: how long a
     rank tries to reach the coordinator before it raises naming the address; ``join_timeout``: how long a
     replica waits to be admitted. The watchdog's own timeout (``FaultPolicy.timeout``, 45 s) stays above all
     of them, so a dead peer replica costs a step, never the job.
@@ -43,7 +48,7 @@ class ElasticPolicy:
 
     heartbeat_interval: float = 0.25
     heartbeat_timeout: float = 3.0
-    hop_timeout: float = 5.0
+    hop_timeout: float = 300.0
     connect_timeout: float = 10.0
     join_timeout: float = 300.0
 

@@ -29,6 +29,7 @@ class _Incarnation:
     number: int
     degree: int
     registered: float
+    ready: bool = False
     beats: int = -1
     seen: float = 0.0  # coordinator clock when the heartbeat last moved (or when registered)
 
@@ -116,6 +117,13 @@ class Coordinator:
     def _alive(self, inc: _Incarnation) -> bool:
         return self.clock() - inc.seen <= self.policy.heartbeat_timeout
 
+    def _ready(self, inc: _Incarnation) -> bool:
+        """Beating, and its model and optimizer are built (``ready/<id>/<incarnation>``): admitting it then
+        keeps the members' heal from waiting on the joiner's start-up."""
+        if not inc.ready:
+            inc.ready = self._get("ready", inc.replica, inc.number) is not None
+        return inc.ready and self._alive(inc) and inc.beats >= 0
+
     def _reject_duplicates(self) -> None:
         """A new incarnation of an id whose member still beats, past the timeout: a second replica using the id
         (a restart would have stopped beating by then)."""
@@ -135,12 +143,13 @@ class Coordinator:
         for replica, inc in list(s.members.items()):
             if not self._alive(inc):
                 del s.members[replica]
+                self._down(f"replica {replica} stopped beating")
         if s.step == 0 and not s.members:
             if not self._start_ready():
                 return
         elif any(self._get("want", s.step, r) is None for r in s.members):
             return  # a live member is still computing the previous step
-        joiners = {r: inc for r, inc in s.pending.items() if self._alive(inc) and inc.beats >= 0
+        joiners = {r: inc for r, inc in s.pending.items() if self._ready(inc)
                    and (r not in s.members or not self._alive(s.members[r]))}
         merged = {**s.members, **joiners}
         if len(merged) < self.min_replicas:
@@ -162,10 +171,16 @@ class Coordinator:
                           source if joiners else None)
         self.store.set(key(self.job, "quorum", s.step), s.quorum.to_json())
 
+    def _down(self, why: str) -> None:
+        """Tell every rank still waiting in the current epoch's groups to give up (``down/<epoch>``)."""
+        k = key(self.job, "down", self.state.epoch)
+        if not self.store.check([k]):
+            self.store.set(k, why)
+
     def _start_ready(self) -> bool:
         """Step 0: every configured replica registered and beating, or enough of them after the grace period."""
         s = self.state
-        ready = [inc for inc in s.pending.values() if self._alive(inc) and inc.beats >= 0]
+        ready = [inc for inc in s.pending.values() if self._ready(inc)]
         if len(ready) == self.replicas:
             return True
         return len(ready) >= self.min_replicas and self.clock() - self._started > self.start_grace
@@ -180,8 +195,10 @@ class Coordinator:
         s = self.state
         q = s.quorum
         assert q is not None
-        if self._counter("fail", q.step) > 0 or any(not self._alive(s.members[r]) for r in q.members):
+        dead = [r for r in q.members if not self._alive(s.members[r])]
+        if self._counter("fail", q.step) > 0 or dead:
             decision = ABORT
+            self._down(f"replica(s) {dead} stopped beating" if dead else f"a rank's reduction of step {q.step} failed")
         elif all(self._counter("ok", q.step, r) >= s.members[r].degree for r in q.members):
             decision = COMMIT
         else:
