@@ -20,6 +20,11 @@ its listing holds checkpoints only)::
 * A holder whose lease was taken over (it had stopped renewing for longer than the bound: frozen, or cut
   off from the storage) finds another token in the file at its next renewal or save, and stops before
   writing anything more: the watchdog check ends every rank, a save raises on every rank.
+* Several processes of one job may hold it in turn (``shared=``: a label naming the job, e.g. an elastic
+  job's replicas, each its own torchrun job): one takes it over from another with the same label at once,
+  live or not, without a warning; the one that lost it that way stops renewing quietly (no watchdog
+  failure), its next save is refused, and it may take it back later. Which of them writes when is the
+  caller's rule (``hsdp train``: the lowest replica id of each step's members, one at a time).
 
 Readers ignore the lease: loading or exporting a checkpoint works while another job holds the directory.
 A job holds a lease in one process (rank 0), so which leases a process holds is process-wide state, like
@@ -107,10 +112,16 @@ class Holder:
     pid_space: str
     token: str
     since: float
+    shared: str = ""  # the label of the job whose processes hold the lease in turn ("": this process alone)
 
     @classmethod
-    def mine(cls) -> Holder:
-        return cls(job_label(), socket.gethostname(), os.getpid(), pid_space(), uuid.uuid4().hex, time.time())
+    def mine(cls, shared: str = "") -> Holder:
+        return cls(job_label(), socket.gethostname(), os.getpid(), pid_space(), uuid.uuid4().hex, time.time(),
+                   shared)
+
+    def shared_with(self, shared: str) -> bool:
+        """Whether a process of the job labelled ``shared`` may take this lease over at once."""
+        return bool(shared) and self.shared == shared
 
     def describe(self, heartbeat: float) -> str:
         age = max(0.0, time.time() - heartbeat)
@@ -217,6 +228,7 @@ class RunDirLease:
         # before leases existed, and there is nothing to renew or give back.
         self.protected = protected
         self.released = not protected
+        self.passed_on = False  # taken over by another process of the same shared job (see the module docstring)
         self._renewed = time.monotonic()
         self._lock = threading.Lock()  # the watchdog thread renews while the main thread may save
         self._watched: set[int] = set()
@@ -227,10 +239,14 @@ class RunDirLease:
             if not self.protected:
                 return None
             if self.released:
-                return f"the lease on {self.run_dir} was given back"
+                how = f"passed to another process of job {self.holder.shared!r}" if self.passed_on else "given back"
+                return f"the lease on {self.run_dir} was {how}"
             found = read_lease(self.path)
             if found is None and _create(self.path, self.holder):  # deleted by hand: this job still holds
                 found = (self.holder, time.time())
+            if found is not None and found[0].token != self.holder.token and found[0].shared_with(self.holder.shared):
+                self.released = self.passed_on = True
+                return f"the lease on {self.run_dir} was passed to another process of job {self.holder.shared!r}"
             if found is None or found[0].token != self.holder.token:
                 return (f"the lease on {self.run_dir} was taken over by "
                         f"{found[0].describe(found[1]) if found else 'another job'}; this job had not renewed it "
@@ -247,9 +263,10 @@ class RunDirLease:
         if self.released or time.monotonic() - self._renewed < self.stale_after / _RENEWALS_PER_BOUND:
             return None
         try:
-            return self.renew()
+            lost = self.renew()
         except Exception:  # the storage hiccuped; the bound leaves room for several more tries
             return None
+        return None if self.passed_on else lost  # passed on within its shared job: no failure
 
     def watch(self, watchdog: Watchdog | None) -> None:
         """Have ``watchdog`` renew this lease (once per watchdog)."""
@@ -269,20 +286,25 @@ class RunDirLease:
                     os.unlink(self.path)
 
 
-def _clear(run_dir: str, path: str, found: tuple[Holder, float], stale_after: float) -> str | None:
-    """Refuse a live lease (``ValueError`` naming its holder), else set the stale one aside; why it was
-    stale, or ``None`` when another job moved it first."""
+def _clear(run_dir: str, path: str, found: tuple[Holder, float], stale_after: float, shared: str) -> str | None:
+    """Refuse a live lease (``ValueError`` naming its holder), else set the stale one (or one held in turn by the
+    ``shared`` job) aside; why it could be, or ``None`` when another job moved it first."""
     holder, heartbeat = found
-    reason = "it is this process's" if holder.is_this_process() else holder.stale_reason(heartbeat, stale_after)
+    if holder.is_this_process():
+        reason: str | None = "it is this process's"
+    elif holder.shared_with(shared):
+        reason = f"job {shared!r} holds it in turn"
+    else:
+        reason = holder.stale_reason(heartbeat, stale_after)
     if reason is None:
         raise ValueError(_refusal(run_dir, holder, heartbeat, stale_after))
     return reason if _set_aside(path, holder) else None
 
 
-def _new_lease(run_dir: str, path: str, stale_after: float) -> RunDirLease | None:
+def _new_lease(run_dir: str, path: str, stale_after: float, shared: str) -> RunDirLease | None:
     """A lease in a new file; ``None`` when another job created one first. Where the file cannot be created
     at all (a read-only parent directory), an unprotected lease and a warning: saving still works."""
-    mine = Holder.mine()
+    mine = Holder.mine(shared)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return RunDirLease(run_dir, mine, stale_after) if _create(path, mine) else None
@@ -295,17 +317,17 @@ def _new_lease(run_dir: str, path: str, stale_after: float) -> RunDirLease | Non
         return RunDirLease(run_dir, mine, stale_after, protected=False)
 
 
-def _acquire(run_dir: str, stale_after: float) -> RunDirLease:
+def _acquire(run_dir: str, stale_after: float, shared: str) -> RunDirLease:
     path = lease_path(run_dir)
     for _ in range(5):  # each retry means another job changed the lease meanwhile
         found = read_lease(path)
-        reason = None if found is None else _clear(run_dir, path, found, stale_after)
+        reason = None if found is None else _clear(run_dir, path, found, stale_after, shared)
         if found is not None and reason is None:
             continue
-        lease = _new_lease(run_dir, path, stale_after)
+        lease = _new_lease(run_dir, path, stale_after, shared)
         if lease is None:
             continue
-        if found is not None and not found[0].is_this_process():
+        if found is not None and not found[0].is_this_process() and not found[0].shared_with(shared):
             warnings.warn(f"taking over the lease on {run_dir} from {found[0].describe(found[1])}: {reason}",
                           RuntimeWarning, stacklevel=3)
         return lease
@@ -313,10 +335,12 @@ def _acquire(run_dir: str, stale_after: float) -> RunDirLease:
 
 
 def hold_lease(run_dir: str | os.PathLike, *, watchdog: Watchdog | None = None,
-               stale_after: float | None = None) -> RunDirLease:
+               stale_after: float | None = None, shared: str = "") -> RunDirLease:
     """Take the lease on ``run_dir``, or keep (renew) it when this process holds it already; ``watchdog``
     (this process's, if any) renews it from then on. Called by one process of the job (global rank 0).
     ``stale_after`` defaults to the watchdog's ``FaultPolicy.lease_stale_after`` (60 s without one).
+    ``shared``: the label of a job whose processes hold the lease in turn (see the module docstring); this
+    process takes it back when another one of them took it meanwhile.
 
     ``ValueError`` naming the holder when another job holds a live lease, or naming the taker when this
     process's lease was taken over. A stale lease is taken over with a ``RuntimeWarning``.
@@ -329,9 +353,11 @@ def hold_lease(run_dir: str | os.PathLike, *, watchdog: Watchdog | None = None,
         lost = lease.renew()
         if lost is not None:
             del _HELD[key]
-            raise ValueError(lost)
-    else:
-        lease = _HELD[key] = _acquire(key, stale_after)
+            if not lease.passed_on:
+                raise ValueError(lost)
+            lease = None
+    if lease is None:
+        lease = _HELD[key] = _acquire(key, stale_after, shared)
     lease.watch(watchdog)
     return lease
 
@@ -347,12 +373,13 @@ def confirm_lease(run_dir: str | os.PathLike) -> None:
         raise ValueError(lost)
 
 
-def lease_problem(run_dir: str | os.PathLike, stale_after: float = DEFAULT_STALE_AFTER) -> str | None:
+def lease_problem(run_dir: str | os.PathLike, stale_after: float = DEFAULT_STALE_AFTER, shared: str = "") -> str | None:
     """Why a job may not start writing ``run_dir`` (another job's live lease), without taking anything;
-    ``None`` when it may (no lease, a stale one, or this process's own)."""
+    ``None`` when it may (no lease, a stale one, this process's own, or one its ``shared`` job holds)."""
     key = os.path.realpath(os.fspath(run_dir))
     found = read_lease(lease_path(key))
-    if found is None or found[0].is_this_process() or found[0].stale_reason(found[1], stale_after):
+    if (found is None or found[0].is_this_process() or found[0].shared_with(shared)
+            or found[0].stale_reason(found[1], stale_after)):
         return None
     return _refusal(key, found[0], found[1], stale_after)
 

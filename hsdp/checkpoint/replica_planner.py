@@ -67,7 +67,16 @@ def replica_of_ranks(mesh: HSDPMesh) -> tuple[int, ...]:
             for rank in ranks.flatten().tolist():
                 out[rank] = replica
         return tuple(out)
-    return tuple(q for q, d in enumerate(mesh.replicas.degrees) for _ in range(d))
+    return tuple(q for q, d in enumerate(writer_degrees(mesh)) for _ in range(d))
+
+
+def writer_degrees(mesh: HSDPMesh) -> tuple[int, ...]:
+    """The shard degree of every replica whose ranks save together, in rank order: all the mesh's replicas, or on
+    an elastic mesh this replica alone (its torchrun job's world is the default process group DCP saves over; the
+    other replicas are other jobs, equal to it at a step boundary). Never waits for an elastic step's quorum."""
+    if mesh.elastic is not None:
+        return (mesh.sharding_degree,)
+    return tuple(mesh.replicas.degrees)
 
 
 def _chunk(item: WriteItem) -> Chunk:

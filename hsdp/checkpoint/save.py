@@ -32,7 +32,7 @@ from hsdp.checkpoint.lease import confirm_lease, hold_lease
 from hsdp.checkpoint.manifest import MANIFEST, FileEntry, Manifest, hash_file
 from hsdp.checkpoint.names import check_types, optimizer_kind, save_state, tied_aliases
 from hsdp.checkpoint.options import CheckpointOptions
-from hsdp.checkpoint.replica_planner import ReplicaSavePlanner
+from hsdp.checkpoint.replica_planner import ReplicaSavePlanner, writer_degrees
 from hsdp.checkpoint.resolve import is_checkpoint_dir
 from hsdp.checkpoint.rundir import atomic_write, commit_dir, next_step, prune, step_dir_name, write_latest
 from hsdp.checkpoint.spec import EXTRA
@@ -86,10 +86,10 @@ def _save(comm: Comm, path: str | os.PathLike, model: ShardedModel, optimizer: S
     share = names[comm.mesh.rank:: comm.size("world")]
     hashes = run_agreed(comm, "save_checkpoint: hashing", lambda: _hash(tmp, share), CheckpointError)
     files = {k: v for b in comm.all_gather_bytes(json.dumps(hashes).encode()) for k, v in json.loads(b).items()}
-    manifest = Manifest(target["step"], comm.size("world"), (model.mesh.replicate_degree, model.mesh.sharding_degree),
+    degrees = writer_degrees(model.mesh)  # an elastic replica saves alone: its own degree, no quorum wait
+    manifest = Manifest(target["step"], comm.size("world"), (len(degrees), model.mesh.sharding_degree),
                         {k: FileEntry(*v) for k, v in files.items()},
-                        None if optimizer is None else optimizer_kind(optimizer), tied_aliases(model),
-                        model.mesh.replicas.degrees)
+                        None if optimizer is None else optimizer_kind(optimizer), tied_aliases(model), degrees)
     return on_rank0(comm, "save_checkpoint: committing", lambda: _commit(target, manifest, options), CheckpointError)
 
 

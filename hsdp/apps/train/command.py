@@ -188,25 +188,35 @@ def input_problem(config: RunConfig) -> str | None:
 
 def run_rank(config: RunConfig, report: Report | None = None) -> int:
     """Run the job as this rank, ending with ``report`` (default: ``hsdp train``'s); 2 (after one message
-    from rank 0) when the run may not start, 143 when a SIGTERM stopped it after a checkpoint."""
+    from rank 0) when the run may not start, 143 when a SIGTERM stopped it after a checkpoint, 3
+    (``QUORUM_LOST_EXIT_STATUS``) when the coordinator of an elastic job stopped it below its minimum."""
     import torch.distributed as dist
 
+    from hsdp.apps.train.elastic_run import QUORUM_LOST_EXIT_STATUS
     from hsdp.apps.train.job import print_report, run_job
+    from hsdp.engine.elastic.client import QuorumLost
     from hsdp.engine.preemption import STOP_EXIT_STATUS
 
     try:
         outcome = run_job(config, report=report or print_report)
     except ValueError as e:  # every rank raises the same agreed error: print it once
         return _error(str(e)) if os.environ.get("RANK", "0") == "0" else USAGE_ERROR
+    except QuorumLost as e:  # before the first step (a replica joining as the job stops): nothing to save
+        if os.environ.get("RANK", "0") == "0":
+            print(f"hsdp train: {e}", file=sys.stderr, flush=True)
+        return QUORUM_LOST_EXIT_STATUS
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if outcome.quorum_lost:
+        return QUORUM_LOST_EXIT_STATUS
     return STOP_EXIT_STATUS if outcome.stopped else 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp train``; the exit status."""
     from hsdp.apps.train.config_io import resolve_config, to_toml
+    from hsdp.apps.train.elastic_run import launch_problem
     from hsdp.apps.train.rundir import resume_problem, start_problem
     from hsdp.apps.train.wandb_sink import wandb_problem
 
@@ -216,9 +226,10 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_config(path, overrides)
         # Under torchrun each rank checks its run directory itself (and --resume may start fresh there); its
         # inputs before it joins the process group or writes anything.
-        problem = (wandb_problem(config) or input_problem(config)) if under_torchrun() else (
-            start_problem(config) or resume_problem(config) or layout_problem(config) or wandb_problem(config)
-            or input_problem(config))
+        problem = launch_problem(config, under_torchrun()) or (
+            (wandb_problem(config) or input_problem(config)) if under_torchrun() else (
+                start_problem(config) or resume_problem(config) or layout_problem(config) or wandb_problem(config)
+                or input_problem(config)))
     except ValueError as e:
         return _error(str(e))
     if args.print_config:

@@ -223,7 +223,13 @@ class ParallelConfig:
     is the even split's); ``"auto"`` runs the first ``CALIBRATION_STEPS`` steps at the even split, timing each
     rank's busy seconds (its step less the time it waited in collectives; CPU ranks, where a wait blocks),
     then weights each rank by 1 / its median (:func:`hsdp.tools.planner.balance.balanced_weights`), logged
-    and saved in ``summary.json``."""
+    and saved in ``summary.json``.
+
+    ``elastic``: this torchrun job is one replica of an elastic job (``hsdp.init_mesh(elastic=True)``, rules in
+    :mod:`hsdp.apps.train.elastic_run`): replicas leave and rejoin between steps; start it with ``hsdp launch
+    --elastic -- -m hsdp.apps.train parallel.elastic=true``. Each replica is sharded over its own job's ranks
+    (``sharding_degree`` 0 or that count); tensor parallelism, a list of degrees, the replica-sharded optimizer,
+    the ``int8`` hop and batch weights other than ``"even"`` are refused with it."""
 
     SECTION: ClassVar[str] = "parallel"
     nodes: int = 2
@@ -235,11 +241,14 @@ class ParallelConfig:
     shard_optimizer_across_replicas: bool = False
     tensor_parallel: int = 1
     batch_weights: str | tuple[float, ...] = "even"
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop  # torch import deferred, as above
 
         _at_least(self.SECTION, self, ("nodes", "nproc_per_node", "tensor_parallel"), 1)
+        if self.elastic:
+            self._check_elastic()
         self._check_degrees()
         self._check_batch_weights()
         _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
@@ -283,6 +292,25 @@ class ParallelConfig:
             _fail(self.SECTION, "batch_weights", list(weights),
                   "give one finite positive weight per data-parallel rank or per replica, e.g. [1, 2], or 'even' "
                   "or 'auto'")
+
+    def _check_elastic(self) -> None:
+        # What hsdp refuses on an elastic mesh (init_mesh, ShardedModel), here before any rank starts. Batch weights
+        # are a fixed split of a global batch that shrinks while a replica is out.
+        refused = (("tensor_parallel", self.tensor_parallel, self.tensor_parallel > 1,
+                    "set parallel.tensor_parallel = 1"),
+                   ("sharding_degree", self.sharding_degree, self.degree_list is not None,
+                    "give one integer (0: the ranks of each replica's job)"),
+                   ("shard_optimizer_across_replicas", True, self.shard_optimizer_across_replicas,
+                    "set parallel.shard_optimizer_across_replicas = false"),
+                   ("replica_hop", self.replica_hop, self.replica_hop == "int8", "set parallel.replica_hop to 'fp32' "
+                                                                                 "or 'bf16'"),
+                   ("batch_weights", self.batch_weights, self.batch_weights != "even",
+                    "set parallel.batch_weights = 'even'"))
+        for name, value, bad, fix in refused:
+            if bad:
+                _fail(self.SECTION, name, list(value) if isinstance(value, tuple) else value,
+                      f"does not combine with parallel.elastic = true (replicas of one shard degree that come and go "
+                      f"between steps): {fix}, or parallel.elastic = false")
 
     def _check_tensor_parallel_options(self) -> None:
         # What the engine does not compose with tensor parallelism yet (ShardedModel refuses it alike).
@@ -330,6 +358,18 @@ class RunConfig:
                                                             "tokenizer: set data.tokenizer = 'auto'")
         if self.parallel.tensor_parallel > 1:
             self._check_tensor_parallel_model()
+        if self.parallel.elastic:
+            self._check_elastic_run()
+
+    def _check_elastic_run(self) -> None:
+        if self.train.resume:
+            _fail("train", "resume", True, "not with parallel.elastic = true yet: a replica that joins is healed from "
+                                           "a live one, never from disk, and a new elastic job starts at step 1: "
+                                           "start it in a new run directory (--out), or continue this one without "
+                                           "elastic (hsdp train --resume parallel.elastic=false)")
+        if self.log.wandb:
+            _fail("log", "wandb", True, "not with parallel.elastic = true yet (the replica writing the run changes "
+                                        "with the membership): set log.wandb = false")
 
     def _check_tensor_parallel_model(self) -> None:
         """The model must have a tensor-parallel plan that splits its shape over T ranks, and sequence

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from hsdp.apps.train import summary
 from hsdp.apps.train.config import RunConfig
+from hsdp.apps.train.elastic_run import quorum_lost_text
 from hsdp.apps.train.rank_warnings import RankWarnings
 from hsdp.apps.train.rundir import release_run_dir
 from hsdp.apps.train.trainer import Trainer
@@ -25,11 +26,13 @@ from hsdp.apps.train.trainer import Trainer
 @dataclass(frozen=True)
 class JobOutcome:
     """What a rank's job produced: the summary (every rank holds it) and the sampled text; ``stopped`` when a
-    SIGTERM ended it early (after a checkpoint)."""
+    SIGTERM ended it early (after a checkpoint); ``quorum_lost``: why the coordinator of an elastic job stopped it
+    (fewer live replicas than its minimum)."""
 
     summary: dict[str, Any]
     sample: str | None
     stopped: bool = False
+    quorum_lost: str = ""
 
 
 Report = Callable[[Console, JobOutcome, Trainer], None]
@@ -76,12 +79,17 @@ def run_job(cfg: RunConfig, console: Console | None = None, report: Report = pri
             return _complete(trainer)
         result = trainer.train()
         final = trainer.summarize()
-        # No sample after a SIGTERM: the grace period before SIGKILL is for the checkpoint.
-        text = None if result.stopped_by_signal else trainer.sample_text()
-        outcome = JobOutcome(final, text, result.stopped_by_signal)
+        # No sample after a SIGTERM: the grace period before SIGKILL is for the checkpoint. Elastic: the writer's.
+        stopped = result.stopped_by_signal or bool(result.quorum_lost)
+        text = None if stopped or not trainer.writes else trainer.sample_text()
+        outcome = JobOutcome(final, text, result.stopped_by_signal, result.quorum_lost)
         warns.flush(trainer.channel)
-    if trainer.channel.is_root:
+    if trainer.channel.is_root and trainer.writes:
         report(console, outcome, trainer)
+    if trainer.channel.is_root and result.quorum_lost:
+        saved = result.checkpoints[-1] if result.checkpoint_step == result.lost_at and trainer.writes else None
+        console.print(quorum_lost_text(trainer.mesh.replicate_rank, result.quorum_lost, result.lost_at, saved),
+                      markup=False)
     # Only now: the report writes into the run directory too. After an error the lease stays with this
     # process until it exits.
     release_run_dir(trainer.run)

@@ -63,12 +63,20 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """The records of ``run_dir/metrics.jsonl`` (empty when there is none)."""
+    """The records of ``run_dir/metrics.jsonl`` (empty when there is none). A cut last line (its writer was
+    killed while writing it) is left out."""
     path = os.path.join(run_dir, JSONL_NAME)
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        records += [json.loads(line) for line in lines[-1:]]
+    except ValueError:
+        if lines[-1].endswith("\n"):  # a complete line that is not JSON: not ours to skip
+            raise
+    return records
 
 
 def _tensorboard(log_dir: str, purge_step: int | None) -> Any:
@@ -90,14 +98,15 @@ class RecordSink(Protocol):
 class MetricsWriter:
     """Rank 0's metric files. ``resume_step``: keep the records up to that step (``None``: start empty).
     ``sinks`` receive each new record too (not the kept ones: they had them before the interruption) and
-    are closed with the files."""
+    are closed with the files. ``fields``: the CSV's columns (an elastic run adds its own)."""
 
-    def __init__(self, run_dir: str, resume_step: int | None = None, sinks: Sequence[RecordSink] = ()) -> None:
+    def __init__(self, run_dir: str, resume_step: int | None = None, sinks: Sequence[RecordSink] = (),
+                 fields: Sequence[str] = FIELDS) -> None:
         self._sinks = list(sinks)
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step] if resume_step is not None else []
         self._jsonl = open(os.path.join(run_dir, JSONL_NAME), "w", encoding="utf-8")  # noqa: SIM115
         self._csv_file = open(os.path.join(run_dir, CSV_NAME), "w", encoding="utf-8", newline="")  # noqa: SIM115
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=FIELDS, extrasaction="ignore")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=fields, extrasaction="ignore")
         self._csv.writeheader()
         for record in kept:
             self._write_files(record)

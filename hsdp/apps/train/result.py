@@ -17,6 +17,8 @@ class LoopResult:
     trace: str | None = None
     stopped_by_signal: bool = False  # a rank got SIGTERM: every rank stopped after the last record's step
     batch: dict[str, Any] | None = None  # parallel.batch_weights: weights, sequences per rank, calibration
+    quorum_lost: str = ""  # elastic: why the coordinator stopped the job below its minimum of replicas
+    lost_at: int = 0  # ... and the last step finished then
 
     def add(self, record: dict[str, Any]) -> None:
         """Append a finished step's record."""

@@ -44,10 +44,18 @@ def rank_record(model: hsdp.ShardedModel, optimizer: hsdp.ShardedOptimizer, resu
 def mesh_text(mesh: hsdp.HSDPMesh) -> str:
     """``"2 x 2"`` (replicas x shards), ``"2 x 2 x 2"`` (x tensor-parallel ranks) when T > 1, ``"[2, 1]"`` (each
     replica's shard degree) for replicas of different sizes."""
+    if mesh.elastic is not None:
+        return f"elastic {replica_count(mesh)} x {mesh.sharding_degree} (replica {mesh.elastic.replica_id})"
     if mesh.heterogeneous:
         return str(list(mesh.replicas.degrees))
     tp = f" x {mesh.tp_degree}" if mesh.tp_degree > 1 else ""
     return f"{mesh.replicate_degree} x {mesh.sharding_degree}{tp}"
+
+
+def replica_count(mesh: hsdp.HSDPMesh) -> int:
+    """R: the mesh's replicas; an elastic job's configured ones (never its live members, which would wait for a
+    step's quorum)."""
+    return mesh.elastic.configured if mesh.elastic is not None else mesh.replicate_degree
 
 
 def inter_node_floor(cfg: RunConfig, n_params: int, replicas: int) -> float | None:
@@ -80,10 +88,10 @@ def node_records(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: LoopResult,
                   ranks: list[dict[str, Any]], start_step: int) -> dict[str, Any]:
     """The JSON-serialisable summary (what ``summary.json`` holds)."""
-    losses = [r["loss"] for r in result.records]
+    losses = [r["loss"] for r in result.records if r.get("committed", True)]  # elastic: trained steps only
     evals = [r["eval_loss"] for r in result.records if r["eval_loss"] is not None]
     return {
-        "mesh": {"replicas": mesh.replicate_degree, "shards": mesh.sharding_degree, "world": mesh.world_size,
+        "mesh": {"replicas": replica_count(mesh), "shards": mesh.sharding_degree, "world": mesh.world_size,
                  **({"shard_degrees": list(mesh.replicas.degrees)} if mesh.heterogeneous else {}),
                  **({"tp": mesh.tp_degree} if mesh.tp_degree > 1 else {})},
         "model": {"preset": cfg.model.preset, "kind": cfg.model.kind, "params": n_params,
@@ -94,7 +102,7 @@ def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: Lo
         "tokens": result.tokens, "seconds": result.seconds,
         "tokens_per_s": result.tokens / result.seconds if result.seconds else 0.0,
         "ranks": ranks, "nodes": node_records(ranks),
-        "inter_node_floor_bytes_per_step": inter_node_floor(cfg, n_params, mesh.replicate_degree),
+        "inter_node_floor_bytes_per_step": inter_node_floor(cfg, n_params, replica_count(mesh)),
         "checkpoints": result.checkpoints, "trace": result.trace,
         "batch_weights": result.batch,
     }
@@ -136,6 +144,11 @@ def run_table(summary: dict[str, Any], data: str) -> Table:
         if batch["mode"] == "auto" and not batch["calibration"]:
             how = "auto, not calibrated (the run ended first): even"
         t.add_row("batch weights", f"{batch['weights']} {how}; sequences per rank {batch['batch_sizes']}")
+    elastic = summary.get("elastic")
+    if elastic:
+        members = ", ".join(f"{m['step']}: {m['replicas']}" for m in elastic["membership"])
+        t.add_row("elastic", f"{elastic['committed']} steps committed, {len(elastic['discarded'])} discarded "
+                             f"{elastic['discarded']}; members from step {members}")
     return t
 
 

@@ -14,6 +14,10 @@ step's start, so evaluation and sampling traffic are not counted) and published 
 Every public method is called on every rank in the same order: evaluation, metric averages, warnings and
 checkpoints are collectives. A SIGTERM on any rank (``train.save_on_signal``) ends the loop on every rank
 after the same step, with a checkpoint there (see ``hsdp.engine.preemption``).
+
+With ``parallel.elastic`` this rank's job is one replica of an elastic job: "every rank" above means the
+replica's ranks, the step numbers come from the coordinator, and one replica at a time writes the run
+directory (:mod:`hsdp.apps.train.elastic_run`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from hsdp.apps.train import resume, summary
 from hsdp.apps.train.calibration import Calibration
 from hsdp.apps.train.config import RunConfig
 from hsdp.apps.train.corpus import load_corpus
+from hsdp.apps.train.elastic_run import ElasticWriter, prepare_elastic_run_dir
 from hsdp.apps.train.lm import LANGUAGE_MODELS, describe, pad_sequence_to, parameter_count, sample
 from hsdp.apps.train.metrics import MetricsWriter, comm_totals, peak_memory_bytes
 from hsdp.apps.train.optimizer import build_optimizer, lr_at, set_lr
@@ -43,6 +48,7 @@ from hsdp.apps.train.rundir import prepare_run_dir
 from hsdp.apps.train.wandb_sink import record_sinks
 from hsdp.apps.train.weighted_stream import WeightedTokenStream, per_rank_weights
 from hsdp.data.text import TokenStream
+from hsdp.engine.elastic.client import QuorumLost
 from hsdp.engine.hops import named_hop
 from hsdp.engine.preemption import StopSignals
 
@@ -58,6 +64,8 @@ def _init_mesh(cfg: RunConfig) -> hsdp.HSDPMesh:
     divided by T). T = 1 keeps the 2-D mesh, exactly as before tensor parallelism existed. A list of degrees
     (replicas of different sizes, in rank order) is passed to ``hsdp.init_mesh`` as it is."""
     par = cfg.parallel
+    if par.elastic:  # one replica of an elastic job: its own torchrun job's ranks shard everything
+        return hsdp.init_mesh(par.sharding_degree or None, elastic=True)
     tp = par.tensor_parallel if par.tensor_parallel > 1 else None
     degree = list(par.degree_list) if par.degree_list is not None else (par.sharding_degree or None)
     return hsdp.init_mesh(degree, tensor_parallel_degree=tp)
@@ -95,7 +103,7 @@ class Trainer:
         self.warnings = warnings  # flushed at logged steps: every rank's warnings, shown once by rank 0
         self.mesh = _init_mesh(cfg)
         self.channel = RankChannel(self.mesh)  # metric averages and records, outside the model's comm stats
-        self.run = prepare_run_dir(cfg, self.channel)
+        self.run = (prepare_elastic_run_dir if cfg.parallel.elastic else prepare_run_dir)(cfg, self.channel)
         self.lm = LANGUAGE_MODELS[cfg.model.kind]  # the one place the model kind is looked at
         self.corpus = load_corpus(cfg.data, self.lm.tokenizer(cfg.model))
         self.shape = self.lm.shape(cfg.model, self.corpus.tokenizer.vocab_size)
@@ -123,6 +131,9 @@ class Trainer:
                                  self.start_step)
         self.profiler = self._profiler()
         self.writer: MetricsWriter | None = None  # rank 0's metric files, opened by train()
+        # Elastic: which replica writes the run directory at each step, and its files.
+        self.pen = ElasticWriter(cfg, self.run, self.channel, cfg.train.batch_size * cfg.train.grad_accum
+                                 * self.mesh.sharding_degree, self.shape.block_size) if self.mesh.elastic else None
         self.result = LoopResult(batch=self._batch_info())
 
     # -- construction ---------------------------------------------------------------------------------------
@@ -180,6 +191,8 @@ class Trainer:
 
     def _resume(self) -> tuple[int, str]:
         """``(step, checkpoint directory)`` to continue from; ``(0, "")`` for a fresh start."""
+        if self.mesh.elastic is not None:  # healed at the optimizer: the next elastic step is the next train step - 1
+            return self.mesh.elastic.step, ""
         if not self.cfg.train.resume:
             return 0, ""
         return resume.resume(self.run, self.model, self.optimizer, self.channel)
@@ -187,7 +200,15 @@ class Trainer:
     def _profiler(self) -> StepProfiler:
         end = self.cfg.train.stop_after or self.cfg.train.steps
         window = profile_window(self.start_step, end, self.cfg.train.profile_steps)
-        return StepProfiler(self.cfg.train.profile, window, self.run.profile, self.mesh.rank)
+        # Elastic replicas' ranks repeat each other's numbers: their traces are named by data-parallel rank.
+        rank = hsdp.data_parallel_rank(self.mesh) if self.mesh.elastic is not None else self.mesh.rank
+        return StepProfiler(self.cfg.train.profile, window, self.run.profile, rank)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank's replica writes the run directory now: always, but on an elastic job only the last
+        step's writer (the same on every rank of a replica)."""
+        return self.pen is None or self.pen.writing
 
     @property
     def is_complete(self) -> bool:
@@ -256,6 +277,8 @@ class Trainer:
                   "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
                   "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
                   "mem_bytes": peak_memory_bytes(self.mesh.device)}
+        if self.pen is not None:  # elastic: what the coordinator decided, the batch really averaged
+            record = self.pen.annotate(step, record)
         self._calibrate(step, seconds, comm["exposed_comm_s"])
         return record, stop_votes > 0
 
@@ -275,12 +298,15 @@ class Trainer:
         step, cfg = record["step"], self.cfg
         if self.writer is not None:
             self.writer.write({k: v for k, v in record.items() if k != "step_tokens"})
+        note = self.pen.publish(record) if self.pen is not None else None
+        if note:
+            self.reporter.note(note)
         self.reporter.update(step, record["loss"], record["tokens_per_s"])
         if record["eval_loss"] is not None:
             self.reporter.note(f"step {step}: held-out loss {record['eval_loss']:.4f}")
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             self.warnings.flush(self.channel)
-        if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
+        if _due(step, cfg.train.checkpoint_every, cfg.train.steps) and self.writes:
             self.checkpoint(step)
             self.reporter.note(f"step {step}: checkpoint {self.result.checkpoints[-1]}")
 
@@ -294,10 +320,11 @@ class Trainer:
         """After a SIGTERM on any rank: checkpoint the last step (unless it just was) so that ``--resume``
         continues there."""
         step = self.result.records[-1]["step"]
-        if self.result.checkpoint_step != step:
+        if self.result.checkpoint_step != step and self.writes:  # elastic: this replica leaves; the writer saves
             self.checkpoint(step)
         self.result.stopped_by_signal = True
-        self.reporter.note(f"step {step}: stopping on SIGTERM; checkpoint {self.result.checkpoints[-1]}")
+        saved = f"; checkpoint {self.result.checkpoints[-1]}" if self.result.checkpoint_step == step else ""
+        self.reporter.note(f"step {step}: stopping on SIGTERM{saved}")
 
     # -- the session ----------------------------------------------------------------------------------------
     def _run_step(self, step: int, stop_requested: bool) -> bool:
@@ -305,7 +332,7 @@ class Trainer:
         self.profiler.before(step)
         record, stopping = self.step(step, stop_requested)
         self.result.trace = self.profiler.after(step) or self.result.trace
-        if _due(step, self.cfg.train.eval_every, self.cfg.train.steps):
+        if _due(step, self.cfg.train.eval_every, self.cfg.train.steps) and self.writes:
             record["eval_loss"] = self.evaluate()
         self.result.add(record)
         self.after_step(record)
@@ -316,16 +343,32 @@ class Trainer:
     def train(self) -> LoopResult:
         """Steps ``start_step + 1`` to ``train.steps`` (or ``train.stop_after``), or until a SIGTERM."""
         end = self.cfg.train.stop_after or self.cfg.train.steps
-        if self.channel.is_root:  # a resumed run keeps the records up to its checkpoint
+        if self.channel.is_root and self.pen is None:  # a resumed run keeps the records up to its checkpoint
             self.writer = MetricsWriter(self.run.path, self.start_step if self.cfg.train.resume else None,
                                         sinks=record_sinks(self.cfg, self.run.path))
-        with self.reporter, self.writer or contextlib.nullcontext():
+        with self.reporter, self.writer or self.pen or contextlib.nullcontext():
             with StopSignals(self.cfg.train.save_on_signal) as signals:
-                for step in range(self.start_step + 1, end + 1):
-                    if self._run_step(step, signals.requested):
-                        break
+                try:
+                    for step in range(self.start_step + 1, end + 1):
+                        if self._run_step(step, signals.requested):
+                            break
+                except QuorumLost as e:  # elastic, below the minimum: every rank of every replica
+                    self._quorum_lost(e)
             self.result.trace = self.profiler.close() or self.result.trace
         return self.result
+
+    def _quorum_lost(self, error: QuorumLost) -> None:
+        """Stop after the last finished step, whose state every member holds alike; the replica that claims it
+        checkpoints there (see :mod:`hsdp.apps.train.elastic_run`)."""
+        assert self.pen is not None and self.mesh.elastic is not None
+        self.pen.quorum_lost = self.result.quorum_lost = str(error)
+        self.optimizer.zero_grad(set_to_none=True)
+        step = self.mesh.elastic.step  # every elastic step before it is decided: the last finished train step
+        if self.pen.claim_final() and step > 0:
+            self.pen.hold()  # the lease, and the records the file lacks
+            if self.result.checkpoint_step != step:
+                self.checkpoint(step)
+        self.result.lost_at = step
 
     def sample_text(self) -> str | None:
         """A continuation of ``train.sample_prompt`` (every rank takes part: each token is one forward)."""
@@ -345,6 +388,8 @@ class Trainer:
         """The session's summary on every rank (rank 0 also writes ``summary.json``); a collective."""
         ranks = self.channel.gather(summary.rank_record(self.model, self.optimizer, self.result))
         out = summary.build_summary(self.cfg, self.mesh, self.n_params, self.result, ranks, self.start_step)
-        if self.channel.is_root:
+        if self.pen is not None:
+            out["elastic"] = self.pen.summary(self.result.records)
+        if self.channel.is_root and self.writes:
             summary.write_summary(self.run.summary, out)
         return out
