@@ -62,6 +62,7 @@ class CoordinatorClient:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._watch: dist.Store | None = None  # down(): a connection of its own
+        self._watch_lock = threading.Lock()
 
     # -- leader ------------------------------------------------------------------------------------------
     def register(self, degree: int) -> int:
@@ -91,12 +92,13 @@ class CoordinatorClient:
     def down(self, epoch: int) -> str:
         """Why the groups of ``epoch`` are given up ("" while they are not); on its own connection, since the hop
         worker asks while the main thread may be blocked in a wait on the main one."""
-        if self._watch is None:
-            host, port = parse_address(self.address)
-            self._watch = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=timedelta(seconds=self.policy.connect_timeout))
-        k = key(self.job, "down", epoch)
-        return self._watch.get(k).decode() if self._watch.check([k]) else ""
+        with self._watch_lock:  # asked from the waiting thread and, on CUDA, the epoch's watcher
+            if self._watch is None:
+                host, port = parse_address(self.address)
+                self._watch = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                            timeout=timedelta(seconds=self.policy.connect_timeout))
+            k = key(self.job, "down", epoch)
+            return self._watch.get(k).decode() if self._watch.check([k]) else ""
 
     def admitted(self) -> int:
         """Leader: block until the coordinator admits this incarnation; the step it joins at."""
@@ -117,6 +119,10 @@ class CoordinatorClient:
     def want(self, step: int) -> None:
         """Leader: this replica reached ``step`` (the coordinator may publish its quorum)."""
         self.store.set(key(self.job, "want", step, self.replica_id), str(self.incarnation))
+
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
 
     def close(self) -> None:
         """Stop the heartbeat (the coordinator drops this replica after its timeout)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,6 +141,8 @@ class ElasticLayer:
                                           quorum.index(self.replica_id), len(quorum.members), self.device_type,
                                           self.policy.hop_timeout)
                 self._epoch = quorum.epoch
+                if self.device_type == "cuda":
+                    self._watch(quorum.epoch, self._group)
             self.quorum = quorum
             if quorum.joiners:
                 self._unhealed = quorum
@@ -158,6 +161,19 @@ class ElasticLayer:
                 return
             for heal in self.heals:
                 heal(quorum)
+
+    def _watch(self, epoch: int, group: dist.ProcessGroup) -> None:
+        """NCCL: a host wait does not block (the stream does), so a stuck collective cannot be given up by the
+        waiting thread as on gloo (``handles.py``); a thread aborts the epoch's communicator on the
+        coordinator's ``down`` notice instead, which fails its collectives in flight."""
+        def run() -> None:
+            while self._epoch == epoch and not self.client.closed:
+                if self.client.down(epoch):
+                    abort_group(group)
+                    return
+                time.sleep(self.policy.heartbeat_interval)
+
+        threading.Thread(target=run, name=f"hsdp-elastic-watch-{epoch}", daemon=True).start()
 
     def close(self) -> None:
         """Stop the heartbeat and shut the current group down (the replica leaves; idempotent)."""
