@@ -39,7 +39,8 @@ class ElasticPolicy:
     ``heartbeat_interval``: how often a replica's leader bumps its heartbeat; ``heartbeat_timeout``: silence
     after which the coordinator drops a replica (a SIGSTOPped one too), and the others' collectives still
     waiting for it give up; ``hop_timeout``: the replicate groups' own timeout, the last resort when the
-    coordinator itself is gone (large: a healthy collective of a big unit on slow links may take long);
+    coordinator itself is gone (below the watchdog's stuck-transport bound, twice ``FaultPolicy.timeout``, so
+    the collective fails before the watchdog ends the replica);
     ``connect_timeout``: how long a
     rank tries to reach the coordinator before it raises naming the address; ``join_timeout``: how long a
     replica waits to be admitted. The watchdog's own timeout (``FaultPolicy.timeout``, 45 s) stays above all
@@ -48,7 +49,7 @@ class ElasticPolicy:
 
     heartbeat_interval: float = 0.25
     heartbeat_timeout: float = 3.0
-    hop_timeout: float = 300.0
+    hop_timeout: float = 60.0
     connect_timeout: float = 10.0
     join_timeout: float = 300.0
 
