@@ -67,9 +67,11 @@ class GatedCoordinator(Coordinator):
         inc = self.state.members.get(replica)
         return inc is None or not self._alive(inc)
 
-    def joining(self, replica: int) -> bool:
+    def joining(self, replica: int, probe: dist.Store) -> bool:
+        """A new incarnation of ``replica`` is ready to be admitted (registered, beating, its optimizer built)."""
         inc = self.state.pending.get(replica)
-        return inc is not None and inc.beats >= 0 and self._alive(inc)
+        return (inc is not None and inc.beats >= 0 and self._alive(inc)
+                and probe.check([key(JOB, "ready", replica, inc.number)]))
 
 
 @contextlib.contextmanager
@@ -176,7 +178,7 @@ def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_ag
         coord.quorum_gate, coord.decision_gate = 8, NEVER  # replica 1 trains steps 6-8 alone, then waits
         _until("replica 1 alone at step 9", lambda: _held_at(coord, probe, 8, (1,)), deadline, first[1:])
         again = Replica(0, ranks, address, args, tmp_path)
-        _until("the restarted replica 0 to register", lambda: coord.joining(0), deadline, [first[1], again])
+        _until("the restarted replica 0 to register", lambda: coord.joining(0, probe), deadline, [first[1], again])
         coord.quorum_gate = NEVER  # admitted at step 9, healed from replica 1
         statuses = {"replica 1": first[1].wait(deadline), "restarted replica 0": again.wait(deadline)}
     for name, job in (("replica 1", first[1]), ("restarted replica 0", again)):

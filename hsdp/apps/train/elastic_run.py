@@ -24,9 +24,10 @@ coordinator``); all of them train into the same ``train.out_dir``. The rules:
   and coordinator): the writer holds it while it writes (``save_checkpoint`` needs it) and takes it over from the
   previous writer at once, live or not; a replica that stops writing gives it back; another job is refused as
   ever. So the replicas never refuse each other, and two jobs still never share a run directory.
-* **Starting.** A replica admitted at step 0 is part of the job's start (no step runs before every one of them
-  asked for it), so a run directory holding a run is refused as for a fresh ``hsdp train``; one admitted later
-  joins the running job's directory, whose ``config.toml`` must equal its own configuration.
+* **Starting** (checked before the model is built). Until the coordinator publishes the job's first quorum no step
+  of this job can have run, so a run directory that holds a run then is an older job's and is refused as for a
+  fresh ``hsdp train``; once it is published, a replica joins the running job's directory, whose ``config.toml``
+  must equal its own configuration. Another job's live lease is refused either way.
 * **Below the minimum** the coordinator stops the job and every rank raises ``hsdp.QuorumLost``. ``hsdp train``
   stops after the last finished step, whose state every member holds alike; the first replica to claim it on the
   coordinator's store (the writer of the last step when the store is gone) checkpoints there and writes the
@@ -91,7 +92,7 @@ def prepare_elastic_run_dir(cfg: RunConfig, channel: RankChannel) -> RunDir:
 
 def _check_run_dir(cfg: RunConfig, layer: ElasticLayer) -> None:
     run = RunDir(cfg.train.out_dir)
-    if layer.step == 0:  # admitted at the job's start: nothing of this job is written yet
+    if not layer.client.store.check([key(layer.client.job, "quorum", 0)]):  # no step of this job has run yet
         problem = start_problem(cfg)
     else:
         problem = lease_problem(run.checkpoints, shared=shared_label(layer)) or _config_problem(cfg, run)
