@@ -48,6 +48,7 @@ _EXPORTS = {
     "full_state_dict": "hsdp.engine.state_dict",
     "FaultPolicy": "hsdp.engine.faults.watchdog",
     "ElasticPolicy": "hsdp.engine.elastic.protocol",
+    "DiLoCo": "hsdp.engine.replica_sync",
     "QuorumLost": "hsdp.engine.elastic.client",
     "PreemptionGuard": "hsdp.engine.preemption",
     "load_pretrained": "hsdp.engine.init",
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
     from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
     from hsdp.engine.policy import MixedPrecision
     from hsdp.engine.preemption import PreemptionGuard
+    from hsdp.engine.replica_sync import DiLoCo
     from hsdp.engine.replicas import ReplicaDivergence
     from hsdp.engine.state_dict import full_state_dict
     from hsdp.models import tp_plans as tp_plans
@@ -112,6 +114,7 @@ __all__ = [
     "AllReduceHop",
     "CheckpointError",
     "CheckpointOptions",
+    "DiLoCo",
     "ElasticPolicy",
     "FaultPolicy",
     "HSDPMesh",

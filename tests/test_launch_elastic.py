@@ -269,7 +269,7 @@ def test_membership_log_says_what_changed_and_nothing_else() -> None:
         "job stopped at step 9: 1 live replica(s)"]
     summary = log.summary(_state(9, 2, {0: _inc(1)}, history=history, stopped="1 live"), "j", 125.0)
     assert "after 2m05s" in summary and "4 (3 committed, 1 discarded)" in summary
-    assert "1 join(s), 1 departure(s), 1 refused; last epoch 2" in summary and "stopped: 1 live" in summary
+    assert "1 join(s), 1 departure(s), 1 refused; last epoch 2" in summary and "stopped at step 9: 1 live" in summary
 
 
 def test_serve_reports_a_replica_that_came_and_went_and_exits_once_none_is_left() -> None:
@@ -336,18 +336,24 @@ def test_keep_going_lets_the_other_nodes_finish_and_returns_the_failed_status(tm
     assert "node 0 exited with status 3: the other nodes go on" in out.read_text()
 
 
-def test_a_service_is_ready_on_its_line_and_its_death_stops_the_nodes(tmp_path: Path) -> None:
+def test_a_service_is_ready_on_its_line_and_its_failure_stops_the_nodes(tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
+    service_code = "print('hello'); print('READY=x:1', flush=True); import time; time.sleep(0.5); exit({})"
     with open(out, "w") as sink:
-        service, line = start_service(_python("print('hello'); print('READY=x:1', flush=True); import time; "
-                                              "time.sleep(0.5)", "svc"), "READY=", 30.0, sink)
+        service, line = start_service(_python(service_code.format(3), "svc"), "READY=", 30.0, sink)
         assert line == "READY=x:1"
         started = time.monotonic()
         code = Supervisor([_python("import time; time.sleep(60)", "node 0")], keep_going=True, services=[service],
                           stdout=sink, stderr=sink).run()
-    assert code == 1 and time.monotonic() - started < 30
+        assert code == 3 and time.monotonic() - started < 30
+        # A service that exits 0 has done its part: the nodes are waited for, not stopped.
+        service, _ = start_service(_python(service_code.format(0), "svc"), "READY=", 30.0, sink)
+        code = Supervisor([_python("import time; time.sleep(1.5)", "node 0")], keep_going=True, services=[service],
+                          stdout=sink, stderr=sink).run()
+        assert code == 0
     text = out.read_text()
-    assert "[svc] hello" in text and "svc exited with status 0 while the nodes ran: stopping them" in text
+    assert "[svc] hello" in text and "svc exited with status 3 while the nodes ran: stopping them" in text
+    assert "svc finished; waiting for the nodes" in text
     with open(os.devnull, "w") as sink, pytest.raises(RuntimeError, match="svc exited: boom"):
         start_service(_python("import sys; print('boom'); sys.exit(1)", "svc"), "READY=", 30.0, sink)
 
@@ -421,7 +427,7 @@ def test_a_killed_node_is_restarted_by_its_torchrun_and_rejoins(tmp_path: Path) 
     assert left == [], f"processes left behind: {left}"
     assert re.search(r"\[coordinator\] HSDP_COORDINATOR=127\.0\.0\.1:\d+", output), output[-6000:]
     assert re.search(r"\[coordinator\] \S+ step 0, epoch 0: started with replicas \[0, 1, 2\]", output), output
-    assert re.search(rf"\[coordinator\] .*replica {KILL_NODE} left \(no heartbeat", output), output[-6000:]
+    assert re.search(rf"\[coordinator\] .*replica {KILL_NODE} left \(no heartbeat for 3 s\)", output), output[-6000:]
     assert re.search(rf"\[coordinator\] .*replica {KILL_NODE} rejoined \(incarnation 2, healed from replica 0\)",
                      output), output[-6000:]
     starts = re.findall(rf"\[node {KILL_NODE}\] .*worker: replica {KILL_NODE} starts at step (\d+) \(restart (\d)\)",

@@ -135,6 +135,21 @@ class Int8ErrorFeedbackHop:
         self.residuals.update(state)
 
 
+@dataclass
+class NoHop:
+    """Nothing crosses nodes: the reduced gradient stays the replica's own average (DiLoCo's inner steps,
+    ``replica_sync.py``, whose replicas sync their weights every H steps instead)."""
+
+    def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
+        return Handle()
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
 def start_split_over_tp(hop: ReplicaHop, buffer: torch.Tensor, comm: Comm, key: str) -> Handle:
     """``hop.start`` for a unit whose parameters are replicated across the tensor-parallel group (plain
     parameters of a tensor-parallel model: embeddings, head, norms): its reduced shard is the same on the T

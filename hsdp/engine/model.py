@@ -15,6 +15,7 @@ from hsdp.engine.elastic.layer import StepRecord
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
+from hsdp.engine.replica_sync import DiLoCo, check_replica_sync
 from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.dtensor import as_sharded
@@ -69,6 +70,9 @@ class ShardedModel(nn.Module):
       * ``sharding_degree=1`` is plain replication (DDP semantics); the world size is full sharding.
       * ``mixed_precision``: compute/all-gather dtype and a reduce dtype per hop (see ``MixedPrecision``).
       * ``replica_hop``: what replaces the inter-node all-reduce (see ``hsdp.engine.hops``), e.g. bf16 or int8.
+      * ``replica_sync=hsdp.DiLoCo(every=H)``: no per-step inter-node hop; replicas sync their weights every H
+        steps through an outer optimizer (``hsdp/engine/replica_sync.py``; not DDP's math). Needs
+        ``hsdp.ShardedOptimizer``; not with ``replica_hop`` or ``shard_optimizer_across_replicas``.
       * ``shard_optimizer_across_replicas``: optimizer state (and the reduced gradients) sharded over all
         R x S ranks, parameters still sharded over the S ranks of a node (ZeRO over the whole mesh; Megatron's
         "HFSDP"). The inter-node all-reduce becomes a reduce-scatter across replicas; each rank's optimizer
@@ -90,7 +94,8 @@ class ShardedModel(nn.Module):
                 wrap: WrapPolicy = None, reshard_after_forward: bool = True,
                 mixed_precision: MixedPrecision | None = None, replica_hop: ReplicaHop | None = None,
                 broadcast_buffers: bool | None = None,
-                shard_optimizer_across_replicas: bool = False) -> ShardedModel:
+                shard_optimizer_across_replicas: bool = False,
+                replica_sync: DiLoCo | None = None) -> ShardedModel:
         if isinstance(module, ShardedModel):
             raise ValueError(
                 f"{type(module).__name__} is already a ShardedModel: wrap each model once (to shard a "
@@ -100,9 +105,13 @@ class ShardedModel(nn.Module):
             raise ValueError(f"ShardedModel wraps an nn.Module, got {type(module).__name__}")
         check_policies(mixed_precision, replica_hop)
         mesh = _resolve_mesh(sharding_degree, mesh)
-        options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, replica_hop or AllReduceHop(),
+        hop = check_replica_sync(replica_sync, replica_hop, shard_optimizer_across_replicas, mesh)
+        options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, hop or AllReduceHop(),
                               broadcast_buffers, shard_optimizer_across_replicas)
         _attach(module, shard_module(module, mesh, wrap, options))
+        module._hsdp_state.replica_sync = replica_sync
+        if replica_sync is not None:
+            module._hsdp_state.step_read.sharded_optimizer_only = "syncs replicas with DiLoCo (its outer step)"
         install_unwrapped_step_guard()
         swap_class(module, ShardedModel)
         return module  # type: ignore[return-value]

@@ -19,6 +19,7 @@ from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, warn_drop
 from hsdp.engine.optim.elastic_heal import attach_heal, elastic_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
+from hsdp.engine.optim.outer_step import OuterState
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
 from hsdp.engine.runtime.origin import check_origin, stamp
@@ -82,6 +83,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         install_named_state_dict(optimizer, ShardedOptimizer.named_state_dict)  # see dcp_state_dict.py
         if model.mesh.elastic is not None:
             attach_heal(model, optimizer)  # a joining replica is healed here, before its first forward
+        sync = model._hsdp_state.replica_sync
+        object.__setattr__(optimizer, "_hsdp_outer", None if sync is None else OuterState(model, sync))
         return optimizer  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -110,6 +113,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             result = super().step(closure)
         self._hsdp_steps += 1
+        if self._hsdp_outer is not None:
+            self._hsdp_outer.after_inner_step()  # DiLoCo: every H-th step syncs the replicas' weights
         if self._hsdp_check_every and self._hsdp_steps % self._hsdp_check_every == 0:
             self._hsdp_model.check_replicas()
         return result

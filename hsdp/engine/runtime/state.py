@@ -99,7 +99,9 @@ class HSDPState:
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
         self.step_read = StepRead()  # the step's one host read, if any (step_read.py)
-        self.step_read.elastic = mesh.elastic is not None
+        if mesh.elastic is not None:
+            self.step_read.sharded_optimizer_only = "is elastic (a step the coordinator discards must not be applied)"
+        self.replica_sync: Any = None  # ShardedModel(replica_sync=hsdp.DiLoCo(...)), stepped by ShardedOptimizer
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
         # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
         # gloo's reduce-scatter work reports completion only once waited: nothing to poll), the mesh's hop

@@ -35,7 +35,9 @@ class StepRead:
         self.deferred: list[DeferredRead] = []  # values read with the next host read
         self._read_this_step = False  # a backward since the last optimizer step read the flags
         self._agreement: DeferredRead | None = None  # the weights' check on an unweighted rank
-        self.elastic = False  # an elastic mesh: only a ShardedOptimizer may step (it applies committed steps)
+        # Why only a ShardedOptimizer may step ("" = any may): it applies an elastic step only once committed,
+        # and runs DiLoCo's outer step.
+        self.sharded_optimizer_only = ""
         hook = register_optimizer_step_pre_hook(_before_any_step(self))
         weakref.finalize(self, hook.remove)
 
@@ -79,9 +81,10 @@ def _before_any_step(read: StepRead) -> Callable[..., None]:
         live = ref()
         if live is None:
             return
-        if live.elastic and getattr(optimizer, "_hsdp_model", None) is None:
-            raise ValueError(f"{type(optimizer).__name__} steps an elastic model's parameters directly, so a step "
-                             f"the coordinator discards would still be applied: wrap it, "
+        if live.sharded_optimizer_only and getattr(optimizer, "_hsdp_model", None) is None and any(
+                getattr(p, "_hsdp_sharded", False) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(f"{type(optimizer).__name__} steps the parameters of a model that "
+                             f"{live.sharded_optimizer_only} directly: wrap it, "
                              f"optimizer = hsdp.ShardedOptimizer(model, optimizer)")
         live.before_step()
     return hook

@@ -34,6 +34,11 @@ class _State(Protocol):
     history: list[tuple[int, str, tuple[int, ...]]]
 
 
+def stop_reason(state: _State) -> str:
+    """Why the job stopped, for people: the coordinator's reason, unless no replica was left at all."""
+    return state.stopped if state.members else "no live replica left (they finished, or all failed)"
+
+
 @dataclass
 class Counts:
     """Tallies for the summary."""
@@ -73,8 +78,7 @@ class MembershipLog:
         self._pending = {r: inc.number for r, inc in state.pending.items()}
         if state.stopped and not self._stopped:
             self._stopped = state.stopped
-            lines.append(f"job stopped at step {state.step}: " + (state.stopped if state.members else
-                         "no live replica left (they finished, or all failed)"))
+            lines.append(f"job stopped at step {state.step}: {stop_reason(state)}")
         stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
         return [f"{stamp} {line}" for line in lines]
 
@@ -100,9 +104,9 @@ class MembershipLog:
         for r in sorted(set(self._members) | set(members)):
             old, new = self._members.get(r), members.get(r)
             if old is not None and old != new:
+                # Only a silent member is dropped (a restart's new incarnation waits until the old one is).
                 self.counts.left += 1
-                why = "restarted" if new is not None else f"no heartbeat for {self.heartbeat_timeout:g} s"
-                parts.append(f"replica {r} left ({why})")
+                parts.append(f"replica {r} left (no heartbeat for {self.heartbeat_timeout:g} s)")
             if new is not None and old != new:
                 self.counts.joined += 1
                 parts.append(f"replica {r} {'re' if r in self._ever else ''}joined "
@@ -132,5 +136,5 @@ class MembershipLog:
                                                         "never started (no replica was admitted)"),
                  f"  replicas at the end: {sorted(state.members)}"]
         if state.stopped:
-            lines.append(f"  stopped: {state.stopped}")
+            lines.append(f"  stopped at step {state.step}: {stop_reason(state)}")
         return "\n".join(lines)

@@ -191,7 +191,8 @@ class Supervisor:
     ``keep_going``: a failed agent does not stop the others (the nodes of an elastic job, each its own job,
     go on without it); ``run()`` returns once every agent has ended. ``services``: started processes the
     agents need (:func:`start_service`); their output is relayed, they are stopped after the agents, and one
-    that exits while agents still run fails the run (status 1 if it exited 0), stopping the agents.
+    that fails (exits non-zero) while agents still run fails the run with its status, stopping the agents;
+    one that exits 0 has done its part, and the agents are waited for.
     """
 
     def __init__(self, agents: Sequence[AgentSpec], *, grace_s: float = DEFAULT_GRACE_S,
@@ -232,7 +233,8 @@ class Supervisor:
                 self._pumps.append(t)
 
     def _wait_for_the_agents(self) -> int:
-        reported: set[int] = set()
+        reported: set[int] = set()  # agents whose failure was reported
+        done: set[int] = set()  # services that finished their part (exit status 0)
         first: int | None = None
         while True:
             codes = [p.poll() for p in self._procs]
@@ -248,12 +250,16 @@ class Supervisor:
                 self._write(self._err, "launcher", f"{agent.label} exited with status {code}: the other nodes go on")
             if all(c is not None for c in codes):
                 return 0 if first is None else first
-            for service in self.services:
+            for j, service in enumerate(self.services):
                 code = service.proc.poll()
-                if code is not None:
+                if code is not None and j not in done:
+                    done.add(j)
+                    if code == 0:  # its work is done (the coordinator: no replica left); the agents are ending
+                        self._write(self._err, "launcher", f"{service.label} finished; waiting for the nodes")
+                        continue
                     self._write(self._err, "launcher", f"{service.label} exited with status {code} while the nodes "
                                                        f"ran: stopping them")
-                    return _exit_code(code) or 1
+                    return _exit_code(code)
             time.sleep(_POLL_S)
 
     def stop(self) -> None:

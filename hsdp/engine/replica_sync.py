@@ -1,0 +1,80 @@
+"""How replicas are kept in sync: every step (HSDP's gradient hop, the default) or every H steps (DiLoCo).
+
+``ShardedModel(..., replica_sync=hsdp.DiLoCo(every=H))`` turns the inter-node hop off: inside a replica every
+step is ordinary HSDP (the intra-node reduce-scatter averages the replica's ranks, the inner optimizer steps
+the shards), and nothing crosses nodes for H - 1 steps. Every H inner steps each rank all-reduces the
+*pseudo-gradient* of its shards (the global copy minus its local weights) over the replicate group, an outer
+optimizer steps the global copy with the mean pseudo-gradient as its gradient, and the result becomes every
+replica's weights (Douillard et al. 2023, DiLoCo). Inter-node bytes: one all-reduce of the model per H steps.
+
+This is not DDP's math: replicas drift apart for H steps, and the update is the outer optimizer's. With H = 1,
+outer lr 1, no outer momentum and an inner SGD it equals plain HSDP (the update is linear in the gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from hsdp.engine.hops import NoHop
+
+
+@dataclass(frozen=True)
+class DiLoCo:
+    """``every``: inner steps between syncs (H); ``outer_lr``, ``outer_momentum``: the outer optimizer,
+    ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)`` unless
+    ``outer_optimizer`` (a callable taking the global copies, returning a torch optimizer) is given;
+    ``wire_dtype``: the pseudo-gradient's dtype across nodes (``None``: fp32, the global copy's);
+    ``fragments``: syncs split over the units in fragments at staggered steps (Streaming DiLoCo; only 1 is
+    built so far)."""
+
+    every: int = 40
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1
+    wire_dtype: torch.dtype | None = None
+    outer_optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"DiLoCo(every={self.every!r}): the inner steps between syncs must be an int >= 1 "
+                             f"(1 syncs every step; the paper uses 500, torchft 40)")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"DiLoCo(outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}): need "
+                             f"outer_lr > 0 and 0 <= outer_momentum < 1 (the paper: 0.7 and 0.9)")
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ValueError(f"DiLoCo(fragments={self.fragments!r}) must be an int >= 1")
+        if self.fragments > 1:
+            raise ValueError(f"DiLoCo(fragments={self.fragments}): streaming fragments are not built yet; "
+                             f"use fragments=1")
+        if self.wire_dtype is not None and not (isinstance(self.wire_dtype, torch.dtype)
+                                                 and self.wire_dtype.is_floating_point):
+            raise ValueError(f"DiLoCo(wire_dtype={self.wire_dtype!r}) takes a floating torch dtype (e.g. "
+                             f"torch.bfloat16) or None for fp32")
+
+    def make_outer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The outer optimizer over the global copies."""
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer(params)
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum,
+                               nesterov=self.outer_momentum > 0)
+
+
+def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object) -> object | None:
+    """The per-step hop for ``sync`` (``hsdp.engine.hops.NoHop`` under DiLoCo, else ``hop``), refusing what DiLoCo
+    does not combine with: before any collective."""
+    if sync is None:
+        return hop
+    if not isinstance(sync, DiLoCo):
+        raise ValueError(f"replica_sync takes hsdp.DiLoCo(every=H, ...) or None, got {sync!r}")
+    if hop is not None:
+        raise ValueError("replica_sync=DiLoCo sends no per-step inter-node hop, so replica_hop has nothing to do: "
+                         "drop replica_hop (DiLoCo(wire_dtype=torch.bfloat16) halves the sync's bytes)")
+    if sliced:
+        raise ValueError("replica_sync=DiLoCo keeps a whole optimizer state per replica (each replica steps on its "
+                         "own): turn shard_optimizer_across_replicas off")
+    if getattr(mesh, "elastic", None) is not None:
+        raise ValueError("replica_sync=DiLoCo on an elastic mesh is not supported yet: use one or the other")
+    return NoHop()

@@ -1,0 +1,140 @@
+"""DiLoCo as the inter-node mode (``ShardedModel(replica_sync=hsdp.DiLoCo(...))``), on a 2 x 2 gloo mesh.
+
+One 4-rank spawn:
+- H = 1, outer lr 1, no outer momentum, inner SGD with momentum: equal to plain hsdp's training (1e-5), the
+  update being linear in the gradients;
+- H = 4, outer Nesterov SGD (lr 0.7, momentum 0.9), inner AdamW, 8 steps: equal to a hand-written one-process
+  simulation of two DiLoCo workers (each replica's batch the concatenation of its two ranks') to 1e-5;
+- inter-node bytes: nothing on the 3 inner steps, one all-reduce of the model's flat shards per sync, in fp32 or
+  in the wire dtype (bf16: half);
+- refused with a ValueError before any collective: every < 1, streaming fragments, a replica_hop next to DiLoCo,
+  the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_distributed
+from models import ParityNet, batch, loss_fn
+
+import hsdp
+
+WORLD, STEPS = 4, 8
+
+
+def _replicate_bytes(model: hsdp.ShardedModel) -> float:
+    return sum(op["bytes"] for op in model.comm_stats().get("replicate", {}).values())
+
+
+def _train(rank: int, sync: hsdp.DiLoCo | None, inner: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    torch.manual_seed(0)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=sync)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if inner == "sgd" \
+        else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = hsdp.ShardedOptimizer(model, base)
+    sent = []
+    for step in range(STEPS):
+        model.reset_comm_stats()
+        x, y = batch(step, rank)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sent.append(_replicate_bytes(model))
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}, sent
+
+
+def _refusals(rank: int) -> dict[str, str]:
+    out = {}
+    cases = {"every": lambda: hsdp.DiLoCo(every=0), "fragments": lambda: hsdp.DiLoCo(fragments=2),
+             "hop": lambda: hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(),
+                                              replica_hop=hsdp.AllReduceHop()),
+             "sliced": lambda: hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(),
+                                                 shard_optimizer_across_replicas=True)}
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(every=2))
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(0, rank)
+    loss_fn(model(x), y).backward()
+    try:
+        plain.step()
+        out["plain"] = "accepted"
+    except ValueError as e:
+        out["plain"] = str(e)
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    flat = sum(u.sharded_flat.numel() for u in hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2)).units)
+    return {"flat": flat, "plain": _train(rank, None, "sgd")[0],
+            "h1": _train(rank, hsdp.DiLoCo(every=1, outer_lr=1.0, outer_momentum=0.0), "sgd")[0],
+            "h4": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw"),
+            "h4_bf16": _train(rank, hsdp.DiLoCo(every=4, wire_dtype=torch.bfloat16), "adamw")[1],
+            "refusals": _refusals(rank)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_worker, WORLD, timeout=240)
+
+
+def _simulate(every: int, outer_lr: float, momentum: float) -> dict[str, torch.Tensor]:
+    """Two DiLoCo workers in one process: replica q trains on its ranks' batches (2q, 2q + 1), inner AdamW."""
+    torch.manual_seed(0)
+    global_model = ParityNet()
+    workers = [ParityNet() for _ in range(2)]
+    for w in workers:
+        w.load_state_dict(global_model.state_dict())
+    inner = [torch.optim.AdamW(w.parameters(), lr=1e-2) for w in workers]
+    outer = torch.optim.SGD(global_model.parameters(), lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
+    for step in range(STEPS):
+        for q, (w, opt) in enumerate(zip(workers, inner, strict=True)):
+            parts = [batch(step, 2 * q + s) for s in range(2)]
+            loss_fn(w(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
+            opt.step()
+            opt.zero_grad()
+        if (step + 1) % every == 0:
+            with torch.no_grad():
+                for name, g in global_model.named_parameters():
+                    locals_ = [dict(w.named_parameters())[name] for w in workers]
+                    g.grad = torch.stack([g - p for p in locals_]).mean(0)
+            outer.step()
+            outer.zero_grad()
+            for w in workers:
+                w.load_state_dict(global_model.state_dict())
+    return {n: p.detach().clone() for n, p in global_model.named_parameters()}
+
+
+def test_one_step_syncs_with_unit_outer_lr_equal_plain_hsdp(results: list[dict]) -> None:
+    for r in results:
+        for name, value in r["plain"].items():
+            torch.testing.assert_close(r["h1"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_four_step_syncs_equal_two_simulated_workers(results: list[dict]) -> None:
+    ref = _simulate(4, 0.7, 0.9)
+    for r in results:
+        params, _ = r["h4"]
+        for name, value in ref.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_inter_node_bytes_are_one_all_reduce_of_the_model_per_sync(results: list[dict]) -> None:
+    for r in results:
+        _, sent = r["h4"]
+        assert sent == [0, 0, 0, r["flat"] * 4] * 2  # fp32 pseudo-gradients of this rank's flat shards
+        assert r["h4_bf16"] == [0, 0, 0, r["flat"] * 2] * 2
+
+
+def test_refusals_name_the_fix(results: list[dict]) -> None:
+    got = results[0]["refusals"]
+    assert "the inner steps between syncs must be an int >= 1" in got["every"]
+    assert "streaming fragments are not built yet" in got["fragments"]
+    assert "drop replica_hop" in got["hop"]
+    assert "turn shard_optimizer_across_replicas off" in got["sliced"]
+    assert "syncs replicas with DiLoCo" in got["plain"] and "hsdp.ShardedOptimizer(model, optimizer)" in got["plain"]
