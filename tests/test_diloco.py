@@ -8,7 +8,8 @@ One 4-rank spawn:
 - inter-node bytes: nothing on the 3 inner steps, one all-reduce of the model's flat shards per sync, in fp32 or
   in the wire dtype (bf16: half);
 - refused with a ValueError before any collective: every < 1, streaming fragments, a replica_hop next to DiLoCo,
-  the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step.
+  the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step, and a
+  checkpoint of its optimizer (not built yet) is refused instead of keeping one replica's state.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def _refusals(rank: int) -> dict[str, str]:
         except ValueError as e:
             out[name] = str(e)
     model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(every=2))
+    wrapped = hsdp.ShardedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        wrapped.state_dict()
+        out["checkpoint"] = "accepted"
+    except ValueError as e:
+        out["checkpoint"] = str(e)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch(0, rank)
     loss_fn(model(x), y).backward()
@@ -137,4 +144,5 @@ def test_refusals_name_the_fix(results: list[dict]) -> None:
     assert "streaming fragments are not built yet" in got["fragments"]
     assert "drop replica_hop" in got["hop"]
     assert "turn shard_optimizer_across_replicas off" in got["sliced"]
+    assert "checkpoints of a model with replica_sync=DiLoCo are not supported yet" in got["checkpoint"]
     assert "syncs replicas with DiLoCo" in got["plain"] and "hsdp.ShardedOptimizer(model, optimizer)" in got["plain"]

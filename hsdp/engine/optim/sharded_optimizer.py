@@ -162,6 +162,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._index_state_dict()
 
     def _index_state_dict(self) -> dict[str, Any]:
+        if self._hsdp_outer is not None:
+            # Mid-phase each replica holds its own weights and inner state, and the global copy and outer
+            # momentum exist besides: a checkpoint keeping one replica's would resume the others wrongly.
+            raise ValueError("checkpoints of a model with replica_sync=DiLoCo are not supported yet (each replica's "
+                             "inner optimizer state and the outer state would be needed): train without DiLoCo "
+                             "for the run you checkpoint, or keep the job alive")
         raw = super().state_dict()
         # Per-parameter state is already DTensor (built like the DTensor parameters): stamp each chunk with its
         # rank's coordinates (see [Note: pickled chunks] in runtime/origin.py).
