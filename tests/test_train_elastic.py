@@ -78,7 +78,8 @@ class GatedCoordinator(Coordinator):
 def _coordinator(replicas: int, min_replicas: int) -> Iterator[tuple[GatedCoordinator, str, dist.Store]]:
     """The coordinator serving in a thread, its address, and the test's own connection to its store."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    coord = GatedCoordinator(master, JOB, replicas=replicas, min_replicas=min_replicas)
+    # start_grace: step 1 waits for every replica however slow their start (else fewer may begin the job).
+    coord = GatedCoordinator(master, JOB, replicas=replicas, min_replicas=min_replicas, start_grace=120.0)
     stop = threading.Event()
     thread = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
     thread.start()
@@ -207,7 +208,10 @@ def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_ag
     assert manifest["world_size"] == ranks and manifest["mesh"] == [1, ranks]  # one replica's ranks saved it
     _loads(run / "checkpoints")
     assert not os.path.exists(lease_path(run / "checkpoints"))
+    assert records[8]["loss"] < records[0]["loss"] - 0.5  # the restarted replica's own loss: healed, not new
+    assert "replica 0 of 2 joins at step 9 with replicas [0, 1], healed from replica 1" in again.said()
     out = first[1].said()
+    assert "replica 1: steps 1..12 done; the run directory's summary is written by replica 0" in out
     assert "step 5: discarded (a member failed); replicas [0, 1]" in out and "step 6: replicas [1]" in out
 
 

@@ -223,6 +223,19 @@ class ElasticWriter:
         what = "replicas" if record["committed"] else "discarded (a member failed); replicas"
         return f"step {record['step']}: {what} {record['replicas']}"
 
+    def joined_text(self, start_step: int) -> str:
+        """Where this replica comes in: the step, the members, the replica it was healed from."""
+        q = self.layer.quorum
+        assert q is not None  # admitted at the optimizer's construction
+        healed = f", healed from replica {q.source}" if self.replica_id in q.joiners else ""
+        return (f"elastic job {self.layer.client.job!r}: replica {self.replica_id} of {self.layer.configured} joins "
+                f"at step {start_step + 1} with replicas {list(q.members)}{healed}")
+
+    def done_text(self, first: int, last: int) -> str:
+        """What a replica that does not write the run's end says instead of the summary."""
+        return (f"replica {self.replica_id}: steps {first}..{last} done; the run directory's summary is written by "
+                f"replica {min(self._members or [self.replica_id])}")
+
     def claim_final(self) -> bool:
         """After ``QuorumLost``, on every rank of this replica: whether it writes the final checkpoint and the
         summary: the first replica to claim it on the coordinator's store (which serves on for a few seconds

@@ -86,6 +86,8 @@ def run_job(cfg: RunConfig, console: Console | None = None, report: Report = pri
         warns.flush(trainer.channel)
     if trainer.channel.is_root and trainer.writes:
         report(console, outcome, trainer)
+    elif trainer.channel.is_root and trainer.pen is not None and not result.quorum_lost:
+        console.print(trainer.pen.done_text(trainer.start_step + 1, trainer.start_step + result.steps), markup=False)
     if trainer.channel.is_root and result.quorum_lost:
         saved = result.checkpoints[-1] if result.checkpoint_step == result.lost_at and trainer.writes else None
         console.print(quorum_lost_text(trainer.mesh.replicate_rank, result.quorum_lost, result.lost_at, saved),

@@ -223,6 +223,8 @@ class Trainer:
         self.console.print(f"data: {self.corpus.description}", markup=False)
         self.console.print(f"resumed from {self.resumed_from} (step {self.start_step})" if self.resumed_from
                            else f"run directory: {self.run.path}", markup=False)
+        if self.pen is not None:
+            self.console.print(self.pen.joined_text(self.start_step), markup=False)
 
     # -- one step -------------------------------------------------------------------------------------------
     def _forward_backward(self, step: int) -> torch.Tensor:
