@@ -37,7 +37,7 @@ import torch.distributed as dist
 from hsdp.apps.train import command
 from hsdp.apps.train.config_io import resolve_config
 from hsdp.apps.train.elastic_run import QUORUM_LOST_EXIT_STATUS, launch_problem, membership
-from hsdp.apps.train.metrics import read_metrics
+from hsdp.apps.train.metrics import MetricsWriter, read_metrics
 from hsdp.checkpoint.export import read_weights
 from hsdp.checkpoint.lease import confirm_lease, hold_lease, lease_path, lease_problem, release_lease
 from hsdp.engine.elastic.protocol import key
@@ -301,3 +301,17 @@ def test_membership_of_records() -> None:
                {"step": 3, "committed": True, "replicas": [1], "writer": 1}]
     assert membership(records) == {"committed": 2, "discarded": [2], "writers": [0, 1],
                                    "membership": [{"step": 1, "replicas": [0, 1]}, {"step": 3, "replicas": [1]}]}
+
+
+def test_a_next_writer_appends_after_the_last_whole_line(tmp_path: Path) -> None:
+    with MetricsWriter(str(tmp_path), fields=("step", "loss"), append=True) as first:
+        first.write({"step": 1, "loss": 2.0})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "lo')  # the writer was killed in the middle of a line
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("2,1.")
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
+    with MetricsWriter(str(tmp_path), 1, fields=("step", "loss"), append=True) as second:  # nothing rewritten
+        second.write({"step": 2, "loss": 1.5})
+    assert read_metrics(str(tmp_path)) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == ["step,loss", "1,2.0", "2,1.5"]

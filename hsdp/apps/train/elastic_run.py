@@ -195,7 +195,7 @@ class ElasticWriter:
         kept = read_metrics(self.run.path)
         last = kept[-1]["step"] if kept else 0
         self._tokens = (kept[-1].get("tokens") or 0) if kept else 0
-        self._files = MetricsWriter(self.run.path, last if kept else None, fields=ELASTIC_FIELDS)
+        self._files = MetricsWriter(self.run.path, last if kept else None, fields=ELASTIC_FIELDS, append=True)
         for record in self._recent:
             if record["step"] > last:
                 self._write(record)

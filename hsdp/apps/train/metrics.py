@@ -95,19 +95,53 @@ class RecordSink(Protocol):
     def close(self) -> None: ...
 
 
+def drop_cut_line(path: str) -> None:
+    """Cut a last line that has no newline (its writer was killed while writing it) off the file ``path``."""
+    try:
+        f = open(path, "rb+")  # noqa: SIM115
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:  # backwards in blocks, to the last newline
+            start = max(0, pos - 65536)
+            f.seek(start)
+            block = f.read(pos - start)
+            if pos == end and block.endswith(b"\n"):
+                return
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
 class MetricsWriter:
     """Rank 0's metric files. ``resume_step``: keep the records up to that step (``None``: start empty).
     ``sinks`` receive each new record too (not the kept ones: they had them before the interruption) and
-    are closed with the files. ``fields``: the CSV's columns (an elastic run adds its own)."""
+    are closed with the files. ``fields``: the CSV's columns (an elastic run adds its own). ``append``: go on
+    after the files' last line, rewriting nothing (an elastic job's next writer: a rewrite cut short by a
+    crash would lose the history); a line cut by a killed writer is dropped first."""
 
     def __init__(self, run_dir: str, resume_step: int | None = None, sinks: Sequence[RecordSink] = (),
-                 fields: Sequence[str] = FIELDS) -> None:
+                 fields: Sequence[str] = FIELDS, append: bool = False) -> None:
         self._sinks = list(sinks)
-        kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step] if resume_step is not None else []
-        self._jsonl = open(os.path.join(run_dir, JSONL_NAME), "w", encoding="utf-8")  # noqa: SIM115
-        self._csv_file = open(os.path.join(run_dir, CSV_NAME), "w", encoding="utf-8", newline="")  # noqa: SIM115
+        jsonl, table = os.path.join(run_dir, JSONL_NAME), os.path.join(run_dir, CSV_NAME)
+        kept = []
+        if append:
+            for path in (jsonl, table):
+                drop_cut_line(path)
+        elif resume_step is not None:
+            kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step]
+        header = not append or not os.path.exists(table) or os.path.getsize(table) == 0
+        mode = "a" if append else "w"
+        self._jsonl = open(jsonl, mode, encoding="utf-8")  # noqa: SIM115
+        self._csv_file = open(table, mode, encoding="utf-8", newline="")  # noqa: SIM115
         self._csv = csv.DictWriter(self._csv_file, fieldnames=fields, extrasaction="ignore")
-        self._csv.writeheader()
+        if header:
+            self._csv.writeheader()
         for record in kept:
             self._write_files(record)
         self._tb = _tensorboard(os.path.join(run_dir, TB_DIR), None if resume_step is None else resume_step + 1)
