@@ -21,9 +21,10 @@ coordinator``); all of them train into the same ``train.out_dir``. The rules:
   after it that it still holds (the step its predecessor died in), so no step is written twice and none a member
   saw is lost.
 * **The lease** (:mod:`hsdp.checkpoint.lease`) is the job's, shared by its replicas under one label (the job's name
-  and coordinator): the writer holds it while it writes (``save_checkpoint`` needs it) and takes it over from the
-  previous writer at once, live or not; a replica that stops writing gives it back; another job is refused as
-  ever. So the replicas never refuse each other, and two jobs still never share a run directory.
+  and an id the first replica to ask leaves on the coordinator's store): the writer holds it while it writes
+  (``save_checkpoint`` needs it) and takes it over from the previous writer at once, live or not; a replica that
+  stops writing gives it back; another job is refused as ever. So the replicas never refuse each other, and two
+  jobs still never share a run directory.
 * **Starting** (checked before the model is built). Until the coordinator publishes the job's first quorum no step
   of this job can have run, so a run directory that holds a run then is an older job's and is refused as for a
   fresh ``hsdp train``; once it is published, a replica joins the running job's directory, whose ``config.toml``
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import os
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,8 +79,11 @@ def launch_problem(cfg: RunConfig, under_torchrun: bool) -> str | None:
 
 
 def shared_label(layer: ElasticLayer) -> str:
-    """The label the job's replicas hold the run directory's lease under."""
-    return f"hsdp elastic job {layer.client.job!r} at {layer.client.address}"
+    """The label the job's replicas hold the run directory's lease under: the job's name and an id the first of
+    them to ask leaves on the coordinator's store (the same for all, however each names the coordinator's host;
+    another run of a job of that name, under another coordinator, gets another)."""
+    run = layer.client.store.compare_set(key(layer.client.job, "train", "run"), "", uuid.uuid4().hex[:12])
+    return f"hsdp elastic job {layer.client.job!r} run {run.decode()}"
 
 
 def prepare_elastic_run_dir(cfg: RunConfig, channel: RankChannel) -> RunDir:
@@ -141,6 +146,8 @@ class ElasticWriter:
         self.sequences, self.block_size = sequences, block_size
         self.writing = False
         self.quorum_lost = ""
+        # Read now, while the coordinator is certainly up (a final checkpoint may need it after it stopped).
+        self.label = shared_label(layer) if channel.is_root else ""
         self._holding = False  # this replica holds the lease and (rank 0) the open files
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
         self._files: MetricsWriter | None = None
@@ -186,7 +193,7 @@ class ElasticWriter:
             self._holding = True
 
     def _open(self) -> None:
-        hold_lease(self.run.checkpoints, watchdog=self.channel.mesh.watchdog, shared=shared_label(self.layer))
+        hold_lease(self.run.checkpoints, watchdog=self.channel.mesh.watchdog, shared=self.label)
         os.makedirs(self.run.path, exist_ok=True)
         config = os.path.join(self.run.path, CONFIG_NAME)
         if not os.path.exists(config):  # the job's first writer; replicas that join later compare with it
