@@ -57,7 +57,9 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: Sha
     ``hsdp.checkpoint.names``). Saving the same step again replaces that checkpoint.
     The first save takes the run directory's lease (``<path>.lease``, see ``hsdp.checkpoint.lease``), held
     until the process exits: another job saving there meanwhile gets a ``CheckpointError`` naming this one.
-    Loading never needs the lease.
+    Loading never needs the lease. On an elastic mesh (``init_mesh(elastic=True)``) "every rank" is the ranks of
+    one replica (its torchrun job's world), which save its state alone: the other replicas hold the same at a
+    step boundary, and nothing waits for a step's quorum.
     """
     options = options or CheckpointOptions()
     check_types(model, optimizer)
