@@ -28,6 +28,7 @@ examples:
   hsdp train --resume                          continue runs/train from its last checkpoint
   hsdp train model.kind=hf model.path=DIR      a local Hugging Face causal LM folder, with its tokenizer
   torchrun --nnodes 2 --nproc-per-node 8 ... -m hsdp.apps.train run.toml     on a real cluster
+  hsdp launch --elastic --nodes 3 -- -m hsdp.apps.train parallel.elastic=true  replicas that leave and rejoin
 
 Every field and its default: hsdp train --print-config
 """
