@@ -95,6 +95,9 @@ def test_below_the_minimum_the_job_stops(coordinator: tuple[str, Coordinator]) -
     clients[0].want(1)
     with pytest.raises(QuorumLost, match="below the minimum of 2"):
         clients[0].quorum(1)
+    late = _client(address, 1)  # e.g. torchrun restarting a replica after the job stopped: told, not kept waiting
+    with pytest.raises(ValueError, match="the elastic job 'job' stopped: 1 live replica"):
+        late.admitted()
 
 
 def test_unreachable_or_wrong_coordinator_fails_fast_naming_the_fix() -> None:

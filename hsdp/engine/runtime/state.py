@@ -159,8 +159,9 @@ class HSDPState:
             if not self._in_forward:
                 self._repair_torn_step()
                 self._in_forward = True
-                if self.mesh.elastic is not None:
-                    self.mesh.elastic.begin_step()  # the coordinator gathers the quorum during the forward
+                if self.mesh.elastic is not None and torch.is_grad_enabled():
+                    # A training step (not an evaluation or a sample): the coordinator gathers its quorum now.
+                    self.mesh.elastic.begin_step()
                 self.buffers.pre_forward()
                 self._pre_seen, self._post_seen = [], []
             args, kwargs = unit.policy.cast_inputs(args, kwargs)

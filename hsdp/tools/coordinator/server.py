@@ -78,6 +78,8 @@ class Coordinator:
     # -- one round ---------------------------------------------------------------------------------------
     def poll(self) -> None:
         if self.state.stopped:
+            self._discover()
+            self._refuse_pending(self.state.stopped)  # a replica torchrun restarts after the end
             return
         self._discover()
         self._beat()
@@ -147,6 +149,11 @@ class Coordinator:
         if s.step == 0 and not s.members:
             if not self._start_ready():
                 return
+        elif not s.members:
+            # Every replica that held the state is gone (the job ended, or all died): nothing to heal from.
+            self._stop(f"no live replica holds the model state at step {s.step} (the job ended or every replica "
+                       f"died): start a new job from a checkpoint")
+            return
         elif any(self._get("want", s.step, r) is None for r in s.members):
             return  # a live member is still computing the previous step
         joiners = {r: inc for r, inc in s.pending.items() if self._ready(inc)
@@ -189,6 +196,14 @@ class Coordinator:
         s = self.state
         s.stopped = reason
         self.store.set(key(self.job, "quorum", s.step), json.dumps({STOP: reason}))
+        self._refuse_pending(reason)
+
+    def _refuse_pending(self, reason: str) -> None:
+        """Registered replicas waiting for admission learn the job is over (instead of waiting it out)."""
+        for replica, inc in list(self.state.pending.items()):
+            self.store.set(key(self.job, "reject", replica, inc.number), f"the elastic job {self.job!r} stopped: "
+                                                                            f"{reason}")
+            del self.state.pending[replica]
 
     # -- commit ------------------------------------------------------------------------------------------
     def _maybe_decide_commit(self) -> None:
