@@ -34,11 +34,6 @@ class _State(Protocol):
     history: list[tuple[int, str, tuple[int, ...]]]
 
 
-def stop_reason(state: _State) -> str:
-    """Why the job stopped, for people: the coordinator's reason, unless no replica was left at all."""
-    return state.stopped if state.members else "no live replica left (they finished, or all failed)"
-
-
 @dataclass
 class Counts:
     """Tallies for the summary."""
@@ -78,7 +73,7 @@ class MembershipLog:
         self._pending = {r: inc.number for r, inc in state.pending.items()}
         if state.stopped and not self._stopped:
             self._stopped = state.stopped
-            lines.append(f"job stopped at step {state.step}: {stop_reason(state)}")
+            lines.append(f"job stopped at step {state.step}: {state.stopped}")
         stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
         return [f"{stamp} {line}" for line in lines]
 
@@ -136,5 +131,5 @@ class MembershipLog:
                                                         "never started (no replica was admitted)"),
                  f"  replicas at the end: {sorted(state.members)}"]
         if state.stopped:
-            lines.append(f"  stopped at step {state.step}: {stop_reason(state)}")
+            lines.append(f"  stopped at step {state.step}: {state.stopped}")
         return "\n".join(lines)

@@ -39,6 +39,11 @@ from hsdp.tools.launch.local import (
 from hsdp.tools.launch.netns import ClusterSpec
 
 DEFAULT_RESTARTS = 3  # torchrun restarts of each node before it counts as failed
+START_GRACE_S = 60.0  # the nodes start together: the first step waits this long for all of them
+# torchrun's c10d rendezvous shares its store with the workers by default, and a restart's workers then find
+# the previous attempt's gloo addresses there (connectFullMesh: "Connection refused", pytorch/pytorch#135712,
+# seen on torch 2.13 in about one restart of three); without sharing, each attempt's rank 0 hosts a fresh store.
+UNSHARED_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 COORDINATOR_LABEL = "coordinator"
 COORDINATOR_READY_S = 120.0  # its start is an interpreter and torch: seconds, more on a loaded machine
 
@@ -106,17 +111,21 @@ def replica_env(address: str, node: int, job: str) -> dict[str, str]:
 
 
 def coordinator_command(place: NodePlace, replicas: int, options: ElasticOptions) -> list[str]:
-    """``hsdp coordinator`` on node ``place`` (node 0), on a free port it prints (so nothing can take it first)."""
+    """``hsdp coordinator`` on node ``place`` (node 0), on a free port it prints (so nothing can take it first);
+    the first step waits up to :data:`START_GRACE_S` for every node (they all start now, but not equally fast
+    on a busy machine: one that misses the start joins later and is healed, a step's cost)."""
     minimum = [] if options.min_replicas is None else ["--min-replicas", str(options.min_replicas)]
     return [*place.prefix, sys.executable, "-m", "hsdp", "coordinator", "--host", place.address, "--port", "0",
-            "--replicas", str(replicas), *minimum, "--job", options.job]
+            "--replicas", str(replicas), *minimum, "--job", options.job, "--start-grace", f"{START_GRACE_S:g}"]
 
 
 def coordinator_spec(place: NodePlace, replicas: int, options: ElasticOptions,
                      env: Mapping[str, str] | None = None) -> AgentSpec:
-    """The coordinator process: one thread of work (it polls a store), its lines unbuffered."""
-    extra = {**(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **place.env}
-    return AgentSpec(tuple(coordinator_command(place, replicas, options)), {**os.environ, **extra}, COORDINATOR_LABEL)
+    """The coordinator process: one thread of work (it polls a store), its lines unbuffered, torch's C++
+    warnings off unless asked for (a store client's address without a host name, in a namespace, is not news)."""
+    extra = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
+             "PYTHONUNBUFFERED": "1", **place.env}
+    return AgentSpec(tuple(coordinator_command(place, replicas, options)), extra, COORDINATOR_LABEL)
 
 
 def elastic_agents(places: Sequence[NodePlace], layout: NodeLayout, script_args: Sequence[str], address: str,
@@ -128,7 +137,7 @@ def elastic_agents(places: Sequence[NodePlace], layout: NodeLayout, script_args:
     width = len(f"node {layout.nodes - 1}") + 2
     base = agent_env(layout.world_size, width, env)
     return [AgentSpec(tuple([*place.prefix, *replica_command(n, options.max_restarts, script_args)]),
-                      {**base, **place.env, **replica_env(address, i, options.job)}, f"node {i}")
+                      {**UNSHARED_STORE, **base, **place.env, **replica_env(address, i, options.job)}, f"node {i}")
             for i, (place, n) in enumerate(zip(places, layout.nprocs))]
 
 

@@ -192,7 +192,7 @@ class Supervisor:
     go on without it); ``run()`` returns once every agent has ended. ``services``: started processes the
     agents need (:func:`start_service`); their output is relayed, they are stopped after the agents, and one
     that fails (exits non-zero) while agents still run fails the run with its status, stopping the agents;
-    one that exits 0 has done its part, and the agents are waited for.
+    one that exits 0 has done its part: the agents get ``grace_s`` to end, then are stopped (status 1).
     """
 
     def __init__(self, agents: Sequence[AgentSpec], *, grace_s: float = DEFAULT_GRACE_S,
@@ -236,6 +236,7 @@ class Supervisor:
         reported: set[int] = set()  # agents whose failure was reported
         done: set[int] = set()  # services that finished their part (exit status 0)
         first: int | None = None
+        deadline: float | None = None  # set when a service finished: the agents must end by then
         while True:
             codes = [p.poll() for p in self._procs]
             for i, (agent, code) in enumerate(zip(self.agents, codes)):
@@ -250,12 +251,17 @@ class Supervisor:
                 self._write(self._err, "launcher", f"{agent.label} exited with status {code}: the other nodes go on")
             if all(c is not None for c in codes):
                 return 0 if first is None else first
+            if deadline is not None and time.monotonic() > deadline:
+                self._write(self._err, "launcher", f"nodes still running {self.grace_s:g} s after a service "
+                                                   f"finished: stopping them")
+                return 1 if first is None else first
             for j, service in enumerate(self.services):
                 code = service.proc.poll()
                 if code is not None and j not in done:
                     done.add(j)
                     if code == 0:  # its work is done (the coordinator: no replica left); the agents are ending
                         self._write(self._err, "launcher", f"{service.label} finished; waiting for the nodes")
+                        deadline = time.monotonic() + self.grace_s
                         continue
                     self._write(self._err, "launcher", f"{service.label} exited with status {code} while the nodes "
                                                        f"ran: stopping them")
