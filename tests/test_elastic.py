@@ -39,7 +39,7 @@ from hsdp.tools.coordinator.server import Coordinator
 
 PROGRAM = Path(__file__).parent / "programs" / "elastic_worker.py"
 REPLICAS, RANKS, VICTIM, FAULT_STEP = 3, 2, 2, 3
-POLICY = ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=60.0)  # as the worker's
+POLICY = ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0)  # as the worker's
 ACCUM = {"kill": 1, "stop": 2}  # the stopped-replica case also accumulates two micro-batches per step
 
 
@@ -148,7 +148,8 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(coordinator: str,
     assert by_step[FAULT_STEP]["committed"] is False  # the interrupted step is discarded
     fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
     after = [r for r in survivor if r["step"] > FAULT_STEP and r["committed"]]
-    assert after[0]["replicas"] == [0, 1] and after[0]["t"] - fault_at < 10, (after[0], fault_at)
+    # Without the victim, or with it already back (a restart can beat the heartbeat timeout).
+    assert after[0]["replicas"] in ([0, 1], [0, 1, 2]) and after[0]["t"] - fault_at < 10, (after[0], fault_at)
     assert "an elastic mesh's replicas come and go" in logs[(0, 0)][0][0]["refused"]
     joined = logs[(VICTIM, 0)][1][0]["joined"]
     assert joined > FAULT_STEP and by_step[joined]["replicas"] == [0, 1, 2]

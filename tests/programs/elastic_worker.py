@@ -29,7 +29,7 @@ from models import ParityNet, batch, loss_fn
 
 REPLICAS = 3
 ACCUM = int(os.environ.get("ELASTIC_ACCUM", "1"))  # micro-batches per step
-POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=60.0, connect_timeout=10.0,
+POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
 
 
