@@ -12,7 +12,12 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+from hsdp.apps.train.config_rules import at_least as _at_least
+from hsdp.apps.train.config_rules import fail as _fail
+from hsdp.apps.train.config_rules import one_of as _one_of
+from hsdp.apps.train.replica_sync import check_parallel, check_run
 
 if TYPE_CHECKING:
     from hsdp.models import GPTConfig
@@ -25,22 +30,6 @@ WANDB_MODES = ("online", "offline")
 BATCH_WEIGHT_MODES = ("even", "auto")
 DEFAULT_OUT_DIR = "runs/train"
 STDLIB = "stdlib"
-
-
-def _fail(section: str, name: str, value: Any, why: str) -> None:
-    raise ValueError(f"{section}.{name} = {value!r}: {why}")
-
-
-def _at_least(section: str, obj: Any, names: tuple[str, ...], low: float) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < low:
-            _fail(section, name, value, f"must be at least {low:g}")
-
-
-def _one_of(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        _fail(section, name, value, f"choose one of {list(choices)}")
 
 
 @dataclass(frozen=True)
@@ -229,7 +218,9 @@ class ParallelConfig:
     :mod:`hsdp.apps.train.elastic_run`): replicas leave and rejoin between steps; start it with ``hsdp launch
     --elastic -- -m hsdp.apps.train parallel.elastic=true``. Each replica is sharded over its own job's ranks
     (``sharding_degree`` 0 or that count); tensor parallelism, a list of degrees, the replica-sharded optimizer,
-    the ``int8`` hop and batch weights other than ``"even"`` are refused with it."""
+    the ``int8`` hop and batch weights other than ``"even"`` are refused with it. ``replica_sync``: ``"every_step"``
+    (the hop above) or ``"diloco"`` (weights synced every ``diloco_every`` steps, not DDP's math; its options and
+    refusals: :mod:`hsdp.apps.train.replica_sync`)."""
 
     SECTION: ClassVar[str] = "parallel"
     nodes: int = 2
@@ -242,6 +233,11 @@ class ParallelConfig:
     tensor_parallel: int = 1
     batch_weights: str | tuple[float, ...] = "even"
     elastic: bool = False
+    replica_sync: str = "every_step"
+    diloco_every: int = 40
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    diloco_wire_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop  # torch import deferred, as above
@@ -261,6 +257,7 @@ class ParallelConfig:
                   f"parallel.shard_optimizer_across_replicas off")
         if self.tensor_parallel > 1:
             self._check_tensor_parallel_options()
+        check_parallel(self)
 
     @property
     def degree_list(self) -> tuple[int, ...] | None:
@@ -360,6 +357,7 @@ class RunConfig:
             self._check_tensor_parallel_model()
         if self.parallel.elastic:
             self._check_elastic_run()
+        check_run(self)
 
     def _check_elastic_run(self) -> None:
         if self.train.resume:

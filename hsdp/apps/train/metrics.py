@@ -13,7 +13,9 @@ to TensorBoard under ``tb/`` when the ``tensorboard`` package is installed, and 
   completed wait, overlapped with compute or not),
   ``exposed_comm_s`` (the time the rank waited for collectives instead of computing: measured on CPUs,
   where a wait blocks; ``None`` on GPUs, where the stream waits and the profiler trace shows it) and
-  ``mem_bytes`` (peak memory so far: CUDA allocator peak on GPUs, the process's peak resident set on CPUs).
+  ``mem_bytes`` (peak memory so far: CUDA allocator peak on GPUs, the process's peak resident set on CPUs) and,
+  with ``parallel.replica_sync = "diloco"`` only, ``synced`` (whether the step ended with the replicas' sync: its
+  ``replicate_bytes`` are the sync's all-reduce, those of the other steps 0).
 
 On ``--resume`` the files keep the records up to the checkpoint's step and the resumed steps follow, so a
 resumed run's files read like an uninterrupted run's.
@@ -32,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 FIELDS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens", "step_s", "tokens_per_s", "shard_bytes",
-          "replicate_bytes", "shard_s", "replicate_s", "exposed_comm_s", "mem_bytes")
+          "replicate_bytes", "shard_s", "replicate_s", "exposed_comm_s", "mem_bytes", "synced")
 JSONL_NAME = "metrics.jsonl"
 CSV_NAME = "metrics.csv"
 TB_DIR = "tb"

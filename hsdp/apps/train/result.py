@@ -19,6 +19,7 @@ class LoopResult:
     batch: dict[str, Any] | None = None  # parallel.batch_weights: weights, sequences per rank, calibration
     quorum_lost: str = ""  # elastic: why the coordinator stopped the job below its minimum of replicas
     lost_at: int = 0  # ... and the last step finished then
+    mean_bytes: bool = False  # DiLoCo: the inter-node bytes come as one spike every H steps; per step is their mean
 
     def add(self, record: dict[str, Any]) -> None:
         """Append a finished step's record."""
@@ -26,10 +27,13 @@ class LoopResult:
 
     def bytes_per_step(self, group: str) -> float:
         """This rank's bytes sent in ``group`` ("shard" or "replicate") per step: the median over the session's
-        steps, the steady state. (With the optimizer sharded across replicas a step's slice all-gathers
-        partly run during the next step's forward: the first step counts fewer, and a mean would too.)"""
+        steps, the steady state (with ``mean_bytes``, the mean). (With the optimizer sharded across replicas a
+        step's slice all-gathers partly run during the next step's forward: the first step counts fewer, and a
+        mean would too.)"""
         values = [r[f"{group}_bytes"] for r in self.records]
-        return float(statistics.median(values)) if values else 0.0
+        if not values:
+            return 0.0
+        return float(statistics.fmean(values) if self.mean_bytes else statistics.median(values))
 
     @property
     def steps(self) -> int:

@@ -26,6 +26,7 @@ from rich.text import Text
 import hsdp
 from hsdp.apps.train.config import RunConfig
 from hsdp.apps.train.metrics import peak_memory_bytes
+from hsdp.apps.train.replica_sync import WIRE_BYTES, is_diloco, summary_fields
 from hsdp.apps.train.result import LoopResult
 
 _WIRE_BYTES = {"fp32": 4, "bf16": 2}  # per element on the inter-node hop; int8 has no closed form here
@@ -62,7 +63,12 @@ def inter_node_floor(cfg: RunConfig, n_params: int, replicas: int) -> float | No
     """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop (P: all
     the model's parameters, whatever tensor parallelism splits: a node holds all of them); with
     ``parallel.shard_optimizer_across_replicas`` ``(R-1)/R x P x (b + 4)``: a reduce-scatter in the hop
-    dtype, then an all-gather of the stepped slices in the parameter dtype (fp32 shards)."""
+    dtype, then an all-gather of the stepped slices in the parameter dtype (fp32 shards); with
+    ``parallel.replica_sync = "diloco"`` one all-reduce of the weights per H = ``diloco_every`` steps, in the
+    DiLoCo wire dtype: ``2(R-1)/R x P x b / H``, the mean step's."""
+    if is_diloco(cfg.parallel):
+        return 2 * (replicas - 1) / replicas * n_params * WIRE_BYTES[cfg.parallel.diloco_wire_dtype] \
+            / cfg.parallel.diloco_every
     wire = _WIRE_BYTES.get(cfg.parallel.replica_hop)
     if wire is None:
         return None
@@ -104,7 +110,7 @@ def build_summary(cfg: RunConfig, mesh: hsdp.HSDPMesh, n_params: int, result: Lo
         "ranks": ranks, "nodes": node_records(ranks),
         "inter_node_floor_bytes_per_step": inter_node_floor(cfg, n_params, replica_count(mesh)),
         "checkpoints": result.checkpoints, "trace": result.trace,
-        "batch_weights": result.batch,
+        "batch_weights": result.batch, **summary_fields(cfg, result.records, n_params, mesh),
     }
 
 
@@ -165,9 +171,17 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
     return t
 
 
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "") if steps else "none"
+
+
 def node_table(summary: dict[str, Any]) -> Table:
     floor = summary["inter_node_floor_bytes_per_step"]
     caption = "" if floor is None else f"inter-node floor (see inter_node_floor) = {kib(floor)} KiB per node"
+    sync = summary.get("replica_sync")
+    if sync:  # DiLoCo: the per-step columns are means over the session
+        caption += (f"; DiLoCo: {kib(sync['inter_node_floor_bytes_per_sync'])} KiB per sync, one every "
+                    f"{sync['every']} steps (synced after steps {_steps_text(sync['synced_steps'])})")
     t = Table(title="Per node and step (KiB)", caption=caption)
     for name in ("node", "ranks", "intra-node (shard)", "inter-node (replicate)"):
         t.add_column(name, justify="right", no_wrap=True)

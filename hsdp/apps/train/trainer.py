@@ -9,8 +9,10 @@ when built on meta (the folder's, or its own initialisation) -> sharded AdamW ->
 
 One step = ``grad_accum`` micro-batches (all but the last inside ``model.no_sync()``, so the inter-node
 hop runs once per step), gradient clipping over the whole sharded gradient, an AdamW step at the
-scheduled learning rate. Each step's communication is read from ``model.comm_stats()`` (reset at the
-step's start, so evaluation and sampling traffic are not counted) and published as one metrics record.
+scheduled learning rate (with ``parallel.replica_sync = "diloco"`` no hop runs, and every H-th step the
+optimizer syncs the replicas' weights: :mod:`hsdp.apps.train.replica_sync`). Each step's communication is
+read from ``model.comm_stats()`` (reset at the step's start, so evaluation and sampling traffic are not
+counted) and published as one metrics record.
 Every public method is called on every rank in the same order: evaluation, metric averages, warnings and
 checkpoints are collectives. A SIGTERM on any rank (``train.save_on_signal``) ends the loop on every rank
 after the same step, with a checkpoint there (see ``hsdp.engine.preemption``).
@@ -43,13 +45,13 @@ from hsdp.apps.train.profiling import StepProfiler, profile_window
 from hsdp.apps.train.progress import Reporter
 from hsdp.apps.train.rank_warnings import RankWarnings
 from hsdp.apps.train.ranks import RankChannel
+from hsdp.apps.train.replica_sync import is_diloco, step_fields, wrap_options
 from hsdp.apps.train.result import LoopResult
 from hsdp.apps.train.rundir import prepare_run_dir
 from hsdp.apps.train.wandb_sink import record_sinks
 from hsdp.apps.train.weighted_stream import WeightedTokenStream, per_rank_weights
 from hsdp.data.text import TokenStream
 from hsdp.engine.elastic.client import QuorumLost
-from hsdp.engine.hops import named_hop
 from hsdp.engine.preemption import StopSignals
 
 _PRECISION = {"fp32": None, "bf16": hsdp.MixedPrecision(param_dtype=torch.bfloat16)}
@@ -134,7 +136,7 @@ class Trainer:
         # Elastic: which replica writes the run directory at each step, and its files.
         self.pen = ElasticWriter(cfg, self.run, self.channel, cfg.train.batch_size * cfg.train.grad_accum
                                  * self.mesh.sharding_degree, self.shape.block_size) if self.mesh.elastic else None
-        self.result = LoopResult(batch=self._batch_info())
+        self.result = LoopResult(batch=self._batch_info(), mean_bytes=is_diloco(cfg.parallel))
 
     # -- construction ---------------------------------------------------------------------------------------
     def _wrap(self, module: torch.nn.Module) -> hsdp.ShardedModel:
@@ -142,8 +144,8 @@ class Trainer:
         return hsdp.ShardedModel(module, mesh=self.mesh, wrap=self.lm.wrap,
                                  reshard_after_forward=par.reshard_after_forward,
                                  mixed_precision=_PRECISION[par.mixed_precision],
-                                 replica_hop=named_hop(par.replica_hop),
-                                 shard_optimizer_across_replicas=par.shard_optimizer_across_replicas)
+                                 shard_optimizer_across_replicas=par.shard_optimizer_across_replicas,
+                                 **wrap_options(par))  # the per-step hop, or DiLoCo (replica_sync.py)
 
     def _streams(self) -> tuple[TokenStream | WeightedTokenStream, TokenStream]:
         """This rank's training and held-out batches (different seeds: different positions). With
@@ -278,7 +280,7 @@ class Trainer:
         record = {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
                   "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
                   "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
-                  "mem_bytes": peak_memory_bytes(self.mesh.device)}
+                  "mem_bytes": peak_memory_bytes(self.mesh.device), **step_fields(cfg.parallel, step)}
         if self.pen is not None:  # elastic: what the coordinator decided, the batch really averaged
             record = self.pen.annotate(step, record)
         self._calibrate(step, seconds, comm["exposed_comm_s"])

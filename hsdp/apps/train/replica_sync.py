@@ -1,0 +1,159 @@
+"""How ``hsdp train`` keeps its replicas in sync: ``parallel.replica_sync``.
+
+``"every_step"`` (the default): every step's gradients cross nodes through the inter-node hop
+(``parallel.replica_hop``) and every replica applies the same update: DDP's math.
+
+``"diloco"``: ``hsdp.DiLoCo`` (:mod:`hsdp.engine.replica_sync`). Nothing crosses nodes for H - 1 steps
+(H = ``parallel.diloco_every``): each replica trains on its own batches with its own AdamW state. Every H-th step
+each rank all-reduces its shards' pseudo-gradient (the global copy minus its weights) over the replicas in
+``parallel.diloco_wire_dtype`` (``bf16`` halves the bytes), and an outer SGD (``diloco_outer_lr``, Nesterov
+momentum ``diloco_outer_momentum``; the paper's 0.7 and 0.9) steps the global copy, which becomes every replica's
+weights. This is not DDP's math: the replicas drift apart between syncs, and the update is the outer optimizer's;
+tune H and the outer learning rate against a plain run's held-out loss. Each step's record in ``metrics.jsonl``
+says whether it synced (``"synced"``), and its ``replicate_bytes`` show the spike: one all-reduce of the rank's
+flat shards on a sync step, 0 on the others. The sync runs after the step's inner AdamW step, so the step's
+``grad_norm`` and ``loss`` are the replica's own; the held-out loss, the sample and the saved weights are the
+replicas' as they stand (the same on all of them right after a sync step, each its own in between).
+
+What DiLoCo does not combine with is refused when the configuration is read, before any rank starts: a
+``parallel.replica_hop`` other than ``fp32`` (there is no per-step hop to compress; the wire dtype is
+``diloco_wire_dtype``), ``shard_optimizer_across_replicas`` (each replica steps its own whole optimizer state),
+``elastic``, a list of sharding degrees (replicas of different degrees lay their shards out differently) and
+batch weights other than ``"even"`` (a weighted rank's gradient counts its share of the global batch, but DiLoCo
+averages inside a replica). Checkpoints of a DiLoCo run are not supported yet (the optimizer refuses them: each
+replica's inner state and the outer state would be needed), so ``train.checkpoint_every``, ``train.save_on_signal``
+and ``train.resume`` are refused with it too. The ``diloco_*`` fields are read only with ``replica_sync =
+"diloco"``; setting one without it is refused, as a forgotten switch would otherwise train plain HSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from hsdp.apps.train.config_rules import fail
+
+if TYPE_CHECKING:
+    import hsdp
+    from hsdp.apps.train.config import ParallelConfig, RunConfig
+
+REPLICA_SYNCS = ("every_step", "diloco")
+DILOCO_WIRE_DTYPES = ("fp32", "bf16")
+DILOCO_FIELDS = ("diloco_every", "diloco_outer_lr", "diloco_outer_momentum", "diloco_wire_dtype")
+WIRE_BYTES = {"fp32": 4, "bf16": 2}
+
+Problem = tuple[str, Any, str]  # (field, value, why and the fix) in the parallel section
+
+
+def is_diloco(par: ParallelConfig) -> bool:
+    return par.replica_sync == "diloco"
+
+
+def _defaults(par: ParallelConfig) -> dict[str, Any]:
+    return {f.name: f.default for f in fields(par) if f.name in DILOCO_FIELDS}
+
+
+def check_parallel(par: ParallelConfig) -> None:
+    """``ValueError`` naming the field and the fix when the parallel section's replica sync is wrong."""
+    problem = _parallel_problem(par)
+    if problem:
+        fail("parallel", *problem)
+
+
+def _parallel_problem(par: ParallelConfig) -> Problem | None:
+    if par.replica_sync not in REPLICA_SYNCS:
+        return "replica_sync", par.replica_sync, f"choose one of {list(REPLICA_SYNCS)}"
+    if not is_diloco(par):
+        changed = [name for name, default in _defaults(par).items() if getattr(par, name) != default]
+        if changed:
+            return changed[0], getattr(par, changed[0]), ("is read only with parallel.replica_sync = 'diloco': set "
+                                                          "that, or drop it")
+        return None
+    return _option_problem(par) or _combination_problem(par)
+
+
+def _option_problem(par: ParallelConfig) -> Problem | None:
+    if isinstance(par.diloco_every, bool) or par.diloco_every < 1:
+        return "diloco_every", par.diloco_every, ("the inner steps between syncs must be at least 1 (1 syncs every "
+                                                  "step; the DiLoCo paper uses 500, torchft 40)")
+    if not par.diloco_outer_lr > 0:
+        return "diloco_outer_lr", par.diloco_outer_lr, "must be positive (the paper: 0.7)"
+    if not 0 <= par.diloco_outer_momentum < 1:
+        return "diloco_outer_momentum", par.diloco_outer_momentum, "must lie in [0, 1) (the paper: 0.9)"
+    if par.diloco_wire_dtype not in DILOCO_WIRE_DTYPES:
+        return "diloco_wire_dtype", par.diloco_wire_dtype, f"choose one of {list(DILOCO_WIRE_DTYPES)}"
+    return None
+
+
+def _combination_problem(par: ParallelConfig) -> Problem | None:
+    """What DiLoCo does not combine with (ShardedModel refuses the first three alike, on every rank)."""
+    refused: tuple[tuple[str, Any, bool, str], ...] = (
+        ("replica_hop", par.replica_hop, par.replica_hop != "fp32",
+         "DiLoCo sends no per-step inter-node hop to compress: set parallel.replica_hop = 'fp32' "
+         "(parallel.diloco_wire_dtype = 'bf16' halves the sync's bytes)"),
+        ("shard_optimizer_across_replicas", True, par.shard_optimizer_across_replicas,
+         "DiLoCo keeps a whole optimizer state per replica: set parallel.shard_optimizer_across_replicas = false"),
+        ("elastic", True, par.elastic, "DiLoCo on an elastic job is not supported yet: set parallel.elastic = false"),
+        ("sharding_degree", list(par.degree_list or ()), par.degree_list is not None,
+         "DiLoCo all-reduces each rank's shards with the same shard of every replica, which replicas of different "
+         "degrees do not have: give one integer"),
+        ("batch_weights", par.batch_weights, par.batch_weights != "even",
+         "a weighted rank's gradient counts its share of the global batch, but DiLoCo averages inside each "
+         "replica: set parallel.batch_weights = 'even'"))
+    for name, value, bad, why in refused:
+        if bad:
+            return name, list(value) if isinstance(value, tuple) else value, \
+                f"does not combine with parallel.replica_sync = 'diloco': {why}, or parallel.replica_sync = " \
+                f"'every_step'"
+    return None
+
+
+def check_run(cfg: RunConfig) -> None:
+    """``ValueError`` for what a DiLoCo run cannot do across sections: checkpoints, until they are built."""
+    if not is_diloco(cfg.parallel):
+        return
+    why = ("checkpoints of a parallel.replica_sync = 'diloco' run are not supported yet (each replica's AdamW state "
+           "and the outer state would be needed)")
+    train = cfg.train
+    for name, value, bad, fix in (
+            ("checkpoint_every", train.checkpoint_every, train.checkpoint_every > 0, "set train.checkpoint_every = 0"),
+            ("save_on_signal", True, train.save_on_signal,
+             "set train.save_on_signal = false (a SIGTERM then ends the job at once)"),
+            ("resume", True, train.resume, "start a new run (train.resume = false)")):
+        if bad:
+            fail("train", name, value, f"{why}: {fix}, or parallel.replica_sync = 'every_step'")
+
+
+def wrap_options(par: ParallelConfig) -> dict[str, Any]:
+    """``ShardedModel``'s ``replica_hop`` and ``replica_sync`` arguments for the parallel section."""
+    import torch  # deferred: configurations load without torch
+
+    from hsdp.engine.hops import named_hop
+    from hsdp.engine.replica_sync import DiLoCo
+
+    if not is_diloco(par):
+        return {"replica_hop": named_hop(par.replica_hop), "replica_sync": None}
+    wire = None if par.diloco_wire_dtype == "fp32" else torch.bfloat16
+    return {"replica_hop": None, "replica_sync": DiLoCo(every=par.diloco_every, outer_lr=par.diloco_outer_lr,
+                                                        outer_momentum=par.diloco_outer_momentum, wire_dtype=wire)}
+
+
+def step_fields(par: ParallelConfig, step: int) -> dict[str, Any]:
+    """What a step's record adds under DiLoCo: ``{"synced": whether the step ended with the replicas' sync}``
+    (the optimizer's H-th, 2H-th, ... step; ``{}`` otherwise)."""
+    return {"synced": step % par.diloco_every == 0} if is_diloco(par) else {}
+
+
+def summary_fields(cfg: RunConfig, records: list[dict[str, Any]], n_params: int,
+                   mesh: hsdp.HSDPMesh) -> dict[str, Any]:
+    """``summary.json``'s ``"replica_sync"`` entry under DiLoCo (``{}`` otherwise): H, the outer optimizer, the
+    steps that synced and the inter-node floor of one sync per node, ``2(R-1)/R x P x b``."""
+    par = cfg.parallel
+    if not is_diloco(par):
+        return {}
+    replicas = mesh.replicate_degree
+    per_sync = 2 * (replicas - 1) / replicas * n_params * WIRE_BYTES[par.diloco_wire_dtype]
+    return {"replica_sync": {"mode": "diloco", "every": par.diloco_every, "outer_lr": par.diloco_outer_lr,
+                             "outer_momentum": par.diloco_outer_momentum, "wire_dtype": par.diloco_wire_dtype,
+                             "synced_steps": [r["step"] for r in records if r.get("synced")],
+                             "inter_node_floor_bytes_per_sync": per_sync}}

@@ -1,0 +1,156 @@
+"""``hsdp train parallel.replica_sync=diloco``: DiLoCo in the training app, on 2 x 2 gloo ranks.
+
+One 4-rank spawn runs two in-process jobs of the tiny GPT:
+- H = 3, fp32 wire, 7 steps: the records say ``synced`` on steps 3 and 6 only; a step that did not sync sends
+  nothing across nodes (``replicate_bytes`` 0) and a sync step sends one all-reduce of the rank's flat shards
+  (2(R-1)/R x its parameter bytes); after each step the replicas' weights are compared (``check_replicas``): the
+  same after a sync step, different after the others (each replica trained on its own batches); the loss falls;
+  ``summary.json`` holds the synced steps, the amortized floor and the nodes' mean bytes per step;
+- H = 2, bf16 wire, two micro-batches per step: the sync sends half the fp32 bytes, the first step nothing.
+
+Without processes: the configuration's refusals (each naming the field and the fix), before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness import run_distributed
+
+from hsdp.apps.train.command import main
+from hsdp.apps.train.config_io import resolve_config
+from hsdp.apps.train.metrics import read_metrics
+
+# sharding_degree 2: R = 2 replicas of the 4 ranks (the harness's ranks all look like one node's).
+QUIET = ["parallel.sharding_degree=2", "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1",
+         "data.max_bytes=200000", "optim.warmup_steps=1", "optim.lr=3e-3"]
+# Checkpoints of a DiLoCo run are not built yet: hsdp train refuses them with it.
+NO_CHECKPOINTS = ["train.checkpoint_every=0", "train.save_on_signal=false"]
+DILOCO = ["parallel.replica_sync=diloco", *NO_CHECKPOINTS]
+
+
+def _job(out: Path, *extra: str) -> tuple[dict, list[bool]]:
+    """Run one job; ``(its summary, whether the replicas held the same weights after each step)``."""
+    from rich.console import Console
+
+    from hsdp.apps.train import run_job
+    from hsdp.apps.train.trainer import Trainer
+    from hsdp.engine.replicas import ReplicaDivergence
+
+    same: list[bool] = []
+    original = Trainer.after_step
+
+    def after_step(self: Trainer, record: dict) -> None:
+        original(self, record)
+        try:  # a collective in the replicate group, after the step's record: its bytes are not counted
+            self.model.check_replicas()
+            same.append(True)
+        except ReplicaDivergence:
+            same.append(False)
+
+    Trainer.after_step = after_step  # type: ignore[method-assign]
+    try:
+        outcome = run_job(resolve_config(None, [*QUIET, f"train.out_dir={out}", *DILOCO, *extra]),
+                          Console(quiet=True))
+    finally:
+        Trainer.after_step = original  # type: ignore[method-assign]
+    return outcome.summary, same
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    base = Path(tmp)
+    fp32 = _job(base / "fp32", "train.steps=7", "parallel.diloco_every=3")
+    bf16 = _job(base / "bf16", "train.steps=2", "train.grad_accum=2", "parallel.diloco_every=2",
+                "parallel.diloco_wire_dtype=bf16")
+    return {"fp32": fp32, "bf16": bf16}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    base = tmp_path_factory.mktemp("diloco")
+    return run_distributed(_worker, 4, str(base), timeout=280), base
+
+
+def test_replicas_sync_every_h_steps_and_only_then_cross_nodes(jobs: tuple[list[dict], Path]) -> None:
+    results, base = jobs
+    records = read_metrics(str(base / "fp32"))
+    summary = results[0]["fp32"][0]
+    assert summary["mesh"] == {"replicas": 2, "shards": 2, "world": 4}
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert [r["synced"] for r in records] == [s % 3 == 0 for s in range(1, 8)]
+    # R = 2: a sync all-reduces this rank's flat shards (its parameter bytes), 2(R-1)/R = 1 of them on the wire.
+    params = summary["ranks"][0]["params"]
+    assert [r["replicate_bytes"] for r in records] == [params if s % 3 == 0 else 0 for s in range(1, 8)]
+    assert all(r["shard_bytes"] > 0 for r in records)  # inside a replica every step is ordinary HSDP
+    for r in results:  # every rank of both replicas saw the same: synced weights after steps 3 and 6 only
+        assert r["fp32"][1] == [s % 3 == 0 for s in range(1, 8)]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+    assert "synced" in (base / "fp32" / "metrics.csv").read_text().splitlines()[0]
+
+
+def test_summary_holds_the_syncs_and_the_amortized_floor(jobs: tuple[list[dict], Path]) -> None:
+    _, base = jobs
+    summary = json.loads((base / "fp32" / "summary.json").read_text())
+    sync = summary["replica_sync"]
+    assert (sync["mode"], sync["every"], sync["wire_dtype"], sync["synced_steps"]) == ("diloco", 3, "fp32", [3, 6])
+    per_sync = 2 * 1 / 2 * summary["model"]["params"] * 4
+    assert sync["inter_node_floor_bytes_per_sync"] == pytest.approx(per_sync)
+    assert summary["inter_node_floor_bytes_per_step"] == pytest.approx(per_sync / 3)
+    for node in summary["nodes"]:  # the mean of 7 steps, 2 of them syncs (padding rides along)
+        assert per_sync * 2 / 7 <= node["replicate_bytes_per_step"] < 1.01 * per_sync * 2 / 7
+
+
+def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
+    results, base = jobs
+    records = read_metrics(str(base / "bf16"))
+    summary, same = results[0]["bf16"]
+    params = summary["ranks"][0]["params"]
+    assert [(r["synced"], r["replicate_bytes"]) for r in records] == [(False, 0), (True, params / 2)]
+    assert same == [False, True]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.replica_hop=bf16", *DILOCO], "parallel.replica_hop = 'bf16': does not combine with "
+                                             "parallel.replica_sync = 'diloco'"),
+    (["parallel.replica_hop=int8", *DILOCO], "set parallel.replica_hop = 'fp32'"),
+    (["parallel.shard_optimizer_across_replicas=true", *DILOCO], "set parallel.shard_optimizer_across_replicas = "
+                                                                 "false"),
+    (["parallel.elastic=true", *DILOCO], "parallel.elastic = True: does not combine with parallel.replica_sync"),
+    (["parallel.sharding_degree=[2, 1, 1]", *DILOCO], "parallel.sharding_degree = [2, 1, 1]: does not combine"),
+    (["parallel.batch_weights=[1, 2]", *DILOCO], "set parallel.batch_weights = 'even'"),
+    (["parallel.diloco_every=0", *DILOCO], "parallel.diloco_every = 0: the inner steps between syncs"),
+    (["parallel.diloco_outer_lr=0", *DILOCO], "parallel.diloco_outer_lr = 0.0: must be positive"),
+    (["parallel.diloco_outer_momentum=1", *DILOCO], "parallel.diloco_outer_momentum = 1.0: must lie in [0, 1)"),
+    (["parallel.diloco_wire_dtype=fp16", *DILOCO], "choose one of ['fp32', 'bf16']"),
+    (["parallel.replica_sync=every_h"], "parallel.replica_sync = 'every_h': choose one of"),
+    (["parallel.diloco_every=10"], "parallel.diloco_every = 10: is read only with parallel.replica_sync = 'diloco'"),
+    (["parallel.replica_sync=diloco"], "train.checkpoint_every = 100: checkpoints of a parallel.replica_sync = "
+                                       "'diloco' run are not supported yet"),
+    (["parallel.replica_sync=diloco", "train.checkpoint_every=0"], "train.save_on_signal = True"),
+    ([*DILOCO, "train.resume=true"], "train.resume = True"),
+])
+def test_what_diloco_does_not_combine_with_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        resolve_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_the_defaults_and_the_options_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    assert resolve_config(None, []).parallel.replica_sync == "every_step"
+    par = resolve_config(None, [*DILOCO, "parallel.diloco_every=5", "parallel.diloco_outer_lr=0.5",
+                                "parallel.diloco_outer_momentum=0", "parallel.diloco_wire_dtype=bf16"]).parallel
+    assert (par.replica_sync, par.diloco_every, par.diloco_outer_lr, par.diloco_outer_momentum,
+            par.diloco_wire_dtype) == ("diloco", 5, 0.5, 0.0, "bf16")
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def spawn(*args: object) -> int:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr("hsdp.tools.launch.launch_local", spawn)
+    assert main([*DILOCO, "parallel.replica_hop=bf16", f"train.out_dir={tmp_path / 'run'}"]) == 2
+    assert "parallel.diloco_wire_dtype = 'bf16' halves" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
