@@ -7,7 +7,7 @@ One 4-rank spawn:
   simulation of two DiLoCo workers (each replica's batch the concatenation of its two ranks') to 1e-5;
 - inter-node bytes: nothing on the 3 inner steps, one all-reduce of the model's flat shards per sync, in fp32 or
   in the wire dtype (bf16: half);
-- refused with a ValueError before any collective: every < 1, streaming fragments, a replica_hop next to DiLoCo,
+- refused with a ValueError before any collective: every < 1, a replica_hop next to DiLoCo,
   the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step, and a
   checkpoint of its optimizer (not built yet) is refused instead of keeping one replica's state.
 """
@@ -47,7 +47,7 @@ def _train(rank: int, sync: hsdp.DiLoCo | None, inner: str) -> tuple[dict[str, t
 
 def _refusals(rank: int) -> dict[str, str]:
     out = {}
-    cases = {"every": lambda: hsdp.DiLoCo(every=0), "fragments": lambda: hsdp.DiLoCo(fragments=2),
+    cases = {"every": lambda: hsdp.DiLoCo(every=0),
              "hop": lambda: hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(),
                                               replica_hop=hsdp.AllReduceHop()),
              "sliced": lambda: hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(),
@@ -141,7 +141,6 @@ def test_inter_node_bytes_are_one_all_reduce_of_the_model_per_sync(results: list
 def test_refusals_name_the_fix(results: list[dict]) -> None:
     got = results[0]["refusals"]
     assert "the inner steps between syncs must be an int >= 1" in got["every"]
-    assert "streaming fragments are not built yet" in got["fragments"]
     assert "drop replica_hop" in got["hop"]
     assert "turn shard_optimizer_across_replicas off" in got["sliced"]
     assert "checkpoints of a model with replica_sync=DiLoCo are not supported yet" in got["checkpoint"]

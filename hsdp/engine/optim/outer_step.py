@@ -1,53 +1,136 @@
 """DiLoCo's outer step (``replica_sync.py``): the global copy, the pseudo-gradient all-reduce, the outer update.
 
 The global copy is one fp32 flat per unit, laid out like the unit's flat shard (each rank holds its own shard of
-it, never a full copy), and the outer optimizer's state (its momentum) is sharded the same way. After every
-H-th inner step (``ShardedOptimizer.step``): pseudo-gradient = global - local, all-reduced (average) over the
-replicate group in the wire dtype, set as the global copy's gradient; the outer optimizer steps; the global copy
-is copied into the shards. Padding rows are zero on every replica, so they stay zero.
+it, never a full copy), and the outer optimizer's state (its momentum) is sharded the same way. The units with
+parameters are split into ``fragments`` contiguous fragments (:func:`split_fragments`; one fragment: all of
+them). After the inner step (``ShardedOptimizer.step``) that brings the phase to a fragment's offset
+(``DiLoCo.offset``), the fragment's sync is *started*: pseudo-gradient = global - local, all-reduced (average)
+over the replicate group in the wire dtype, asynchronously. ``delay`` inner steps later it *lands*: the
+all-reduce is waited, the mean is set as the fragment's global copies' gradient, the outer optimizer steps
+(torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
+state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a
+plain copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the
+same code path. Padding rows are zero on every replica, so they stay zero.
+
+[Note: one order everywhere] Every rank starts the same fragments' all-reduces after the same inner steps, in
+fragment and unit order, and lands them in the order started, so the replicate group's collectives match on
+every rank although several may be in flight.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from hsdp.engine.collectives import Handle
 from hsdp.engine.replica_sync import DiLoCo
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
+    from hsdp.engine.runtime.unit import ShardUnit
+
+
+def split_fragments(sizes: list[int], count: int) -> list[range]:
+    """``count`` contiguous, non-empty runs of the indices of ``sizes`` whose sums are about equal: cut ``k``
+    falls where the running sum is nearest ``k / count`` of the total (the same on every rank: ``sizes`` are
+    the units' per-rank flat sizes, padded: equal on every rank)."""
+    total, cuts = sum(sizes), [0]
+    running = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    for k in range(1, count):
+        candidates = range(cuts[-1] + 1, len(sizes) - (count - k) + 1)  # leave one unit for each later run
+        cuts.append(min(candidates, key=lambda i: abs(running[i - 1] - k * total / count)))
+    cuts.append(len(sizes))
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+@dataclass
+class PendingSync:
+    """One fragment's pseudo-gradient all-reduce in flight: it lands once ``left`` inner steps have passed."""
+
+    fragment: int
+    left: int
+    handles: list[Handle]
+    sent: list[torch.Tensor]  # the all-reduced buffers (in the wire dtype), one per unit of the fragment
+    reduced: list[torch.Tensor] = field(default_factory=list)  # fp32 means, once waited (see settle)
+
+    def settle(self) -> list[torch.Tensor]:
+        """Wait for the all-reduces; the fp32 mean pseudo-gradients."""
+        if not self.reduced:
+            for handle in self.handles:
+                handle.wait()
+            self.reduced = [s if s.dtype == torch.float32 else s.float() for s in self.sent]
+            self.handles, self.sent = [], []
+        return self.reduced
 
 
 class OuterState:
-    """The global copy and outer optimizer of one model under DiLoCo."""
+    """The global copy, outer optimizer and in-flight fragment syncs of one model under DiLoCo."""
 
     def __init__(self, model: ShardedModel, policy: DiLoCo) -> None:
         self.model, self.policy = model, policy
         self.units = [u for u in model._hsdp_state.units if u.params]
+        if policy.fragments > len(self.units):
+            raise ValueError(f"DiLoCo(fragments={policy.fragments}): the model has {len(self.units)} units with "
+                             f"parameters and each fragment needs one: use fragments <= {len(self.units)}, or "
+                             f"wrap more submodules as units (ShardedModel(wrap=...))")
+        self.fragments = split_fragments([u.slot_numel for u in self.units], policy.fragments)
         self.global_copy = [u.sharded_flat.detach().float().clone() for u in self.units]
         self.outer = policy.make_outer(self.global_copy)
-        self.inner_steps = 0  # since the last sync (the phase)
+        self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
+        self.pending: list[PendingSync] = []  # started, not landed, in the order started
+
+    def fragment_units(self, fragment: int) -> list[ShardUnit]:
+        return [self.units[i] for i in self.fragments[fragment]]
 
     def after_inner_step(self) -> bool:
-        """Count one inner step; sync replicas when it is the H-th. True when it synced."""
-        self.inner_steps += 1
-        if self.inner_steps < self.policy.every:
-            return False
-        self.inner_steps = 0
-        self.sync()
-        return True
+        """Count one inner step: land the syncs due, start those whose offset this is (landing them at once
+        when ``delay`` is 0). True when an outer update landed."""
+        self.inner_steps = (self.inner_steps + 1) % self.policy.every
+        for sync in self.pending:
+            sync.left -= 1
+        landed = self._land_due()
+        for fragment in range(self.policy.fragments):
+            if self.policy.offset(fragment) == self.inner_steps:
+                self.pending.append(self._start(fragment))
+        return self._land_due() or landed
+
+    def settle(self) -> None:
+        """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint)."""
+        for sync in self.pending:
+            sync.settle()
 
     @torch.no_grad()
-    def sync(self) -> None:
+    def _start(self, fragment: int) -> PendingSync:
         comm, wire = self.model.comm, self.policy.wire_dtype
-        for unit, global_copy in zip(self.units, self.global_copy, strict=True):
-            delta = global_copy - unit.sharded_flat.float()
-            sent = delta if wire is None else delta.to(wire)
-            comm.all_reduce(sent, "replicate", op=dist.ReduceOp.AVG, label=f"{unit.name} pseudo-gradient")
-            global_copy.grad = sent.float() if sent is not delta else delta
+        handles, sent = [], []
+        for i in self.fragments[fragment]:
+            unit = self.units[i]
+            delta = self.global_copy[i] - unit.sharded_flat.float()
+            buffer = delta if wire is None else delta.to(wire)
+            handles.append(comm.all_reduce(buffer, "replicate", op=dist.ReduceOp.AVG, async_op=True,
+                                           label=f"{unit.name} pseudo-gradient"))
+            sent.append(buffer)
+        return PendingSync(fragment, self.policy.delay, handles, sent)
+
+    def _land_due(self) -> bool:
+        due = [s for s in self.pending if s.left <= 0]
+        self.pending = [s for s in self.pending if s.left > 0]
+        for sync in due:
+            self._land(sync)
+        return bool(due)
+
+    @torch.no_grad()
+    def _land(self, sync: PendingSync) -> None:
+        indices = self.fragments[sync.fragment]
+        for i, mean in zip(indices, sync.settle(), strict=True):
+            self.global_copy[i].grad = mean
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        for unit, global_copy in zip(self.units, self.global_copy, strict=True):
-            unit.sharded_flat.copy_(global_copy)
+        mix = self.policy.mix
+        for i in indices:
+            local, global_copy = self.units[i].sharded_flat, self.global_copy[i]
+            local.copy_(global_copy if mix == 0 else torch.lerp(global_copy, local.float(), mix))

@@ -1,0 +1,197 @@
+"""Streaming DiLoCo (``hsdp.DiLoCo(fragments=F, delay=tau, mix=alpha)``) on a 2 x 2 gloo mesh, ParityNet's four units.
+
+One 4-rank spawn, inner AdamW, outer Nesterov SGD (lr 0.7, momentum 0.9):
+- F = 2, H = 4, tau = 1 (8 steps) and F = 3, H = 6, tau = 3, alpha = 0.25 (9 steps: two fragments in flight at
+  once): each replica's weights after every run equal a hand-written one-process simulation of two streaming
+  workers to 1e-5 (the simulation keeps each worker's weights, so the drift between syncs is checked too);
+- F = 1, tau = 0 (the defaults) still equals the same simulation reduced to DiLoCo;
+- the fragments are ParityNet's units split by size ([root, blocks.0], [blocks.1, blocks.2] for F = 2);
+- inter-node bytes per step: exactly the started fragment's flat shards in fp32 on its step, nothing otherwise;
+- the all-reduce is asynchronous: after the step that starts it, its handles are not waited and its stats row has
+  no seconds booked (with tau = 0 they are), and it lands tau steps later;
+- refused with a ValueError before any collective: more fragments than units (naming the unit count), fragments
+  > every, tau < 0, tau >= every, tau not an int, alpha outside [0, 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_distributed
+from models import ParityNet, batch, loss_fn
+
+import hsdp
+
+WORLD = 4
+RUNS = {"f2": (dict(every=4, fragments=2, delay=1), 8),
+        "f3": (dict(every=6, fragments=3, delay=3, mix=0.25), 9),
+        "f1": (dict(every=4), 4)}
+
+
+def _train(rank: int, policy: dict, steps: int) -> dict:
+    torch.manual_seed(0)
+    sync = hsdp.DiLoCo(outer_lr=0.7, outer_momentum=0.9, **policy)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=sync)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    outer = opt._hsdp_outer
+    sent, seconds, in_flight = [], [], []
+    for step in range(steps):
+        model.reset_comm_stats()
+        x, y = batch(step, rank)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        row = model.comm_stats().get("replicate", {})
+        sent.append(sum(op["bytes"] for op in row.values()))
+        seconds.append(row["all_reduce"]["seconds"] if "all_reduce" in row else None)
+        in_flight.append([(s.fragment, s.left, sum(not h.done for h in s.handles)) for s in outer.pending])
+    return {"params": {n: p.detach().full_tensor() for n, p in model.named_parameters()}, "sent": sent,
+            "seconds": seconds, "in_flight": in_flight,
+            "fragments": [[u.name for u in outer.fragment_units(f)] for f in range(len(outer.fragments))],
+            "flat": {u.name: u.sharded_flat.numel() for u in model.units}}
+
+
+def _refusals() -> dict[str, str]:
+    out = {}
+    cases = {"more_than_every": lambda: hsdp.DiLoCo(every=4, fragments=5),
+             "negative_delay": lambda: hsdp.DiLoCo(delay=-1), "delay_every": lambda: hsdp.DiLoCo(every=4, delay=4),
+             "float_delay": lambda: hsdp.DiLoCo(delay=1.5), "mix_one": lambda: hsdp.DiLoCo(mix=1.0),
+             "mix_negative": lambda: hsdp.DiLoCo(mix=-0.1)}
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(every=8, fragments=5))
+    model.reset_comm_stats()
+    try:
+        hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        out["more_than_units"] = "accepted"
+    except ValueError as e:
+        out["more_than_units"] = str(e)
+    out["collectives_before"] = str(model.comm_stats())
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    return {**{name: _train(rank, policy, steps) for name, (policy, steps) in RUNS.items()},
+            "refusals": _refusals()}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_worker, WORLD, timeout=240)
+
+
+def _fragment_of(name: str, fragments: int) -> int:
+    """ParityNet's units by fragment, written out: root (embed/head, frozen, twice, unused, norm), blocks.0-2."""
+    block = int(name.split(".")[1]) if name.startswith("blocks.") else -1
+    return {1: 0, 2: int(block >= 1), 3: 0 if block < 0 else (1 if block < 2 else 2)}[fragments]
+
+
+def _simulate(every: int, fragments: int = 1, delay: int = 0, mix: float = 0.0,
+              steps: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Two streaming DiLoCo workers in one process (replica q trains on its ranks' batches 2q, 2q + 1): fragment f
+    computes the mean pseudo-gradient after step s with s % every == (f + 1) * every // fragments % every, and
+    after step s + delay the outer optimizer steps its global weights with it and each worker's weights of the
+    fragment become mix * local + (1 - mix) * global. Returns each worker's weights."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: more threads only contend on the shared cores (20x slower under load)
+    try:
+        return _simulate_workers(every, fragments, delay, mix, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate_workers(every: int, fragments: int, delay: int, mix: float, steps: int) -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    global_model = ParityNet()
+    workers = [ParityNet() for _ in range(2)]
+    for w in workers:
+        w.load_state_dict(global_model.state_dict())
+    inner = [torch.optim.AdamW(w.parameters(), lr=1e-2) for w in workers]
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    pending: list[tuple[int, dict[str, torch.Tensor]]] = []  # (land after step, mean pseudo-gradient by name)
+
+    def land(means: dict[str, torch.Tensor]) -> None:
+        params = dict(global_model.named_parameters())
+        for name, mean in means.items():
+            params[name].grad = mean
+        outer.step()
+        outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for w in workers:
+                local = dict(w.named_parameters())
+                for name in means:
+                    local[name].copy_(mix * local[name] + (1 - mix) * params[name])
+
+    for step in range(1, steps + 1):
+        for q, (w, opt) in enumerate(zip(workers, inner, strict=True)):
+            parts = [batch(step - 1, 2 * q + s) for s in range(2)]
+            loss_fn(w(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
+            opt.step()
+            opt.zero_grad()
+        for f in range(fragments):
+            if step % every == (f + 1) * every // fragments % every:
+                with torch.no_grad():
+                    means = {name: torch.stack([g - dict(w.named_parameters())[name] for w in workers]).mean(0)
+                             for name, g in global_model.named_parameters() if _fragment_of(name, fragments) == f}
+                pending.append((step + delay, means))
+        for due in [p for p in pending if p[0] == step]:
+            land(due[1])
+        pending = [p for p in pending if p[0] > step]
+    return [{n: p.detach().clone() for n, p in w.named_parameters()} for w in workers]
+
+
+@pytest.mark.parametrize("run", ["f2", "f3", "f1"])
+def test_each_replica_equals_simulated_streaming_workers(results: list[dict], run: str) -> None:
+    policy, steps = RUNS[run]
+    ref = _simulate(**policy, steps=steps)
+    for rank, r in enumerate(results):
+        for name, value in ref[rank // 2].items():
+            torch.testing.assert_close(r[run]["params"][name], value, rtol=1e-5, atol=1e-5, msg=f"{rank} {name}")
+    if run != "f1":  # the replicas differ (a fragment is mid-phase): the check above could tell them apart
+        assert not torch.equal(results[0][run]["params"]["blocks.0.up.weight"],
+                               results[2][run]["params"]["blocks.0.up.weight"])
+
+
+def test_fragments_split_the_units_by_size(results: list[dict]) -> None:
+    for r in results:
+        assert r["f2"]["fragments"] == [["ParityNet(root)", "Block(blocks.0)"], ["Block(blocks.1)", "Block(blocks.2)"]]
+        assert r["f3"]["fragments"] == [["ParityNet(root)"], ["Block(blocks.0)", "Block(blocks.1)"],
+                                        ["Block(blocks.2)"]]
+        assert r["f1"]["fragments"] == [["ParityNet(root)", "Block(blocks.0)", "Block(blocks.1)", "Block(blocks.2)"]]
+
+
+def test_each_sync_carries_only_its_fragment(results: list[dict]) -> None:
+    for r in results:
+        flat = r["f2"]["flat"]
+        f0 = 4 * (flat["ParityNet(root)"] + flat["Block(blocks.0)"])  # fp32 pseudo-gradients of this rank's shards
+        f1 = 4 * (flat["Block(blocks.1)"] + flat["Block(blocks.2)"])
+        assert r["f2"]["sent"] == [0, f0, 0, f1, 0, f0, 0, f1]  # fragment 0 after steps 2 and 6, 1 after 4 and 8
+        assert r["f1"]["sent"] == [0, 0, 0, f0 + f1]
+
+
+def test_the_all_reduce_is_not_waited_by_the_step_that_starts_it(results: list[dict]) -> None:
+    for r in results:
+        # (fragment, steps left, handles not waited) after each step: the one started lands one step later.
+        assert r["f2"]["in_flight"] == [[], [(0, 1, 2)], [], [(1, 1, 2)]] * 2
+        assert r["f2"]["seconds"] == [None, 0] * 4  # no wait booked at the start
+        # tau = 3: fragments 0 and 1 in flight together after step 4 (and 1 and 2 after step 6, ...).
+        assert r["f3"]["in_flight"][3] == [(0, 1, 1), (1, 3, 2)]
+        assert r["f3"]["in_flight"][4] == [(1, 2, 2)]
+        assert r["f1"]["in_flight"] == [[]] * 4
+        assert r["f1"]["seconds"][3] > 0  # tau = 0: the step itself waits
+
+
+def test_refusals_name_the_fix(results: list[dict]) -> None:
+    got = results[0]["refusals"]
+    assert "fragments must be <= every" in got["more_than_every"]
+    for case in ("negative_delay", "delay_every", "float_delay"):
+        assert "use an int with 0 <= delay < every" in got[case], case
+    for case in ("mix_one", "mix_negative"):
+        assert "must be a float with 0 <= mix < 1" in got[case], case
+    assert "the model has 4 units with parameters" in got["more_than_units"]
+    assert "use fragments <= 4" in got["more_than_units"]
+    assert got["collectives_before"] == "{}"
