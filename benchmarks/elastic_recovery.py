@@ -1,7 +1,8 @@
 """Elastic replicas under repeated faults: committed steps against a failure-free run, recovery and rejoin times.
 
 Two runs of the same elastic job (``hsdp launch --elastic --nodes 3 --nproc-per-node 2``: 3 emulated nodes of 2
-ranks, each its own torchrun job with ``--max-restarts``, a coordinator on node 0), a GPT preset of
+ranks, each its own torchrun job with ``--max-restarts``, a coordinator on node 0; each node in a cpu group of
+``--node-cpus`` CPUs: on one machine a restarting node would otherwise slow the others), a GPT preset of
 ``hsdp.models.gpt`` trained with AdamW for the same wall time, counted from each run's first committed step:
 
 * failure-free;
@@ -11,13 +12,14 @@ ranks, each its own torchrun job with ``--max-restarts``, a coordinator on node 
 
 Measured from the replicas' own step logs (each replica's rank 0 appends one line per step):
 
-* committed steps of the faulty run / of the failure-free one, within the window (target >= 90 %);
-* recovery: the kill -> the survivors' next committed step; rejoin: the kill -> the killed replica's first
-  committed step (torchrun's restart, interpreter and torch start-up, admission and healing included);
-  medians over the kills.
+* committed steps of the faulty run / of the failure-free one, within the window (target >= 90 %), and the
+  committed steps per second of each outside the faults (equal when the machine was equally busy);
+* recovery: the kill -> the survivors' first committed step without the killed replica; rejoin: the kill ->
+  the killed replica's first committed step (torchrun's restart, interpreter and torch start-up, admission and
+  healing included); medians over the kills.
 
 After the window the driver waits until all three replicas commit together, then asks every replica to stop
-at one step ahead (a file they check each step), so all of them end at the same step and the launch exits 0.
+at a step 20 ahead (a file they check each step), so all of them end at the same step and the launch exits 0.
 Writes ``benchmarks/results/elastic_recovery_<date>.{json,md}`` with the commands.
 
     sudo python benchmarks/elastic_recovery.py                          # 5 min per run, a kill every 60 s
@@ -126,8 +128,9 @@ def _all_together(out: Path, after: float) -> bool:
 
 
 def _launch_command(args: argparse.Namespace, out: Path, stats: Path) -> list[str]:
+    cpus = ["--node-cpus", args.node_cpus] if args.node_cpus else []
     return [sys.executable, "-m", "hsdp", "launch", "--elastic", "--nodes", str(NODES), "--nproc-per-node",
-            str(NPROC), "--max-restarts", str(args.max_restarts), "--inter-node-bandwidth", args.bandwidth,
+            str(NPROC), "--max-restarts", str(args.max_restarts), "--inter-node-bandwidth", args.bandwidth, *cpus,
             "--stats-json", str(stats), "--", str(Path(__file__).resolve()), "--job", "--preset", args.preset,
             "--out", str(out)]
 
@@ -182,8 +185,9 @@ def _recoveries(run: dict) -> tuple[list[float], list[float]]:
     recovery, rejoin = [], []
     for kill in run["kills"]:
         t, victim = kill["t"], kill["victim"]
+        # Without the victim: a step whose votes were all in before the kill may still commit just after it.
         survivors = [r["t"] for q, rs in run["records"].items() if q != victim for r in rs
-                     if r["committed"] and r["t"] > t]
+                     if r["committed"] and r["t"] > t and victim not in r["replicas"]]
         restart_before = max((r["restart"] for r in run["records"][victim] if r["t"] <= t), default=-1)
         back = [r["t"] for r in run["records"][victim] if r["committed"] and r["t"] > t
                 and r["restart"] > restart_before]
@@ -192,6 +196,15 @@ def _recoveries(run: dict) -> tuple[list[float], list[float]]:
         if back:
             rejoin.append(min(back) - t)
     return recovery, rejoin
+
+
+def _steady_rate(run: dict, busy: list[tuple[float, float]]) -> float:
+    """Committed steps per second of the window outside the ``busy`` intervals (kill -> rejoin + 2 s)."""
+    t0, end = run["t0"], run["t0"] + run["window"]
+    outside = [t for t in {r["step"]: r["t"] for rs in run["records"].values() for r in rs if r["committed"]}.values()
+               if t0 <= t <= end and not any(a <= t <= b for a, b in busy)]
+    span = run["window"] - sum(min(b, end) - a for a, b in busy)
+    return len(outside) / span if span > 0 else 0.0
 
 
 def _median(values: list[float]) -> float | None:
@@ -208,19 +221,26 @@ def drive(args: argparse.Namespace) -> None:
             raise SystemExit(f"the {name} launch exited with status {run['code']}")
     recovery, rejoin = _recoveries(faulty)
     committed = {"clean": _committed_in_window(clean), "faulty": _committed_in_window(faulty)}
+    busy = [(k["t"], k["t"] + back + 2.0) for k, back in zip(faulty["kills"], rejoin)]
+    rates = {"clean": round(committed["clean"] / clean["window"], 2), "faulty_outside_faults": round(
+        _steady_rate(faulty, busy), 2)}
     result = {
         "date": datetime.date.today().isoformat(), "preset": args.preset, "nodes": NODES, "nproc_per_node": NPROC,
         "minutes": args.minutes, "kill_every_s": args.kill_every, "margin_s": args.margin,
         "bandwidth": args.bandwidth, "max_restarts": args.max_restarts, "emulated": faulty["emulated"],
+        "node_cpus": args.node_cpus or None, "steps_per_s": rates,
         "committed_steps": committed, "committed_ratio": round(committed["faulty"] / max(1, committed["clean"]), 4),
         "kills": len(faulty["kills"]), "ranks_killed": [k["ranks_killed"] for k in faulty["kills"]],
         "victims": [k["victim"] for k in faulty["kills"]],
         "recovery_s": [round(x, 2) for x in recovery], "rejoin_s": [round(x, 2) for x in rejoin],
         "recovery_median_s": _median(recovery), "rejoin_median_s": _median(rejoin),
         "command": shlex.join(["sudo", "python", "benchmarks/elastic_recovery.py", "--minutes", f"{args.minutes:g}",
-                               "--kill-every", f"{args.kill_every:g}", "--preset", args.preset]),
+                               "--kill-every", f"{args.kill_every:g}", "--margin", f"{args.margin:g}", "--preset",
+                               args.preset, "--max-restarts", str(args.max_restarts), "--bandwidth", args.bandwidth,
+                               "--node-cpus", args.node_cpus]),
         "launch": "hsdp launch --elastic --nodes 3 --nproc-per-node 2 --max-restarts "
-                  f"{args.max_restarts} --inter-node-bandwidth {args.bandwidth} --stats-json links.json -- "
+                  f"{args.max_restarts} --inter-node-bandwidth {args.bandwidth}"
+                  + (f" --node-cpus {args.node_cpus}" if args.node_cpus else "") + " --stats-json links.json -- "
                   f"benchmarks/elastic_recovery.py --job --preset {args.preset} --out RUN_DIR",
     }
     _write(result, args.tag)
@@ -244,9 +264,15 @@ def _write(result: dict, tag: str) -> None:
              f"| committed steps, failure-free | {c['clean']} |",
              f"| committed steps, with {result['kills']} kills | {c['faulty']} |",
              f"| ratio (target >= 0.90) | {result['committed_ratio']:.3f} |",
-             f"| recovery: kill -> survivors' next committed step, median (s) | {result['recovery_median_s']} |",
+             f"| recovery: kill -> survivors' first committed step without it, median (s) | "
+             f"{result['recovery_median_s']} |",
              f"| rejoin: kill -> killed replica's first committed step, median (s) | {result['rejoin_median_s']} |",
-             "", f"Per kill, recovery (s): {result['recovery_s']}; rejoin (s): {result['rejoin_s']}."]
+             f"| committed steps/s: failure-free; faulty run outside kill -> rejoin + 2 s | "
+             f"{result['steps_per_s']['clean']}; {result['steps_per_s']['faulty_outside_faults']} |",
+             "", f"Per kill, recovery (s): {result['recovery_s']}; rejoin (s): {result['rejoin_s']}. The two rates "
+             f"tell whether the machine was as busy in both runs (the emulated nodes share its CPUs"
+             + (f"; each node capped and weighted at {result['node_cpus']} CPU" if result["node_cpus"] else "")
+             + ")."]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -258,10 +284,14 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", help="a GPT preset of hsdp.models.gpt (default: tiny)")
     parser.add_argument("--minutes", type=float, default=5.0, help="window of each run (default: 5)")
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills (default: 60)")
-    parser.add_argument("--margin", type=float, default=40.0,
-                        help="no kill in the window's last this many seconds (default: 40)")
+    parser.add_argument("--margin", type=float, default=25.0,
+                        help="no kill in the window's last this many seconds (default: 25)")
     parser.add_argument("--max-restarts", type=int, default=20, help="torchrun restarts per node (default: 20)")
     parser.add_argument("--bandwidth", default="1gbit", help="each node link's rate (default: 1gbit)")
+    parser.add_argument("--node-cpus", default="0.6",
+                        help="hsdp launch --node-cpus: each node's CPU budget, so a restarting node slows only "
+                             "itself, as on separate machines, and other work on this one counts less; '' for none "
+                             "(default: 0.6)")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     args = parser.parse_args()
     if args.job:
