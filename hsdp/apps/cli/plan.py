@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.tools.planner.cluster import ClusterSpec
+from hsdp.tools.planner.diloco import WIRE_BYTES, DiLoCoEstimate, DiLoCoOptions, diloco_estimates
 from hsdp.tools.planner.hetero import NODES_SPELLING, HeteroPlan, is_node_list, make_hetero_plan, parse_node_groups
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, TransformerShape, transformer
 from hsdp.tools.planner.options import PRECISIONS, REPLICATE_DTYPES, SYNC_MODES, TrainOptions, precision
@@ -35,6 +36,9 @@ examples:
             --intra-node-bandwidth 450GB/s --inter-node-bandwidth 50GB/s
   hsdp plan --model 70b --nodes 64 --gpus-per-node 8 --gpu h100 --inter-node-bandwidth 8xib400 \\
             --precision bf16 --micro-batches 8 --plot plan.png --json plan.json
+  hsdp plan --model 7b --nodes 4 --inter-node-bandwidth 10Gbit/s --diloco-every 40 --diloco-wire-dtype bf16
+            plus each layout under DiLoCo (weights synced every 40 steps, not DDP's math): inner, sync and mean
+            step, inter-node bytes per sync and per step, next to plain HSDP's
   hsdp plan --model 7b --nodes 2x8:h100,2x8:a100-40gb --micro-batch 4 --activation-checkpointing
             a heterogeneous cluster: per node type the shard degree by memory, batch weights by speed,
             tokens/s weighted vs even, and the init_mesh / distributed_sampler / hsdp train lines to paste
@@ -103,6 +107,11 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="tensor parallel degree T: a number forces it (default 1: no tensor parallelism); auto "
                         "considers every divisor of --gpus-per-node, with S x T inside a node or spanning whole "
                         "nodes, and picks T with S")
+    p.add_argument("--diloco-every", type=int, default=None, metavar="H",
+                   help="also estimate each layout under DiLoCo (ShardedModel(replica_sync=hsdp.DiLoCo(every=H))): "
+                        "no per-step inter-node hop, the weights all-reduced every H steps; not DDP's math")
+    p.add_argument("--diloco-wire-dtype", default="fp32", choices=sorted(WIRE_BYTES),
+                   help="with --diloco-every: the dtype of the sync's all-reduce (bf16: half the bytes)")
     p.add_argument("--plot", metavar="FILE", help="write memory and step time against shard degree (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': stdout, no table)")
     p.set_defaults(func=run_plan)
@@ -194,6 +203,7 @@ _NOT_WITH_NODE_TYPES = (("gpus_per_node", "--gpus-per-node (each node type says 
                         ("intra_node_bandwidth", "--intra-node-bandwidth (each type's preset sets it)"),
                         ("metrics", "--metrics (a measured profile is one GPU type's: pass --model)"),
                         ("degrees", "--degrees (the shard degree of each type is chosen by memory)"),
+                        ("diloco_every", "--diloco-every (DiLoCo is planned for one node type)"),
                         ("plot", "--plot"))
 
 
@@ -225,6 +235,15 @@ def _single_type(args: argparse.Namespace) -> argparse.Namespace:
                                  "gpu": group.gpu})
 
 
+def build_diloco(args: argparse.Namespace, plan: Plan) -> tuple[DiLoCoEstimate, ...] | None:
+    """``--diloco-every H``: the plan's layouts with R > 1 under DiLoCo (``None`` without the flag)."""
+    if args.diloco_every is None:
+        return None
+    _, profile = model_from_args(args)
+    diloco = DiLoCoOptions(args.diloco_every, args.diloco_wire_dtype)
+    return diloco_estimates(plan.layouts, plan.model, plan.cluster, plan.options, diloco, profile, plan.memory_limit)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp plan``: 0, or 2 with the fix on bad arguments."""
     from hsdp.tools.planner.render import dump_json, print_plan
@@ -235,18 +254,32 @@ def run_plan(args: argparse.Namespace) -> int:
         if is_node_list(args.nodes):
             args = _single_type(args)
         plan = build_plan(args)
+        diloco = build_diloco(args, plan)
     except ValueError as e:
         print(f"hsdp plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        dump_json(plan.as_dict(), args.json)
+        extra = {} if diloco is None else {"diloco": _diloco_dict(args, diloco)}
+        dump_json({**plan.as_dict(), **extra}, args.json)
     if args.json != "-":
         print_plan(plan)
+        if diloco is not None:
+            from hsdp.tools.planner.diloco_render import print_diloco
+
+            print_diloco(diloco, plan.best, DiLoCoOptions(args.diloco_every, args.diloco_wire_dtype),
+                         plan.cluster.inter_bandwidth)
     if args.plot:
         from hsdp.tools.planner.plot import plot_plan
 
         print(f"plot: {plot_plan(plan, args.plot)}")
     return 0
+
+
+def _diloco_dict(args: argparse.Namespace, estimates: tuple[DiLoCoEstimate, ...]) -> dict[str, object]:
+    from hsdp.tools.planner.diloco_render import NOT_DDP
+
+    return {"every": args.diloco_every, "wire_dtype": args.diloco_wire_dtype, "note": NOT_DDP,
+            "layouts": [d.as_dict() for d in estimates]}
 
 
 def _run_hetero(plan: HeteroPlan, args: argparse.Namespace) -> int:

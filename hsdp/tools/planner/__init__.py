@@ -1,6 +1,8 @@
 """Shard-degree planning: a cost model of hsdp's memory and step time, calibrated by measurement.
 
 * :func:`make_plan` estimates every (replicate, shard) layout of a cluster and recommends one, with reasons;
+* :mod:`hsdp.tools.planner.diloco` estimates each layout under DiLoCo (weights synced every H steps, not DDP's
+  math) next to plain HSDP;
 * :mod:`hsdp.tools.planner.calibrate` fits the model's constants to measured step times;
 * ``hsdp plan`` and ``hsdp tune`` are the command lines (:mod:`hsdp.apps.cli.plan`, :mod:`hsdp.apps.cli.tune`).
 

@@ -12,6 +12,7 @@ Each field maps to one engine setting, so a plan can be followed literally:
 | ``sync="local"`` | ``model.set_requires_gradient_sync(False)`` on all but the last micro-batch |
 | ``activation_checkpointing`` | ``torch.utils.checkpoint`` around each block |
 | ``shard_optimizer_across_replicas`` | ``ShardedModel(..., shard_optimizer_across_replicas=True)`` |
+| ``inter_node_hop=False`` | ``ShardedModel(..., replica_sync=hsdp.DiLoCo(...))``: its inner steps (``diloco.py``) |
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class TrainOptions:
     R x S ranks, parameters still over S; the inter-node all-reduce becomes a reduce-scatter (hop dtype)
     plus, after the step, an all-gather of the stepped slices in the *parameter* dtype. It changes nothing
     when R = 1; the int8 hop cannot reduce-scatter, so the two are refused together.
+    ``inter_node_hop=False``: no gradient hop across replicas at all (DiLoCo's inner steps, whose replicas sync
+    their weights every H steps instead: :mod:`hsdp.tools.planner.diloco`).
     """
 
     precision: Precision = PRECISIONS["fp32"]
@@ -89,6 +92,7 @@ class TrainOptions:
     prefetch: bool = True
     activation_checkpointing: bool = False
     shard_optimizer_across_replicas: bool = False
+    inter_node_hop: bool = True
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
@@ -100,6 +104,9 @@ class TrainOptions:
         if self.shard_optimizer_across_replicas and not self.hop_can_scatter:
             raise ValueError("shard_optimizer_across_replicas reduce-scatters gradients across replicas, which the "
                              "int8 hop cannot do: use replicate_dtype 'bf16' or 'fp32', or turn the option off")
+        if self.shard_optimizer_across_replicas and not self.inter_node_hop:
+            raise ValueError("without an inter-node hop (DiLoCo) each replica steps its own whole optimizer state: "
+                             "turn shard_optimizer_across_replicas off")
 
     @property
     def hop_can_scatter(self) -> bool:
@@ -118,7 +125,7 @@ class TrainOptions:
 
     def syncs_replicas(self, micro_batch: int) -> bool:
         """Does micro-batch ``micro_batch`` (0-based) run the inter-node hop?"""
-        return self.sync == "every" or micro_batch == self.micro_batches - 1
+        return self.inter_node_hop and (self.sync == "every" or micro_batch == self.micro_batches - 1)
 
     def reduces_shards(self, micro_batch: int) -> bool:
         """Does micro-batch ``micro_batch`` reduce-scatter inside the node?"""

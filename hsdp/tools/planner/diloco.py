@@ -1,0 +1,181 @@
+"""DiLoCo in the plan (``hsdp plan --diloco-every H``): per layout, the inner step, the sync step and their mean.
+
+Under ``ShardedModel(replica_sync=hsdp.DiLoCo(every=H))`` (``hsdp/engine/replica_sync.py``):
+
+  inner step  the layout's step without the inter-node hop (``TrainOptions(inter_node_hop=False)``): the
+              reduce-scatter inside the node is the gradient's last reduction. What still crosses nodes is the
+              shard groups' traffic when they span nodes (nothing for shard groups inside a node);
+  sync        after every H-th inner step, on the training thread, overlapping nothing: per unit with parameters
+              one all-reduce over the replicate group of the rank's flat shard (``UnitSpec.slot``: padding and
+              frozen parameters included) in the wire dtype, back to back on the group's FIFO; then the outer step
+              over the rank's elements, costed at the inner optimizer's seconds per element (the pseudo-gradient,
+              a Nesterov SGD step and the copy back are a few element-wise passes, as AdamW's are), plus the host
+              time per byte sent (CPU ranks);
+  mean step   inner + sync / H, and tokens/s from it.
+
+Inter-node bytes of the busiest node per step: the inner step's plus one sync's over H. With shard groups inside a
+node (S replicate rings, each leaving every node once) a sync sends ``2(R-1)/R x P x w``, the model in the wire
+dtype ``w``: ``2(R-1)/R x P x w / H`` per step, against plain HSDP's ``2(R-1)/R x P x b`` every step. Memory per
+rank: the layout's without the optimizer sharded across replicas (DiLoCo refuses it) plus the global copy (fp32,
+4 B per flat-shard element) and the outer momentum (4 B more when the outer optimizer has momentum).
+
+Not DDP's math: the replicas drift apart for H steps and the update is the outer optimizer's, so the plan says
+nothing about the loss at equal tokens (measure that: ``benchmarks/diloco_slow_links.py``). Streaming fragments and
+a sync overlapped with later steps are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from hsdp.tools.planner.cluster import ClusterSpec
+from hsdp.tools.planner.comm import collective_seconds, group_links, link_seconds, node_bytes, rank_split_bytes
+from hsdp.tools.planner.cost import StepEstimate, estimate_step
+from hsdp.tools.planner.estimate import LayoutEstimate
+from hsdp.tools.planner.memory import estimate_memory
+from hsdp.tools.planner.model import ComputeProfile, ModelSpec
+from hsdp.tools.planner.options import TrainOptions
+from hsdp.tools.planner.tensor_parallel import local_model
+
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0}  # DiLoCo(wire_dtype=None) is fp32; torch.bfloat16 halves it
+GLOBAL_COPY_BYTES = 4  # the fp32 global copy per flat-shard element
+MOMENTUM_BYTES = 4  # the outer SGD's momentum buffer per element (0 without momentum)
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions:
+    """``every``: H, inner steps per sync; ``wire_dtype``: the pseudo-gradient's dtype across nodes (``fp32`` or
+    ``bf16``); ``outer_momentum``: whether the outer optimizer keeps a momentum buffer (memory only)."""
+
+    every: int
+    wire_dtype: str = "fp32"
+    outer_momentum: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"--diloco-every {self.every!r}: give the inner steps between syncs, an integer >= 1 "
+                             f"(the DiLoCo paper uses 500, torchft 40)")
+        if self.wire_dtype not in WIRE_BYTES:
+            raise ValueError(f"--diloco-wire-dtype {self.wire_dtype!r}: choose one of {sorted(WIRE_BYTES)}")
+
+    @property
+    def wire_bytes(self) -> float:
+        return WIRE_BYTES[self.wire_dtype]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per flat-shard element DiLoCo adds on every rank: the global copy and the outer momentum."""
+        return GLOBAL_COPY_BYTES + (MOMENTUM_BYTES if self.outer_momentum else 0)
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """One sync on one rank: ``seconds`` it adds to the step it ends, ``link_s`` of them the busiest node's
+    inter-node link is busy, ``node_bytes`` that node sends to other nodes, ``rank_inter_bytes`` an average rank
+    sends to other nodes."""
+
+    seconds: float
+    link_s: float
+    node_bytes: float
+    rank_inter_bytes: float
+
+
+@dataclass(frozen=True)
+class DiLoCoEstimate:
+    """One layout under DiLoCo next to its plain estimate (``plain``, the variant the plan uses)."""
+
+    plain: LayoutEstimate
+    inner: StepEstimate
+    sync: SyncCost
+    every: int
+    state_bytes: float  # model state per rank, DiLoCo's global copy and momentum included
+    memory_total: float
+    fits: bool
+    tokens_per_step: float
+
+    @property
+    def sync_step_s(self) -> float:
+        """The H-th step: an inner step, then the sync."""
+        return self.inner.step_s + self.sync.seconds
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.inner.step_s + self.sync.seconds / self.every
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Per mean step: the inner step's exposed communication plus the sync's share (none of it overlapped)."""
+        return self.inner.exposed_comm_s + self.sync.seconds / self.every
+
+    @property
+    def inter_node_bytes(self) -> float:
+        """Bytes the busiest node sends to other nodes per step, the sync amortized over H."""
+        return self.inner.inter_node_bytes + self.sync.node_bytes / self.every
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.mean_step_s
+
+    @property
+    def speedup(self) -> float:
+        """Tokens/s against the plain layout's (not a statement about the loss)."""
+        return self.tokens_per_s / self.plain.tokens_per_s
+
+    def as_dict(self) -> dict[str, object]:
+        layout = self.plain.layout
+        return {"replicate": layout.replicate, "shard": layout.shard, "tensor_parallel": layout.tp,
+                "every": self.every, "inner_step_s": self.inner.step_s, "sync_s": self.sync.seconds,
+                "sync_link_s": self.sync.link_s, "sync_step_s": self.sync_step_s, "mean_step_s": self.mean_step_s,
+                "exposed_comm_s": self.exposed_comm_s, "inter_node_bytes_per_sync": self.sync.node_bytes,
+                "inter_node_bytes_per_step": self.inter_node_bytes, "state_bytes": self.state_bytes,
+                "memory_total_bytes": self.memory_total, "fits": self.fits, "tokens_per_s": self.tokens_per_s,
+                "plain_step_s": self.plain.step.step_s, "plain_inter_node_bytes_per_step":
+                    self.plain.step.inter_node_bytes, "plain_tokens_per_s": self.plain.tokens_per_s,
+                "speedup": self.speedup}
+
+
+def sync_cost(model: ModelSpec, cluster: ClusterSpec, shard: int, diloco: DiLoCoOptions,
+              profile: ComputeProfile | None = None, tp: int = 1) -> SyncCost:
+    """The sync of layout ``(shard, tp)``: its all-reduces (one per unit with parameters) and the outer step."""
+    local = local_model(model, tp)
+    links = group_links(cluster, shard, "replicate", tp)
+    seconds = link_s = node = intra = inter = 0.0
+    for u in local.units:
+        if not u.numel:
+            continue
+        nbytes = u.slot(shard) * diloco.wire_bytes
+        seconds += collective_seconds(links, cluster, "all_reduce", nbytes)
+        link_s += link_seconds(links, cluster, "all_reduce", nbytes)
+        node += node_bytes(links, cluster, "all_reduce", nbytes)
+        a, b = rank_split_bytes(links, cluster, "all_reduce", nbytes)
+        intra, inter = intra + a, inter + b
+    per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
+    outer = per_element * sum(u.slot(shard) for u in local.units)
+    host = cluster.host_s_per_intra_byte * intra + cluster.host_s_per_inter_byte * inter
+    return SyncCost(seconds + outer + host, link_s, node, inter)
+
+
+def estimate_diloco(plain: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, options: TrainOptions,
+                    diloco: DiLoCoOptions, profile: ComputeProfile | None = None,
+                    memory_limit: float = math.inf) -> DiLoCoEstimate:
+    """Layout ``plain`` under DiLoCo: the inner step (no hop, the optimizer not sharded across replicas, the
+    plain layout's micro-batches), one sync, the memory DiLoCo adds (see the module docstring)."""
+    layout = plain.layout
+    run = replace(options, micro_batches=plain.micro_batches, shard_optimizer_across_replicas=False,
+                  inter_node_hop=False)
+    inner = estimate_step(model, cluster, layout.shard, run, profile, layout.tp)
+    memory = estimate_memory(model, layout.shard, run, profile, layout.replicate, layout.tp)
+    extra = diloco.state_bytes * sum(u.slot(layout.shard) for u in local_model(model, layout.tp).units)
+    total = memory.total + extra
+    return DiLoCoEstimate(plain, inner, sync_cost(model, cluster, layout.shard, diloco, profile, layout.tp),
+                          diloco.every, memory.state + extra, total, total <= memory_limit,
+                          plain.global_batch * model.seq_len)
+
+
+def diloco_estimates(layouts: tuple[LayoutEstimate, ...], model: ModelSpec, cluster: ClusterSpec,
+                     options: TrainOptions, diloco: DiLoCoOptions, profile: ComputeProfile | None = None,
+                     memory_limit: float = math.inf) -> tuple[DiLoCoEstimate, ...]:
+    """Every layout with more than one replica (with one there is nothing to sync) under DiLoCo."""
+    return tuple(estimate_diloco(e, model, cluster, options, diloco, profile, memory_limit)
+                 for e in layouts if e.layout.replicate > 1)
