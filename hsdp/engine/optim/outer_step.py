@@ -20,6 +20,7 @@ every rank although several may be in flight.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 
 def split_fragments(sizes: list[int], count: int) -> list[range]:
     """``count`` contiguous, non-empty runs of the indices of ``sizes`` whose sums are about equal: cut ``k``
-    falls where the running sum is nearest ``k / count`` of the total (the same on every rank: ``sizes`` are
-    the units' per-rank flat sizes, padded: equal on every rank)."""
+    falls where the running sum is nearest ``k / count`` of the total. ``sizes`` are the units' parameter
+    counts: the same on every rank and at any shard degree, so a resumed run splits its units the same way."""
     total, cuts = sum(sizes), [0]
     running = [sum(sizes[: i + 1]) for i in range(len(sizes))]
     for k in range(1, count):
@@ -45,6 +46,11 @@ def split_fragments(sizes: list[int], count: int) -> list[range]:
         cuts.append(min(candidates, key=lambda i: abs(running[i - 1] - k * total / count)))
     cuts.append(len(sizes))
     return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def _numel(unit: ShardUnit) -> int:
+    """The unit's parameter count (the parameters' full shapes: before data and tensor parallelism)."""
+    return sum(math.prod(p.layout.dtensor_shape) for p in unit.params)
 
 
 @dataclass
@@ -77,7 +83,7 @@ class OuterState:
             raise ValueError(f"DiLoCo(fragments={policy.fragments}): the model has {len(self.units)} units with "
                              f"parameters and each fragment needs one: use fragments <= {len(self.units)}, or "
                              f"wrap more submodules as units (ShardedModel(wrap=...))")
-        self.fragments = split_fragments([u.slot_numel for u in self.units], policy.fragments)
+        self.fragments = split_fragments([_numel(u) for u in self.units], policy.fragments)
         self.global_copy = [u.sharded_flat.detach().float().clone() for u in self.units]
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
