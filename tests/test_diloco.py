@@ -8,8 +8,8 @@ One 4-rank spawn:
 - inter-node bytes: nothing on the 3 inner steps, one all-reduce of the model's flat shards per sync, in fp32 or
   in the wire dtype (bf16: half);
 - refused with a ValueError before any collective: every < 1, a replica_hop next to DiLoCo,
-  the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step, and a
-  checkpoint of its optimizer (not built yet) is refused instead of keeping one replica's state.
+  the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step;
+  ``hsdp.save_checkpoint`` of a DiLoCo model is accepted (its resume: ``tests/test_diloco_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _train(rank: int, sync: hsdp.DiLoCo | None, inner: str) -> tuple[dict[str, t
     return {n: p.detach().full_tensor() for n, p in model.named_parameters()}, sent
 
 
-def _refusals(rank: int) -> dict[str, str]:
+def _refusals(rank: int, tmp: str) -> dict[str, str]:
     out = {}
     cases = {"every": lambda: hsdp.DiLoCo(every=0),
              "hop": lambda: hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(),
@@ -61,7 +61,7 @@ def _refusals(rank: int) -> dict[str, str]:
     model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(every=2))
     wrapped = hsdp.ShardedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     try:
-        wrapped.state_dict()
+        hsdp.save_checkpoint(tmp, model, wrapped)  # every replica's state: hsdp/checkpoint/diloco.py
         out["checkpoint"] = "accepted"
     except ValueError as e:
         out["checkpoint"] = str(e)
@@ -76,18 +76,18 @@ def _refusals(rank: int) -> dict[str, str]:
     return out
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, tmp: str) -> dict:
     flat = sum(u.sharded_flat.numel() for u in hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2)).units)
     return {"flat": flat, "plain": _train(rank, None, "sgd")[0],
             "h1": _train(rank, hsdp.DiLoCo(every=1, outer_lr=1.0, outer_momentum=0.0), "sgd")[0],
             "h4": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw"),
             "h4_bf16": _train(rank, hsdp.DiLoCo(every=4, wire_dtype=torch.bfloat16), "adamw")[1],
-            "refusals": _refusals(rank)}
+            "refusals": _refusals(rank, tmp)}
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(_worker, WORLD, timeout=240)
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(_worker, WORLD, str(tmp_path_factory.mktemp("diloco")), timeout=240)
 
 
 def _simulate(every: int, outer_lr: float, momentum: float) -> dict[str, torch.Tensor]:
@@ -143,5 +143,5 @@ def test_refusals_name_the_fix(results: list[dict]) -> None:
     assert "the inner steps between syncs must be an int >= 1" in got["every"]
     assert "drop replica_hop" in got["hop"]
     assert "turn shard_optimizer_across_replicas off" in got["sliced"]
-    assert "checkpoints of a model with replica_sync=DiLoCo are not supported yet" in got["checkpoint"]
+    assert got["checkpoint"] == "accepted"
     assert "syncs replicas with DiLoCo" in got["plain"] and "hsdp.ShardedOptimizer(model, optimizer)" in got["plain"]

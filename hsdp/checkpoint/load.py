@@ -12,8 +12,10 @@ Steps (every rank takes part in each agreement, so an error anywhere raises ever
      other than 0 read no checkpoint bytes at all and every byte crosses the slow links once. On a
      heterogeneous mesh (replicas of different shard degrees) a replica's chunks are not replica 0's, so
      every replica reads its own shards in step 4 (each within its shard group) and only the plain tensors
-     are broadcast: each replica reads the sharded bytes once;
-  6. only then are the buffers loaded into the live model and optimizer.
+     are broadcast: each replica reads the sharded bytes once. A DiLoCo replica's own weights and inner
+     optimizer state (:mod:`hsdp.checkpoint.diloco`) are read by that replica in step 4 and never broadcast;
+  6. only then are the buffers loaded into the live model and optimizer (and a DiLoCo model's global copy,
+     outer state and phase).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hsdp.checkpoint.dcp_io import CheckpointReader, SafeLoadPlanner
+from hsdp.checkpoint.diloco import for_replica
 from hsdp.checkpoint.errors import CheckpointError
 from hsdp.checkpoint.manifest import InvalidCheckpoint, verify_checksums
 from hsdp.checkpoint.names import check_types
@@ -39,6 +42,7 @@ from hsdp.engine.agreement import agree, on_rank0, run_agreed
 from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.model import ShardedModel
+from hsdp.engine.optim.outer_checkpoint import load_outer_state_dict
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 
 
@@ -65,6 +69,8 @@ def load_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: Sha
     on 1x4, 4x1 or one process. ``extra`` is what this rank passed to ``save_checkpoint``; when the world
     size changed, rank 0's, with a warning. On any error (missing or broken files, a checkpoint of another
     model or optimizer) every rank raises ``CheckpointError`` and the model and optimizer are unchanged.
+    With a DiLoCo model pass its optimizer: the global copy, outer state and phase live there (what a DiLoCo
+    model loads from which checkpoint: ``hsdp.checkpoint.diloco``).
     """
     return restore(path, model, optimizer, options=options).extra
 
@@ -87,11 +93,12 @@ def _restore(comm: Comm, path: str | os.PathLike, model: ShardedModel, optimizer
     chosen, verify_bytes = _choose(comm, path, options)
     what = "load_checkpoint"
     spec = on_rank0(comm, what, lambda: build_spec(chosen, model, optimizer), CheckpointError)
+    spec = for_replica(spec, mesh.replicate_rank)  # a DiLoCo replica's own state: see hsdp.checkpoint.diloco
     buffers = run_agreed(comm, what, lambda: allocate(spec, model), CheckpointError)
     metadata_bytes, tensor_bytes = run_agreed(comm, what, lambda: _read(spec, buffers, mesh), CheckpointError)
     _fan_out(comm, buffers)
-    model_sd, optim_sd = assemble(spec, buffers, model)
-    run_agreed(comm, what, lambda: _apply(model, optimizer, model_sd, optim_sd), CheckpointError)
+    model_sd, optim_sd, outer_sd = assemble(spec, buffers, model)
+    run_agreed(comm, what, lambda: _apply(model, optimizer, model_sd, optim_sd, outer_sd), CheckpointError)
     own = spec["bytes_read"] if mesh.rank == 0 else 0
     total = own + verify_bytes + metadata_bytes + tensor_bytes
     return LoadResult(_extra_for(spec, mesh), chosen.path, spec["step"], total, tensor_bytes,
@@ -127,10 +134,13 @@ def _choose(comm: Comm, path: str | os.PathLike, options: CheckpointOptions) -> 
 
 def _read(spec: dict[str, Any], buffers: Buffers, mesh: HSDPMesh) -> tuple[int, int]:
     """DCP read on replica 0 (every replica on a heterogeneous mesh): shards by every rank of its shard
-    group, plain tensors by rank 0 alone. Returns the metadata and tensor bytes read."""
-    if mesh.replicate_rank != 0 and not mesh.heterogeneous:
+    group, plain tensors by rank 0 alone; a replica's own entries (DiLoCo) by every rank of that replica.
+    Returns the metadata and tensor bytes read."""
+    reads_shared = mesh.replicate_rank == 0 or mesh.heterogeneous
+    wanted = {k: v for k, v in buffers.values.items()
+              if k in buffers.own or (reads_shared and (k in buffers.sharded or mesh.rank == 0))}
+    if not wanted and not reads_shared:
         return 0, 0
-    wanted = {k: v for k, v in buffers.values.items() if k in buffers.sharded or mesh.rank == 0}
     reader = CheckpointReader(spec["path"])
     dcp.load(wanted, storage_reader=reader, planner=SafeLoadPlanner(), process_group=mesh.shard_group)
     return reader.metadata_bytes, reader.data_bytes
@@ -161,17 +171,20 @@ def _broadcast(comm: Comm, tensors: list[torch.Tensor], group: str) -> None:
 def _fan_out(comm: Comm, buffers: Buffers) -> None:
     """Shards to the other replicas (replicate group; not on a heterogeneous mesh, whose replicas read their
     own), plain tensors from rank 0 to everyone."""
-    keys = sorted(buffers.locals)
+    keys = sorted(k for k in buffers.locals if k not in buffers.own)
     if not comm.mesh.heterogeneous:
         _broadcast(comm, [buffers.locals[k] for k in keys if k in buffers.sharded], "replicate")
     _broadcast(comm, [buffers.locals[k] for k in keys if k not in buffers.sharded], "world")
 
 
-def _apply(model: ShardedModel, optimizer: ShardedOptimizer | None, model_sd: dict, optim_sd: dict | None) -> None:
+def _apply(model: ShardedModel, optimizer: ShardedOptimizer | None, model_sd: dict, optim_sd: dict | None,
+           outer_sd: dict | None) -> None:
     with torch.no_grad():
         model.load_state_dict(model_sd)
     if optimizer is not None and optim_sd is not None:
-        optimizer.load_state_dict(optim_sd)
+        optimizer.load_state_dict(optim_sd)  # under DiLoCo the global copy is the loaded weights now
+    if optimizer is not None and optimizer._hsdp_outer is not None and outer_sd is not None:
+        load_outer_state_dict(optimizer._hsdp_outer, outer_sd)  # a DiLoCo checkpoint's global copy and phase
 
 
 def _extra_for(spec: dict[str, Any], mesh: HSDPMesh) -> Any:

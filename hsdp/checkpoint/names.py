@@ -20,8 +20,9 @@ from hsdp.engine.runtime.sharded_param import ShardedParam
 
 MODEL = "model"
 OPTIM = "optim"
-# Optimizer entries stored per parameter, sharded like it: (path[1], index of the parameter name in path).
-PER_PARAM = ("state", "hop_residuals")
+DILOCO = "diloco"  # a DiLoCo model's global copy, outer state and every replica's state (diloco.py)
+# Entries stored per parameter, sharded like it: (path[0], path[1]); the parameter's name is path[2].
+PER_PARAM = {(OPTIM, "state"), (OPTIM, "hop_residuals"), (DILOCO, "global"), (DILOCO, "outer")}
 
 
 def check_types(model: Any, optimizer: Any) -> None:
@@ -63,7 +64,7 @@ def optimizer_kind(optimizer: ShardedOptimizer) -> str:
 
 def sharded_param_of(path: tuple, shape: tuple[int, ...], params: dict[str, ShardedParam]) -> ShardedParam | None:
     """The parameter an optimizer entry is sharded like: per-parameter state of the parameter's shape."""
-    if len(path) < 3 or path[0] != OPTIM or path[1] not in PER_PARAM:
+    if len(path) < 3 or tuple(path[:2]) not in PER_PARAM:
         return None
     p = params.get(str(path[2]))
     if p is None or not shape or tuple(shape) != p.layout.dtensor_shape:

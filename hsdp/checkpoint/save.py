@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from hsdp.checkpoint import diloco
 from hsdp.checkpoint.dcp_io import METADATA, check_storage, read_metadata_file
 from hsdp.checkpoint.errors import CheckpointError
 from hsdp.checkpoint.lease import confirm_lease, hold_lease
@@ -57,12 +58,15 @@ def save_checkpoint(path: str | os.PathLike, model: ShardedModel, optimizer: Sha
     ``hsdp.checkpoint.names``). Saving the same step again replaces that checkpoint.
     The first save takes the run directory's lease (``<path>.lease``, see ``hsdp.checkpoint.lease``), held
     until the process exits: another job saving there meanwhile gets a ``CheckpointError`` naming this one.
-    Loading never needs the lease. On an elastic mesh (``init_mesh(elastic=True)``) "every rank" is the ranks of
+    Loading never needs the lease. A DiLoCo model's checkpoint holds every replica's weights and inner optimizer
+    state, the global copy (its model weights), the outer state and the phase (``hsdp.checkpoint.diloco``).
+    On an elastic mesh (``init_mesh(elastic=True)``) "every rank" is the ranks of
     one replica (its torchrun job's world), which save its state alone: the other replicas hold the same at a
     step boundary, and nothing waits for a step's quorum.
     """
     options = options or CheckpointOptions()
     check_types(model, optimizer)
+    diloco.check(model, optimizer)
     comm = Comm(model.mesh)
     with comm.helper("hsdp.save_checkpoint"):  # every rank must call it: checked before any collective
         return _save(comm, path, model, optimizer, extra, step, options)
@@ -80,7 +84,8 @@ def _save(comm: Comm, path: str | os.PathLike, model: ShardedModel, optimizer: S
                       CheckpointError)
     tmp = target["tmp"]
     model.reshard()  # the module must hold the sharded parameters
-    state = save_state(model, optimizer)
+    # DiLoCo: every replica's weights and inner state under its own keys, the global copy in ``model``.
+    state = diloco.save_state(model, optimizer) if diloco.is_diloco(optimizer) else save_state(model, optimizer)
     run_agreed(comm, f"save_checkpoint: writing {tmp}", lambda: _write(tmp, state, model.mesh), CheckpointError)
     extras = {"world_size": comm.size("world"), "ranks": [g["extra"] for g in gathered]}
     names = on_rank0(comm, "save_checkpoint: writing extra",

@@ -23,6 +23,7 @@ from hsdp.checkpoint.dcp_io import (
     load_locally,
     read_metadata_file,
 )
+from hsdp.checkpoint.diloco import is_diloco, plan_tensors
 from hsdp.checkpoint.names import (
     MODEL,
     OPTIM,
@@ -59,11 +60,14 @@ def build_spec(cand: Candidate, model: ShardedModel, optimizer: ShardedOptimizer
     if optimizer is not None:
         _check_optimizer(cand, [found[k] for k in optim_keys], raw, model, optimizer)
     extra, extra_bytes = _read_extra(cand)
+    tensors = [_entry_json(found[k]) for k in sorted(wanted) if found[k].is_tensor]
+    if is_diloco(optimizer):  # each replica's own weights and inner state, the global copy and outer state
+        tensors = plan_tensors(cand.path, found, model, tensors)
     return {
         "path": cand.path,
         "step": None if cand.manifest is None else cand.manifest.step,
         "extra": extra,
-        "tensors": [_entry_json(found[k]) for k in sorted(wanted) if found[k].is_tensor],
+        "tensors": tensors,
         "objects": {k: {"path": list(found[k].path), "raw": base64.b64encode(v).decode()} for k, v in raw.items()},
         "bytes_read": nbytes + read + extra_bytes,
     }

@@ -16,24 +16,28 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint.dcp_io import decode_object, dtype_of
-from hsdp.checkpoint.names import MODEL, OPTIM, param_by_name, sharded_param_of
+from hsdp.checkpoint.names import DILOCO, MODEL, OPTIM, param_by_name, sharded_param_of
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.runtime.dtensor import to_sharded_dtensor
 
 
 @dataclass
 class Buffers:
-    """``locals``: what is read or broadcast into; ``values``: what DCP and ``load_state_dict`` receive."""
+    """``locals``: what is read or broadcast into; ``values``: what DCP and ``load_state_dict`` receive;
+    ``own``: keys this rank's replica reads itself and nothing broadcasts (a DiLoCo replica's own state)."""
 
     locals: dict[str, torch.Tensor] = field(default_factory=dict)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     sharded: set[str] = field(default_factory=set)
+    own: set[str] = field(default_factory=set)
 
-    def add(self, key: str, local: torch.Tensor, value: torch.Tensor | None = None) -> None:
+    def add(self, key: str, local: torch.Tensor, value: torch.Tensor | None = None, own: bool = False) -> None:
         self.locals[key] = local
         self.values[key] = local if value is None else value
         if value is not None:
             self.sharded.add(key)
+        if own:
+            self.own.add(key)
 
 
 def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
@@ -45,21 +49,22 @@ def allocate(spec: dict[str, Any], model: ShardedModel) -> Buffers:
     out = Buffers()
     for t in spec["tensors"]:
         path, shape, dtype = tuple(t["path"]), tuple(t["shape"]), dtype_of(t["dtype"])
+        own = "replica" in t  # see hsdp.checkpoint.diloco.plan_tensors
         if path[0] == MODEL:
             value = live[path[1]]
             if isinstance(value, DTensor):
                 local = torch.empty_like(value.to_local())
                 out.add(t["key"], local, to_sharded_dtensor(local, value.device_mesh, tuple(value.shape),
-                                                                value.placements))
+                                                                value.placements), own)
             else:
-                out.add(t["key"], torch.empty_like(value))
+                out.add(t["key"], torch.empty_like(value), own=own)
             continue
         p = sharded_param_of(path, shape, params)
         if p is None:
-            out.add(t["key"], torch.empty(shape, dtype=dtype, device=device))
+            out.add(t["key"], torch.empty(shape, dtype=dtype, device=device), own=own)
         else:
             local = torch.empty(p.layout.local_shape, dtype=dtype, device=device)
-            out.add(t["key"], local, to_sharded_dtensor(local, param_mesh, shape, p.layout.placements))
+            out.add(t["key"], local, to_sharded_dtensor(local, param_mesh, shape, p.layout.placements), own)
     return out
 
 
@@ -71,12 +76,14 @@ def _set(root: dict, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def assemble(spec: dict[str, Any], buffers: Buffers, model: ShardedModel) -> tuple[dict, dict | None]:
-    """The model state dict and the FQN-keyed optimizer state dict (``None`` if none was loaded)."""
+def assemble(spec: dict[str, Any], buffers: Buffers, model: ShardedModel) -> tuple[dict, dict | None, dict | None]:
+    """The model state dict, the FQN-keyed optimizer state dict (``None`` if none was loaded) and a DiLoCo
+    model's global copy, outer state and phase (``outer_checkpoint.outer_state_dict``'s layout; ``None``
+    unless loaded)."""
     tree: dict = {}
     for t in spec["tensors"]:
         value = buffers.values[t["key"]]
-        if t["path"][0] == OPTIM and value.dim() == 0:
+        if t["path"][0] in (OPTIM, DILOCO) and value.dim() == 0:
             # Scalars (Adam's step) were read on the mesh device for the broadcast; torch keeps them on the
             # CPU unless capturable/fused, and load_state_dict moves them to the device in those cases.
             value = value.cpu()
@@ -86,7 +93,7 @@ def assemble(spec: dict[str, Any], buffers: Buffers, model: ShardedModel) -> tup
     optim = tree.get(OPTIM)
     if optim is not None:
         optim = _canonical_optim(optim, model)
-    return tree.get(MODEL, {}), optim
+    return tree.get(MODEL, {}), optim, tree.get(DILOCO)
 
 
 def _canonical_optim(optim: dict, model: ShardedModel) -> dict:

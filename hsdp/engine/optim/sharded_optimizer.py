@@ -19,6 +19,7 @@ from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, warn_drop
 from hsdp.engine.optim.elastic_heal import attach_heal, elastic_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
+from hsdp.engine.optim.outer_checkpoint import restart
 from hsdp.engine.optim.outer_step import OuterState
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
@@ -53,7 +54,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     re-pointed at the shards. ``state_dict()`` is keyed by parameter name (FQN) with per-element state as
     ``DTensor`` (``Shard(0)`` on the replica's mesh), the format ``torch.distributed.checkpoint`` reshards;
     torch's ``get_state_dict(model, optimizer)`` / ``set_state_dict`` (the FSDP2 recipe) give and take the same
-    (see ``dcp_state_dict.py``; they leave out the int8 hop's residuals, with a warning).
+    (see ``dcp_state_dict.py``; they leave out the int8 hop's residuals, with a warning). Under DiLoCo
+    (``replica_sync=``) both refuse with a ``ValueError``: the replicas' states differ and a DCP save of them
+    would keep one; ``hsdp.save_checkpoint`` keeps them all (``hsdp/checkpoint/diloco.py``).
     """
 
     _hsdp_model: ShardedModel
@@ -158,16 +161,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         helpers read (and rename to parameter names themselves). ``optimizer.state_dict()`` on the instance is
         the name-keyed layout (:meth:`named_state_dict`); see [Note: two layouts of one optimizer state] in
         ``dcp_state_dict.py``."""
+        _refuse_diloco(self)
         warn_dropped_hop_state(any(unit.hop.state_dict() for unit in self._hsdp_model.units))
         return self._index_state_dict()
 
     def _index_state_dict(self) -> dict[str, Any]:
-        if self._hsdp_outer is not None:
-            # Mid-phase each replica holds its own weights and inner state, and the global copy and outer
-            # momentum exist besides: a checkpoint keeping one replica's would resume the others wrongly.
-            raise ValueError("checkpoints of a model with replica_sync=DiLoCo are not supported yet (each replica's "
-                             "inner optimizer state and the outer state would be needed): train without DiLoCo "
-                             "for the run you checkpoint, or keep the job alive")
         raw = super().state_dict()
         # Per-parameter state is already DTensor (built like the DTensor parameters): stamp each chunk with its
         # rank's coordinates (see [Note: pickled chunks] in runtime/origin.py).
@@ -177,7 +175,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def named_state_dict(self) -> dict[str, Any]:
         """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` (plus
         ``"hop_residuals"`` with a stateful inter-node hop): what ``optimizer.state_dict()`` returns, and what
-        ``get_optimizer_state_dict(model, optimizer)`` returns but for the hop residuals."""
+        ``get_optimizer_state_dict(model, optimizer)`` returns but for the hop residuals. Refused under DiLoCo
+        (``_refuse_diloco``): ``hsdp.save_checkpoint`` saves such a model."""
+        _refuse_diloco(self)
+        return self._named_state_dict()
+
+    def _named_state_dict(self) -> dict[str, Any]:
+        """:meth:`named_state_dict` of this replica's inner optimizer, DiLoCo or not (``hsdp/checkpoint/diloco.py``
+        stores each replica's under its own keys)."""
         raw = self._index_state_dict()
         by_param = _sharded_by_param(self._hsdp_model)
         fqn = [by_param[id(p)].fqn for p in self._index_params()]
@@ -190,7 +195,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the FQN-keyed form (``DTensor`` or full tensors); other forms go to the wrapped class."""
+        """Load the FQN-keyed form (``DTensor`` or full tensors); other forms go to the wrapped class.
+
+        Under DiLoCo this is the inner optimizer's state alone: afterwards the global copy is the model's
+        current weights, the phase 0 and the outer momentum fresh (``outer_checkpoint.restart``), so load the
+        model first; ``hsdp.load_checkpoint`` then sets the global copy, outer state and phase it saved."""
+        self._load_inner_state_dict(state_dict)
+        if self._hsdp_outer is not None:
+            restart(self._hsdp_outer)
+
+    def _load_inner_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict.get("param_groups", [])
         if not groups or not groups[0]["params"] or not isinstance(groups[0]["params"][0], str):
             return super().load_state_dict(state_dict)
@@ -208,6 +222,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         raw_groups = [{**g, "params": [index[k] for k in g["params"]]} for g in groups]
         super().load_state_dict({"state": state, "param_groups": raw_groups})
         load_hop_state_dict(self._hsdp_model.units, self._hsdp_model.mesh, state_dict.get("hop_residuals", {}))
+
+
+def _refuse_diloco(optimizer: ShardedOptimizer) -> None:
+    """Under DiLoCo the replicas' inner states differ (mid-phase their weights too) and the global copy, outer
+    momentum and phase exist besides: a state dict of this rank's, saved with DCP (which keeps one copy of
+    identically named shards), would silently keep one replica's. ``hsdp.save_checkpoint`` keeps them all."""
+    if optimizer._hsdp_outer is not None:
+        raise ValueError("optimizer.state_dict() (and torch's get_state_dict / get_optimizer_state_dict) of a model "
+                         "with replica_sync=DiLoCo would keep one replica's inner optimizer state and lose the global "
+                         "copy, outer momentum and phase: save with hsdp.save_checkpoint(path, model, optimizer) and "
+                         "load with hsdp.load_checkpoint, which keep every replica's state")
 
 
 def _evaluate(closure: Any) -> Any:

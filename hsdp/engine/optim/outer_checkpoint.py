@@ -1,0 +1,168 @@
+"""DiLoCo's outer state (``outer_step.OuterState``) as per-parameter tensors a checkpoint can hold, and back.
+
+``OuterState`` keeps one fp32 flat per unit, laid out like the unit's flat shard (this rank's padded chunk of
+every parameter, in order). A checkpoint must reshard to any shard degree, so every flat is cut into the
+parameters' chunks and each chunk is handed out as a ``DTensor`` placed like the parameter (``ShardedParam
+.to_dtensor``: ``Shard(0)`` on the replica's mesh, the parameter's global shape), exactly as the parameters
+and the inner optimizer's state are. The padding rows are not saved: they are zero (see ``outer_step.py``).
+
+:func:`outer_state_dict` gives ``{"global": {fqn: fp32 DTensor}, "outer": {fqn: {name: DTensor}},
+"outer_scalars": {fqn: {name: scalar}}, "phase": int64 scalar}``: the global copy, the outer optimizer's
+per-element state (the momentum) in the same layout, its scalars (a step count, repeated under every parameter of
+the unit: units are an implementation detail, parameter names are not), and the phase (inner steps since the
+last sync). :func:`load_outer_state_dict` takes that dict back (any layout DCP resharded it to). The outer
+optimizer's hyper-parameters are not saved: they are the ``DiLoCo`` policy's, as built.
+
+:func:`restart` is what loading state without DiLoCo's part means: the global copy becomes the model's current
+weights, the phase 0 and the outer optimizer's state (its momentum) starts fresh, as at the optimizer's
+construction. ``ShardedOptimizer.load_state_dict`` calls it after loading the inner state, so the model's
+weights must have been loaded first (``hsdp.load_checkpoint`` and torch's ``set_state_dict`` load them first).
+
+The inner state of every replica (its weights and inner optimizer state, which differ between replicas
+mid-phase and, for the optimizer, always) is the checkpoint layer's business: ``hsdp/checkpoint/diloco.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hsdp.engine.optim.outer_step import OuterState
+from hsdp.engine.runtime.origin import stamp
+from hsdp.engine.runtime.sharded_param import ShardedParam
+
+
+def chunks(outer: OuterState, unit_index: int, flat: torch.Tensor) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
+    """Each parameter of unit ``unit_index`` with its chunk of ``flat`` (a view, shaped like the parameter's
+    local chunk): ``flat`` is laid out like the unit's flat shard, padding between the chunks."""
+    offset = 0
+    for p in outer.units[unit_index].params:
+        yield p, flat[offset: offset + p.layout.local_numel].view(p.layout.local_shape)
+        offset += p.layout.padded_numel
+
+
+def global_weights(outer: OuterState) -> dict[str, torch.Tensor]:
+    """The global copy in each parameter's dtype, by parameter name: what a model without DiLoCo loads."""
+    out = {}
+    for i, flat in enumerate(outer.global_copy):
+        for p, chunk in chunks(outer, i, flat):
+            out[p.fqn] = stamp(p.to_dtensor(chunk.to(p.dtype)))
+    return out
+
+
+def check_savable(outer: OuterState) -> None:
+    """``ValueError`` naming the fix for a state :func:`outer_state_dict` cannot hold (call it before the first
+    collective of a save: every rank holds the same outer state, so every rank raises)."""
+    _check_settled(outer)
+    for flat in outer.global_copy:
+        for name, value in outer.outer.state.get(flat, {}).items():
+            _kind(name, value, flat)
+
+
+def _kind(name: str, value: Any, flat: torch.Tensor) -> str | None:
+    """How outer state ``value`` is saved: ``"outer"`` (per element, flat-shaped), ``"outer_scalars"``, or
+    ``None`` (unset: torch's optimizers create it at their next step)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.shape == flat.shape:
+        return "outer"
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return "outer_scalars"
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    raise ValueError(f"outer optimizer state {name!r} is {shape}, neither the global copy's shape "
+                     f"{tuple(flat.shape)} nor a scalar: a checkpoint cannot hold it; use an element-wise outer "
+                     f"optimizer (torch's SGD, Adam, AdamW, ...)")
+
+
+def outer_state_dict(outer: OuterState) -> dict[str, Any]:
+    """The global copy, the outer optimizer's state and the phase (module docstring); views, no copy."""
+    check_savable(outer)
+    out: dict[str, Any] = {"global": {}, "outer": {}, "outer_scalars": {},
+                           "phase": torch.tensor(outer.inner_steps, dtype=torch.int64)}
+    for i, flat in enumerate(outer.global_copy):
+        for p, chunk in chunks(outer, i, flat):
+            out["global"][p.fqn] = stamp(p.to_dtensor(chunk))
+        for name, value in outer.outer.state.get(flat, {}).items():
+            kind = _kind(name, value, flat)
+            if kind == "outer":
+                for p, chunk in chunks(outer, i, value):
+                    out[kind].setdefault(p.fqn, {})[name] = stamp(p.to_dtensor(chunk))
+            elif kind == "outer_scalars":
+                for p in outer.units[i].params:
+                    out[kind].setdefault(p.fqn, {})[name] = value
+    return out
+
+
+@torch.no_grad()
+def load_outer_state_dict(outer: OuterState, sd: dict[str, Any]) -> None:
+    """Set the global copy, the outer optimizer's state and the phase from :func:`outer_state_dict`'s layout
+    (values: DTensors placed like the parameters, or this rank's chunks). Missing ``"outer"`` parts leave the
+    outer optimizer fresh, a missing ``"phase"`` starts the phase at 0."""
+    _check_settled(outer)
+    for i, flat in enumerate(outer.global_copy):
+        flat.zero_()  # padding rows are zero
+        for p, chunk in chunks(outer, i, flat):
+            chunk.copy_(_local(sd["global"][p.fqn]))
+    index = {id(t): n for n, t in enumerate(t for g in outer.outer.param_groups for t in g["params"])}
+    state = {}
+    for i, flat in enumerate(outer.global_copy):
+        entries = {**_unit_flats(outer, i, sd.get("outer", {})), **_unit_scalars(outer, i, sd.get("outer_scalars", {}))}
+        if entries:
+            state[index[id(flat)]] = entries
+    outer.outer.state.clear()
+    # torch's own load: it casts and places every value as the outer optimizer keeps it (a step on the CPU).
+    outer.outer.load_state_dict({"state": state, "param_groups": outer.outer.state_dict()["param_groups"]})
+    phase = sd.get("phase")
+    outer.inner_steps = 0 if phase is None else int(phase)
+
+
+def _saved(outer: OuterState, i: int, saved: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
+    """Every state name saved for unit ``i``'s parameters -> its value under each parameter, in order."""
+    params = outer.units[i].params
+    names = sorted({name for p in params for name in saved.get(p.fqn, {})})
+    out = {name: [saved.get(p.fqn, {}).get(name) for p in params] for name in names}
+    for name, values in out.items():
+        if any(v is None for v in values):
+            raise ValueError(f"outer optimizer state {name!r} is saved for some parameters of unit "
+                             f"{outer.units[i].name} only: the checkpoint is of another model")
+    return out
+
+
+def _unit_flats(outer: OuterState, i: int, saved: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Unit ``i``'s per-element outer state, its parameters' chunks laid out as a flat again."""
+    out = {}
+    for name, values in _saved(outer, i, saved).items():
+        flat = torch.zeros_like(outer.global_copy[i], dtype=_local(values[0]).dtype)
+        for (_, chunk), value in zip(chunks(outer, i, flat), values, strict=True):
+            chunk.copy_(_local(value))
+        out[name] = flat
+    return out
+
+
+def _unit_scalars(outer: OuterState, i: int, saved: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Unit ``i``'s outer scalars (the same under each of its parameters: the first one's)."""
+    return {name: _local(values[0]).clone() for name, values in _saved(outer, i, saved).items()}
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+@torch.no_grad()
+def restart(outer: OuterState) -> None:
+    """Global copy := the model's weights, phase 0, a fresh outer state (module docstring)."""
+    _check_settled(outer)
+    for unit, flat in zip(outer.units, outer.global_copy, strict=True):
+        flat.copy_(unit.sharded_flat)
+    outer.outer.state.clear()
+    outer.inner_steps = 0
+
+
+def _check_settled(outer: OuterState) -> None:
+    # Streaming DiLoCo (delay > 0) keeps fragment syncs in flight across steps; they are not saved yet.
+    if getattr(outer, "pending", None):
+        raise ValueError("a DiLoCo fragment sync is in flight (delay > 0): checkpoints of its in-flight "
+                         "pseudo-gradients are not supported yet; save at a step where none is in flight, or use "
+                         "delay=0")
