@@ -15,7 +15,7 @@ import pytest
 from hsdp.apps.cli import main
 from hsdp.tools.planner.cluster import ClusterSpec
 from hsdp.tools.planner.cost import estimate_step
-from hsdp.tools.planner.diloco import DiLoCoOptions, diloco_estimates, estimate_diloco, sync_cost
+from hsdp.tools.planner.diloco import DiLoCoOptions, diloco_estimates, estimate_diloco, split_fragments, sync_costs
 from hsdp.tools.planner.memory import estimate_memory
 from hsdp.tools.planner.model import ModelSpec, uniform
 from hsdp.tools.planner.options import TrainOptions
@@ -40,13 +40,14 @@ def test_a_sync_sends_the_model_once_and_a_step_one_hth_of_it(nodes: int, gpus: 
     plain = estimate_layout(model, cluster, gpus, TrainOptions())
     d = estimate_diloco(plain, model, cluster, TrainOptions(), DiLoCoOptions(every, wire))
     r = nodes
-    assert d.sync.node_bytes == pytest.approx(2 * (r - 1) / r * P * w, rel=1e-12)
+    (sync,) = d.syncs
+    assert sync.node_bytes == d.sync_bytes == pytest.approx(2 * (r - 1) / r * P * w, rel=1e-12)
     assert d.inter_node_bytes == pytest.approx(2 * (r - 1) / r * P * w / every, rel=1e-12)
     assert d.inner.inter_node_bytes == 0  # shard groups inside a node: nothing else crosses
     # Plain HSDP's fp32 hop every step: the same model bytes (plus one flag per tensor).
     assert plain.step.inter_node_bytes == pytest.approx(2 * (r - 1) / r * P * 4, rel=1e-5)
-    assert d.mean_step_s == pytest.approx(d.inner.step_s + d.sync.seconds / every, rel=1e-12)
-    assert d.sync_step_s == pytest.approx(d.inner.step_s + d.sync.seconds, rel=1e-12)
+    assert d.mean_step_s == pytest.approx(d.inner.step_s + sync.seconds / every, rel=1e-12)
+    assert d.sync_step_s == pytest.approx(d.inner.step_s + sync.seconds, rel=1e-12)
     assert d.tokens_per_s == pytest.approx(plain.global_batch * model.seq_len / d.mean_step_s, rel=1e-12)
 
 
@@ -55,11 +56,11 @@ def test_the_sync_takes_its_bytes_over_the_link_and_the_outer_step() -> None:
     # it on the link; the outer step costs the optimizer's seconds per element over the rank's P / S elements.
     bare = {"intra_latency": 0.0, "inter_latency": 0.0, "collective_overhead": 0.0}
     cluster, model, r, s = _cluster(4, 8, optimizer_s_per_element=0.0, **bare), _model(), 4, 8
-    sync = sync_cost(model, cluster, s, DiLoCoOptions(5))
+    (sync,) = sync_costs(model, cluster, s, DiLoCoOptions(5))
     assert sync.seconds == pytest.approx(2 * (r - 1) / r * P * 4 / 10e9, rel=1e-12)
     assert sync.link_s == pytest.approx(sync.seconds, rel=1e-12)
     slow_optimizer = replace(cluster, optimizer_s_per_element=1e-9)
-    assert sync_cost(model, slow_optimizer, s, DiLoCoOptions(5)).seconds == pytest.approx(
+    assert sync_costs(model, slow_optimizer, s, DiLoCoOptions(5))[0].seconds == pytest.approx(
         sync.seconds + 1e-9 * P / s, rel=1e-9)
 
 
@@ -135,3 +136,47 @@ def test_plan_refuses_bad_diloco_flags(capsys: pytest.CaptureFixture) -> None:
     assert "--diloco-every 0: give the inner steps between syncs" in capsys.readouterr().err
     assert main(["plan", "--model", "7b", "--nodes", "2x8:h100,2x8:a100-40gb", "--diloco-every", "4"]) == 2
     assert "does not take --diloco-every" in capsys.readouterr().err
+
+
+def test_streaming_splits_the_sync_and_hides_it_behind_the_delay() -> None:
+    model, r, s = _model(), 4, 8  # eight equal blocks with parameters (the root has none)
+    assert split_fragments([4, 4, 4, 4], 2) == [range(0, 2), range(2, 4)]
+    assert split_fragments([1, 1, 6], 2) == [range(0, 2), range(2, 3)]
+    cluster = _cluster(r, 8)
+    plain = estimate_layout(model, cluster, s, TrainOptions())
+    whole = estimate_diloco(plain, model, cluster, TrainOptions(), DiLoCoOptions(8))
+    four = estimate_diloco(plain, model, cluster, TrainOptions(), DiLoCoOptions(8, fragments=4))
+    assert [f.node_bytes for f in four.syncs] == pytest.approx([2 * (r - 1) / r * P * 4 / 4] * 4, rel=1e-12)
+    assert four.sync_bytes == pytest.approx(whole.sync_bytes, rel=1e-12)
+    assert four.inter_node_bytes == pytest.approx(whole.inter_node_bytes, rel=1e-12)  # the same bytes per H
+    assert four.sync_step_s < whole.sync_step_s  # a quarter of the model at a time
+    assert four.waits == pytest.approx([f.comm_s + f.outer_s for f in four.syncs], rel=1e-12)
+    # Behind tau inner steps only what is left of the transfer is waited for (here nothing on the fast link).
+    fast_cluster = replace(cluster, inter_bandwidth=1e13)
+    fast_plain = estimate_layout(model, fast_cluster, s, TrainOptions())
+    fast = estimate_diloco(fast_plain, model, fast_cluster, TrainOptions(), DiLoCoOptions(8, fragments=4, delay=1))
+    assert all(0 < f.comm_s < fast.inner.step_s for f in fast.syncs)
+    assert fast.waits == pytest.approx([f.outer_s for f in fast.syncs], rel=1e-12)
+    slow_cluster = replace(cluster, inter_bandwidth=0.125e9)  # 1 Gbit/s per node: the transfer outlasts a step
+    slow_plain = estimate_layout(model, slow_cluster, s, TrainOptions())
+    slow = estimate_diloco(slow_plain, model, slow_cluster, TrainOptions(), DiLoCoOptions(8, fragments=4, delay=1))
+    assert all(f.comm_s > slow.inner.step_s for f in slow.syncs)
+    assert slow.waits == pytest.approx([f.comm_s - slow.inner.step_s + f.outer_s for f in slow.syncs], rel=1e-12)
+    assert slow.mean_step_s == pytest.approx(slow.inner.step_s + sum(slow.waits) / 8, rel=1e-12)
+    with pytest.raises(ValueError, match="has 8 units with parameters and each fragment needs one: use at most 8"):
+        sync_costs(model, cluster, s, DiLoCoOptions(16, fragments=9))
+    with pytest.raises(ValueError, match="--diloco-fragments 9: each fragment syncs at its own step of the 8"):
+        DiLoCoOptions(8, fragments=9)
+    with pytest.raises(ValueError, match="--diloco-delay 8: a fragment's update must land before its next sync"):
+        DiLoCoOptions(8, delay=8)
+
+
+def test_plan_prints_streaming_settings(capsys: pytest.CaptureFixture) -> None:
+    assert main([*ARGS, "--diloco-every", "40", "--diloco-fragments", "4", "--diloco-delay", "2"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "DiLoCo every H=40 steps (fp32 pseudo-gradients, 4 fragments, delay 2)" in text
+    assert "each of the 4 fragments' syncs adds at most" in text and "after running behind 2 inner steps" in text
+    assert "hsdp.DiLoCo(every=40, fragments=4, delay=2)" in text
+    assert "parallel.diloco_fragments=4 parallel.diloco_delay=2" in text
+    assert main([*ARGS, "--diloco-fragments", "4"]) == 2
+    assert "--diloco-fragments is read only with --diloco-every H" in capsys.readouterr().err

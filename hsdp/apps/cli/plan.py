@@ -112,6 +112,10 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "no per-step inter-node hop, the weights all-reduced every H steps; not DDP's math")
     p.add_argument("--diloco-wire-dtype", default="fp32", choices=sorted(WIRE_BYTES),
                    help="with --diloco-every: the dtype of the sync's all-reduce (bf16: half the bytes)")
+    p.add_argument("--diloco-fragments", type=int, default=1, metavar="F",
+                   help="with --diloco-every: Streaming DiLoCo, the model synced in F fragments at staggered steps")
+    p.add_argument("--diloco-delay", type=int, default=0, metavar="TAU",
+                   help="with --diloco-every: inner steps a fragment's all-reduce runs behind before it lands")
     p.add_argument("--plot", metavar="FILE", help="write memory and step time against shard degree (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': stdout, no table)")
     p.set_defaults(func=run_plan)
@@ -235,12 +239,25 @@ def _single_type(args: argparse.Namespace) -> argparse.Namespace:
                                  "gpu": group.gpu})
 
 
+def diloco_options(args: argparse.Namespace) -> DiLoCoOptions | None:
+    """The ``--diloco-*`` flags (``None`` without ``--diloco-every``; ``ValueError`` for the others alone)."""
+    if args.diloco_every is None:
+        given = [flag for flag, value, default in (("--diloco-wire-dtype", args.diloco_wire_dtype, "fp32"),
+                                                   ("--diloco-fragments", args.diloco_fragments, 1),
+                                                   ("--diloco-delay", args.diloco_delay, 0)) if value != default]
+        if given:
+            raise ValueError(f"{given[0]} is read only with --diloco-every H: add it, or drop {given[0]}")
+        return None
+    return DiLoCoOptions(args.diloco_every, args.diloco_wire_dtype, fragments=args.diloco_fragments,
+                         delay=args.diloco_delay)
+
+
 def build_diloco(args: argparse.Namespace, plan: Plan) -> tuple[DiLoCoEstimate, ...] | None:
     """``--diloco-every H``: the plan's layouts with R > 1 under DiLoCo (``None`` without the flag)."""
-    if args.diloco_every is None:
+    diloco = diloco_options(args)
+    if diloco is None:
         return None
     _, profile = model_from_args(args)
-    diloco = DiLoCoOptions(args.diloco_every, args.diloco_wire_dtype)
     return diloco_estimates(plan.layouts, plan.model, plan.cluster, plan.options, diloco, profile, plan.memory_limit)
 
 
@@ -266,8 +283,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if diloco is not None:
             from hsdp.tools.planner.diloco_render import print_diloco
 
-            print_diloco(diloco, plan.best, DiLoCoOptions(args.diloco_every, args.diloco_wire_dtype),
-                         plan.cluster.inter_bandwidth)
+            print_diloco(diloco, plan.best, diloco_options(args), plan.cluster.inter_bandwidth)
     if args.plot:
         from hsdp.tools.planner.plot import plot_plan
 
@@ -278,7 +294,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def _diloco_dict(args: argparse.Namespace, estimates: tuple[DiLoCoEstimate, ...]) -> dict[str, object]:
     from hsdp.tools.planner.diloco_render import NOT_DDP
 
-    return {"every": args.diloco_every, "wire_dtype": args.diloco_wire_dtype, "note": NOT_DDP,
+    return {"every": args.diloco_every, "wire_dtype": args.diloco_wire_dtype, "fragments": args.diloco_fragments,
+            "delay": args.diloco_delay, "note": NOT_DDP,
             "layouts": [d.as_dict() for d in estimates]}
 
 

@@ -13,6 +13,14 @@ Under ``ShardedModel(replica_sync=hsdp.DiLoCo(every=H))`` (``hsdp/engine/replica
               time per byte sent (CPU ranks);
   mean step   inner + sync / H, and tokens/s from it.
 
+Streaming DiLoCo (``fragments=F, delay=tau``): the units with parameters are split into F contiguous fragments of
+about equal parameter count (the engine's rule, :func:`split_fragments`), each synced once every H steps at its
+own step. With ``delay`` 0 that step waits for the fragment's all-reduces; with ``delay`` tau they run behind the
+next tau inner steps and the landing step waits only for what is left, ``max(0, transfer - tau x inner step)``
+(the link and the group are assumed free meanwhile: with shard groups spanning nodes they are not, and the
+overlap is optimistic). The outer step over the fragment's elements runs on the landing step. The sync step shown
+is the slowest such step; the mean adds every fragment's cost once per H steps.
+
 Inter-node bytes of the busiest node per step: the inner step's plus one sync's over H. With shard groups inside a
 node (S replicate rings, each leaving every node once) a sync sends ``2(R-1)/R x P x w``, the model in the wire
 dtype ``w``: ``2(R-1)/R x P x w / H`` per step, against plain HSDP's ``2(R-1)/R x P x b`` every step. Memory per
@@ -20,12 +28,12 @@ rank: the layout's without the optimizer sharded across replicas (DiLoCo refuses
 4 B per flat-shard element) and the outer momentum (4 B more when the outer optimizer has momentum).
 
 Not DDP's math: the replicas drift apart for H steps and the update is the outer optimizer's, so the plan says
-nothing about the loss at equal tokens (measure that: ``benchmarks/diloco_slow_links.py``). Streaming fragments and
-a sync overlapped with later steps are not modelled.
+nothing about the loss at equal tokens (measure that: ``benchmarks/diloco_slow_links.py``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -34,7 +42,7 @@ from hsdp.tools.planner.comm import collective_seconds, group_links, link_second
 from hsdp.tools.planner.cost import StepEstimate, estimate_step
 from hsdp.tools.planner.estimate import LayoutEstimate
 from hsdp.tools.planner.memory import estimate_memory
-from hsdp.tools.planner.model import ComputeProfile, ModelSpec
+from hsdp.tools.planner.model import ComputeProfile, ModelSpec, UnitSpec
 from hsdp.tools.planner.options import TrainOptions
 from hsdp.tools.planner.tensor_parallel import local_model
 
@@ -46,11 +54,14 @@ MOMENTUM_BYTES = 4  # the outer SGD's momentum buffer per element (0 without mom
 @dataclass(frozen=True)
 class DiLoCoOptions:
     """``every``: H, inner steps per sync; ``wire_dtype``: the pseudo-gradient's dtype across nodes (``fp32`` or
-    ``bf16``); ``outer_momentum``: whether the outer optimizer keeps a momentum buffer (memory only)."""
+    ``bf16``); ``outer_momentum``: whether the outer optimizer keeps a momentum buffer (memory only);
+    ``fragments``, ``delay``: Streaming DiLoCo's F and tau (``hsdp.DiLoCo``'s, with its rules)."""
 
     every: int
     wire_dtype: str = "fp32"
     outer_momentum: bool = True
+    fragments: int = 1
+    delay: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -58,6 +69,12 @@ class DiLoCoOptions:
                              f"(the DiLoCo paper uses 500, torchft 40)")
         if self.wire_dtype not in WIRE_BYTES:
             raise ValueError(f"--diloco-wire-dtype {self.wire_dtype!r}: choose one of {sorted(WIRE_BYTES)}")
+        if not 1 <= self.fragments <= self.every:
+            raise ValueError(f"--diloco-fragments {self.fragments}: each fragment syncs at its own step of the "
+                             f"{self.every}: use 1 to {self.every} (--diloco-every)")
+        if not 0 <= self.delay < self.every:
+            raise ValueError(f"--diloco-delay {self.delay}: a fragment's update must land before its next sync: use "
+                             f"0 to {self.every - 1} (--diloco-every - 1)")
 
     @property
     def wire_bytes(self) -> float:
@@ -71,14 +88,25 @@ class DiLoCoOptions:
 
 @dataclass(frozen=True)
 class SyncCost:
-    """One sync on one rank: ``seconds`` it adds to the step it ends, ``link_s`` of them the busiest node's
-    inter-node link is busy, ``node_bytes`` that node sends to other nodes, ``rank_inter_bytes`` an average rank
-    sends to other nodes."""
+    """One fragment's sync on one rank (the whole model's with one fragment): ``comm_s`` its all-reduces take
+    back to back, ``link_s`` of them the busiest node's inter-node link is busy, ``node_bytes`` that node sends to
+    other nodes, ``rank_inter_bytes`` an average rank sends to other nodes, ``outer_s`` the outer step and the
+    host's time per byte sent (what no overlap hides)."""
 
-    seconds: float
+    comm_s: float
     link_s: float
     node_bytes: float
     rank_inter_bytes: float
+    outer_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """What the sync adds to the step that waits for it at once (``delay`` 0)."""
+        return self.comm_s + self.outer_s
+
+    def wait_s(self, delay: int, inner_step_s: float) -> float:
+        """What it adds to its landing step when its all-reduces run behind ``delay`` inner steps."""
+        return max(0.0, self.comm_s - delay * inner_step_s) + self.outer_s
 
 
 @dataclass(frozen=True)
@@ -87,31 +115,48 @@ class DiLoCoEstimate:
 
     plain: LayoutEstimate
     inner: StepEstimate
-    sync: SyncCost
+    syncs: tuple[SyncCost, ...]  # one per fragment, each once every H steps
     every: int
+    delay: int
     state_bytes: float  # model state per rank, DiLoCo's global copy and momentum included
     memory_total: float
     fits: bool
     tokens_per_step: float
 
     @property
+    def waits(self) -> list[float]:
+        """What each fragment's sync adds to the step that lands it."""
+        return [s.wait_s(self.delay, self.inner.step_s) for s in self.syncs]
+
+    @property
     def sync_step_s(self) -> float:
-        """The H-th step: an inner step, then the sync."""
-        return self.inner.step_s + self.sync.seconds
+        """The slowest step: an inner step, then the largest fragment's wait and outer step (with one fragment
+        and no delay: the H-th step, the whole sync)."""
+        return self.inner.step_s + max(self.waits)
 
     @property
     def mean_step_s(self) -> float:
-        return self.inner.step_s + self.sync.seconds / self.every
+        return self.inner.step_s + sum(self.waits) / self.every
 
     @property
     def exposed_comm_s(self) -> float:
-        """Per mean step: the inner step's exposed communication plus the sync's share (none of it overlapped)."""
-        return self.inner.exposed_comm_s + self.sync.seconds / self.every
+        """Per mean step: the inner step's exposed communication plus the syncs' waits (their share)."""
+        return self.inner.exposed_comm_s + sum(self.waits) / self.every
+
+    @property
+    def sync_bytes(self) -> float:
+        """Bytes the busiest node sends to other nodes for one sync of every fragment (the model, once per H)."""
+        return sum(s.node_bytes for s in self.syncs)
+
+    @property
+    def sync_link_s(self) -> float:
+        """The largest fragment's time on the busiest node's inter-node link."""
+        return max(s.link_s for s in self.syncs)
 
     @property
     def inter_node_bytes(self) -> float:
-        """Bytes the busiest node sends to other nodes per step, the sync amortized over H."""
-        return self.inner.inter_node_bytes + self.sync.node_bytes / self.every
+        """Bytes the busiest node sends to other nodes per step, the syncs amortized over H."""
+        return self.inner.inter_node_bytes + self.sync_bytes / self.every
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,9 +170,11 @@ class DiLoCoEstimate:
     def as_dict(self) -> dict[str, object]:
         layout = self.plain.layout
         return {"replicate": layout.replicate, "shard": layout.shard, "tensor_parallel": layout.tp,
-                "every": self.every, "inner_step_s": self.inner.step_s, "sync_s": self.sync.seconds,
-                "sync_link_s": self.sync.link_s, "sync_step_s": self.sync_step_s, "mean_step_s": self.mean_step_s,
-                "exposed_comm_s": self.exposed_comm_s, "inter_node_bytes_per_sync": self.sync.node_bytes,
+                "every": self.every, "fragments": len(self.syncs), "delay": self.delay,
+                "inner_step_s": self.inner.step_s, "fragment_waits_s": self.waits, "sync_link_s": self.sync_link_s,
+                "sync_step_s": self.sync_step_s, "mean_step_s": self.mean_step_s, "exposed_comm_s": self.exposed_comm_s,
+                "inter_node_bytes_per_sync": self.sync_bytes,
+                "inter_node_bytes_per_fragment": [s.node_bytes for s in self.syncs],
                 "inter_node_bytes_per_step": self.inter_node_bytes, "state_bytes": self.state_bytes,
                 "memory_total_bytes": self.memory_total, "fits": self.fits, "tokens_per_s": self.tokens_per_s,
                 "plain_step_s": self.plain.step.step_s, "plain_inter_node_bytes_per_step":
@@ -135,25 +182,47 @@ class DiLoCoEstimate:
                 "speedup": self.speedup}
 
 
-def sync_cost(model: ModelSpec, cluster: ClusterSpec, shard: int, diloco: DiLoCoOptions,
-              profile: ComputeProfile | None = None, tp: int = 1) -> SyncCost:
-    """The sync of layout ``(shard, tp)``: its all-reduces (one per unit with parameters) and the outer step."""
-    local = local_model(model, tp)
+def split_fragments(sizes: list[int], count: int) -> list[range]:
+    """``count`` contiguous, non-empty runs of the indices of ``sizes`` with about equal sums, as the engine cuts
+    the units into fragments (``hsdp/engine/optim/outer_step.py``): cut ``k`` where the running sum is nearest
+    ``k / count`` of the total."""
+    total, cuts = sum(sizes), [0]
+    running = list(itertools.accumulate(sizes))
+    for k in range(1, count):
+        candidates = range(cuts[-1] + 1, len(sizes) - (count - k) + 1)  # leave one unit for each later run
+        cuts.append(min(candidates, key=lambda i: abs(running[i - 1] - k * total / count)))
+    cuts.append(len(sizes))
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def sync_costs(model: ModelSpec, cluster: ClusterSpec, shard: int, diloco: DiLoCoOptions,
+               profile: ComputeProfile | None = None, tp: int = 1) -> tuple[SyncCost, ...]:
+    """Each fragment's sync on layout ``(shard, tp)``: its all-reduces (one per unit with parameters) and its outer
+    step. ``ValueError`` when there are more fragments than units with parameters."""
+    units = [u for u in local_model(model, tp).units if u.numel]
+    if diloco.fragments > len(units):
+        raise ValueError(f"--diloco-fragments {diloco.fragments}: {model.name} has {len(units)} units with "
+                         f"parameters and each fragment needs one: use at most {len(units)}")
+    # Cut by the units' full parameter counts, as the engine does (the same at any degree).
+    full = [u.numel for u in model.units if u.numel]
+    return tuple(_sync_cost([units[i] for i in run], cluster, shard, diloco, profile, tp)
+                 for run in split_fragments(full, diloco.fragments))
+
+
+def _sync_cost(units: list[UnitSpec], cluster: ClusterSpec, shard: int, diloco: DiLoCoOptions,
+               profile: ComputeProfile | None, tp: int) -> SyncCost:
     links = group_links(cluster, shard, "replicate", tp)
-    seconds = link_s = node = intra = inter = 0.0
-    for u in local.units:
-        if not u.numel:
-            continue
+    comm = link_s = node = intra = inter = 0.0
+    for u in units:
         nbytes = u.slot(shard) * diloco.wire_bytes
-        seconds += collective_seconds(links, cluster, "all_reduce", nbytes)
+        comm += collective_seconds(links, cluster, "all_reduce", nbytes)
         link_s += link_seconds(links, cluster, "all_reduce", nbytes)
         node += node_bytes(links, cluster, "all_reduce", nbytes)
         a, b = rank_split_bytes(links, cluster, "all_reduce", nbytes)
         intra, inter = intra + a, inter + b
     per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
-    outer = per_element * sum(u.slot(shard) for u in local.units)
     host = cluster.host_s_per_intra_byte * intra + cluster.host_s_per_inter_byte * inter
-    return SyncCost(seconds + outer + host, link_s, node, inter)
+    return SyncCost(comm, link_s, node, inter, per_element * sum(u.slot(shard) for u in units) + host)
 
 
 def estimate_diloco(plain: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, options: TrainOptions,
@@ -168,8 +237,8 @@ def estimate_diloco(plain: LayoutEstimate, model: ModelSpec, cluster: ClusterSpe
     memory = estimate_memory(model, layout.shard, run, profile, layout.replicate, layout.tp)
     extra = diloco.state_bytes * sum(u.slot(layout.shard) for u in local_model(model, layout.tp).units)
     total = memory.total + extra
-    return DiLoCoEstimate(plain, inner, sync_cost(model, cluster, layout.shard, diloco, profile, layout.tp),
-                          diloco.every, memory.state + extra, total, total <= memory_limit,
+    return DiLoCoEstimate(plain, inner, sync_costs(model, cluster, layout.shard, diloco, profile, layout.tp),
+                          diloco.every, diloco.delay, memory.state + extra, total, total <= memory_limit,
                           plain.global_batch * model.seq_len)
 
 

@@ -24,9 +24,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3g}"
 
 
+def _streaming(diloco: DiLoCoOptions) -> str:
+    return f", {diloco.fragments} fragments, delay {diloco.delay}" if diloco.fragments > 1 or diloco.delay else ""
+
+
 def diloco_title(diloco: DiLoCoOptions) -> str:
-    return (f"DiLoCo every H={diloco.every} steps ({diloco.wire_dtype} pseudo-gradients) next to plain HSDP: "
-            f"not DDP's math")
+    return (f"DiLoCo every H={diloco.every} steps ({diloco.wire_dtype} pseudo-gradients{_streaming(diloco)}) next to "
+            f"plain HSDP: not DDP's math")
 
 
 def diloco_rows(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | None) -> list[list[str]]:
@@ -35,8 +39,8 @@ def diloco_rows(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | None
     for d in estimates:
         mark = "* " if d.plain is best else ""
         rows.append([f"{mark}{d.plain.layout.label}", format_seconds(d.plain.step.step_s),
-                     format_seconds(d.inner.step_s), format_seconds(d.sync_step_s), format_seconds(d.sync.link_s),
-                     format_seconds(d.mean_step_s), _gb(d.plain.step.inter_node_bytes), _gb(d.sync.node_bytes),
+                     format_seconds(d.inner.step_s), format_seconds(d.sync_step_s), format_seconds(d.sync_link_s),
+                     format_seconds(d.mean_step_s), _gb(d.plain.step.inter_node_bytes), _gb(d.sync_bytes),
                      _gb(d.inter_node_bytes), format_bytes(d.state_bytes), "yes" if d.fits else "NO",
                      f"{d.plain.tokens_per_s:,.0f}", f"{d.tokens_per_s:,.0f}", f"{d.speedup:.2f}x"])
     return rows
@@ -45,6 +49,9 @@ def diloco_rows(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | None
 def _settings(diloco: DiLoCoOptions) -> str:
     wire = ", wire_dtype=torch.bfloat16" if diloco.wire_dtype == "bf16" else ""
     train = " parallel.diloco_wire_dtype=bf16" if diloco.wire_dtype == "bf16" else ""
+    if diloco.fragments > 1 or diloco.delay:
+        wire += f", fragments={diloco.fragments}, delay={diloco.delay}"
+        train += f" parallel.diloco_fragments={diloco.fragments} parallel.diloco_delay={diloco.delay}"
     return (f"ShardedModel(..., replica_sync=hsdp.DiLoCo(every={diloco.every}{wire})); hsdp train "
             f"parallel.replica_sync=diloco parallel.diloco_every={diloco.every}{train}")
 
@@ -57,14 +64,17 @@ def diloco_lines(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | Non
     if d is None:
         return [*lines, "No layout of this plan has more than one replica (or none fits): DiLoCo has nothing to "
                         "sync."]
-    h = diloco.every
+    h, f = diloco.every, diloco.fragments
+    what = "the sync adds" if f == 1 else f"each of the {f} fragments' syncs adds at most"
+    behind = f" after running behind {diloco.delay} inner steps" if diloco.delay else ""
     lines.append(
         f"On the recommended {d.plain.layout.label}: inner steps {format_seconds(d.inner.step_s)} (no gradient "
         f"all-reduce across nodes; plain HSDP's step {format_seconds(d.plain.step.step_s)} sends "
-        f"{_gb(d.plain.step.inter_node_bytes)} GB per node), and once every {h} steps the sync adds "
-        f"{format_seconds(d.sync.seconds)} ({format_seconds(d.sync.link_s)} of it on the inter-node link at "
-        f"{format_rate(inter_bandwidth)}: {_gb(d.sync.node_bytes)} GB per node, the model in {diloco.wire_dtype} x "
-        f"2(R-1)/R), so the mean step is {format_seconds(d.mean_step_s)}, {d.speedup:.2f}x plain's tokens/s, at "
+        f"{_gb(d.plain.step.inter_node_bytes)} GB per node), and once every {h} steps {what} "
+        f"{format_seconds(max(d.waits))}{behind} (the largest is {format_seconds(d.sync_link_s)} on the inter-node "
+        f"link at {format_rate(inter_bandwidth)}; all together {_gb(d.sync_bytes)} GB per node, the model in "
+        f"{diloco.wire_dtype} x 2(R-1)/R), so the mean step is {format_seconds(d.mean_step_s)}, {d.speedup:.2f}x "
+        f"plain's tokens/s, at "
         f"{_gb(d.inter_node_bytes)} GB per node per step; DiLoCo's global copy and outer momentum add "
         f"{diloco.state_bytes} B per parameter / S to each GPU ({'fits' if d.fits else 'does NOT fit'}). "
         f"Settings: {_settings(diloco)}.")
