@@ -6,7 +6,10 @@ One 4-rank spawn runs two in-process jobs of the tiny GPT:
   (2(R-1)/R x its parameter bytes); after each step the replicas' weights are compared (``check_replicas``): the
   same after a sync step, different after the others (each replica trained on its own batches); the loss falls;
   ``summary.json`` holds the synced steps, the amortized floor and the nodes' mean bytes per step;
-- H = 2, bf16 wire, two micro-batches per step: the sync sends half the fp32 bytes, the first step nothing.
+- H = 2, bf16 wire, two micro-batches per step: the sync sends half the fp32 bytes, the first step nothing;
+- streaming, H = 4, two fragments, delay 1, 6 steps: fragment 0 starts its all-reduce after steps 2 and 6, fragment
+  1 after step 4, each lands a step later (``sync_started`` / ``sync_landed``, ``synced`` on steps 3 and 5); the
+  bytes cross on the start steps only, the two fragments together the whole model.
 
 Without processes: the configuration's refusals (each naming the field and the fix), before any rank starts.
 """
@@ -64,7 +67,9 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     fp32 = _job(base / "fp32", "train.steps=7", "parallel.diloco_every=3")
     bf16 = _job(base / "bf16", "train.steps=2", "train.grad_accum=2", "parallel.diloco_every=2",
                 "parallel.diloco_wire_dtype=bf16")
-    return {"fp32": fp32, "bf16": bf16}
+    stream = _job(base / "stream", "train.steps=6", "parallel.diloco_every=4", "parallel.diloco_fragments=2",
+                  "parallel.diloco_delay=1")
+    return {"fp32": fp32, "bf16": bf16, "stream": stream}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +129,12 @@ def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
     (["parallel.diloco_outer_lr=0", *DILOCO], "parallel.diloco_outer_lr = 0.0: must be positive"),
     (["parallel.diloco_outer_momentum=1", *DILOCO], "parallel.diloco_outer_momentum = 1.0: must lie in [0, 1)"),
     (["parallel.diloco_wire_dtype=fp16", *DILOCO], "choose one of ['fp32', 'bf16']"),
+    (["parallel.diloco_every=4", "parallel.diloco_fragments=5", *DILOCO], "parallel.diloco_fragments = 5: each "
+                                                                          "fragment syncs at its own step"),
+    (["parallel.diloco_every=4", "parallel.diloco_delay=4", *DILOCO], "parallel.diloco_delay = 4: a fragment's "
+                                                                      "update must land before its next sync"),
+    (["parallel.diloco_mix=1", *DILOCO], "parallel.diloco_mix = 1.0: must lie in [0, 1)"),
+    (["parallel.diloco_fragments=2"], "parallel.diloco_fragments = 2: is read only with"),
     (["parallel.replica_sync=every_h"], "parallel.replica_sync = 'every_h': choose one of"),
     (["parallel.diloco_every=10"], "parallel.diloco_every = 10: is read only with parallel.replica_sync = 'diloco'"),
     (["parallel.replica_sync=diloco"], "train.checkpoint_every = 100: checkpoints of a parallel.replica_sync = "
@@ -154,3 +165,17 @@ def test_the_defaults_and_the_options_are_read(tmp_path: Path, monkeypatch: pyte
     assert main([*DILOCO, "parallel.replica_hop=bf16", f"train.out_dir={tmp_path / 'run'}"]) == 2
     assert "parallel.diloco_wire_dtype = 'bf16' halves" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_streaming_fragments_start_staggered_and_land_after_the_delay(jobs: tuple[list[dict], Path]) -> None:
+    results, base = jobs
+    records = read_metrics(str(base / "stream"))
+    summary = results[0]["stream"][0]
+    assert [r["sync_started"] for r in records] == [[], [0], [], [1], [], [0]]
+    assert [r["sync_landed"] for r in records] == [[], [], [0], [], [1], []]
+    assert [r["synced"] for r in records] == [False, False, True, False, True, False]
+    sent = [r["replicate_bytes"] for r in records]
+    assert [s > 0 for s in sent] == [False, True, False, True, False, True]
+    assert sent[1] + sent[3] == summary["ranks"][0]["params"] and sent[5] == sent[1]  # R = 2, fp32
+    assert summary["replica_sync"]["synced_steps"] == [3, 5]
+    assert (summary["replica_sync"]["fragments"], summary["replica_sync"]["delay"]) == (2, 1)

@@ -238,6 +238,9 @@ class ParallelConfig:
     diloco_outer_lr: float = 0.7
     diloco_outer_momentum: float = 0.9
     diloco_wire_dtype: str = "fp32"
+    diloco_fragments: int = 1
+    diloco_delay: int = 0
+    diloco_mix: float = 0.0
 
     def __post_init__(self) -> None:
         from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop  # torch import deferred, as above

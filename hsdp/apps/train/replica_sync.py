@@ -10,10 +10,18 @@ each rank all-reduces its shards' pseudo-gradient (the global copy minus its wei
 momentum ``diloco_outer_momentum``; the paper's 0.7 and 0.9) steps the global copy, which becomes every replica's
 weights. This is not DDP's math: the replicas drift apart between syncs, and the update is the outer optimizer's;
 tune H and the outer learning rate against a plain run's held-out loss. Each step's record in ``metrics.jsonl``
-says whether it synced (``"synced"``), and its ``replicate_bytes`` show the spike: one all-reduce of the rank's
-flat shards on a sync step, 0 on the others. The sync runs after the step's inner AdamW step, so the step's
-``grad_norm`` and ``loss`` are the replica's own; the held-out loss, the sample and the saved weights are the
-replicas' as they stand (the same on all of them right after a sync step, each its own in between).
+says whether it synced (``"synced"``: an outer update landed after its inner AdamW step), and its
+``replicate_bytes`` show the spike: one all-reduce of the rank's flat shards on a sync step, 0 on the others. The
+step's ``grad_norm`` and ``loss`` are the replica's own; the held-out loss and the sample are the replicas' weights
+as they stand (the same on all of them right after a sync step, each its own in between).
+
+Streaming DiLoCo: ``diloco_fragments`` F splits the model's units into F fragments, each synced once every H steps
+at its own staggered step (the link carries 1/F of the model at a time); ``diloco_delay`` tau lets a fragment's
+all-reduce run behind tau more inner steps before its update lands; ``diloco_mix`` alpha is the share of its own
+weights a replica keeps then (0: the global copy replaces them). The records then also say which fragments started
+their all-reduce after the step (``"sync_started"``: the step's ``replicate_bytes`` are theirs) and which landed
+(``"sync_landed"``), in ``metrics.jsonl`` (the CSV keeps ``synced``). A sync started in the last tau steps of a
+session never lands. F must not exceed the model's units with parameters (refused by the optimizer at start-up).
 
 What DiLoCo does not combine with is refused when the configuration is read, before any rank starts: a
 ``parallel.replica_hop`` other than ``fp32`` (there is no per-step hop to compress; the wire dtype is
@@ -28,6 +36,7 @@ and ``train.resume`` are refused with it too. The ``diloco_*`` fields are read o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +45,12 @@ from hsdp.apps.train.config_rules import fail
 if TYPE_CHECKING:
     import hsdp
     from hsdp.apps.train.config import ParallelConfig, RunConfig
+    from hsdp.engine.replica_sync import DiLoCo
 
 REPLICA_SYNCS = ("every_step", "diloco")
 DILOCO_WIRE_DTYPES = ("fp32", "bf16")
-DILOCO_FIELDS = ("diloco_every", "diloco_outer_lr", "diloco_outer_momentum", "diloco_wire_dtype")
+DILOCO_FIELDS = ("diloco_every", "diloco_outer_lr", "diloco_outer_momentum", "diloco_wire_dtype", "diloco_fragments",
+                 "diloco_delay", "diloco_mix")
 WIRE_BYTES = {"fp32": 4, "bf16": 2}
 
 Problem = tuple[str, Any, str]  # (field, value, why and the fix) in the parallel section
@@ -82,6 +93,19 @@ def _option_problem(par: ParallelConfig) -> Problem | None:
         return "diloco_outer_momentum", par.diloco_outer_momentum, "must lie in [0, 1) (the paper: 0.9)"
     if par.diloco_wire_dtype not in DILOCO_WIRE_DTYPES:
         return "diloco_wire_dtype", par.diloco_wire_dtype, f"choose one of {list(DILOCO_WIRE_DTYPES)}"
+    return _streaming_problem(par)
+
+
+def _streaming_problem(par: ParallelConfig) -> Problem | None:
+    every = par.diloco_every
+    if not 1 <= par.diloco_fragments <= every:
+        return "diloco_fragments", par.diloco_fragments, (f"each fragment syncs at its own step of the "
+                                                          f"parallel.diloco_every = {every}: use 1 to {every}")
+    if not 0 <= par.diloco_delay < every:
+        return "diloco_delay", par.diloco_delay, (f"a fragment's update must land before its next sync: use 0 to "
+                                                  f"{every - 1} (parallel.diloco_every - 1)")
+    if not 0 <= par.diloco_mix < 1:
+        return "diloco_mix", par.diloco_mix, "must lie in [0, 1) (0: the global copy replaces the local weights)"
     return None
 
 
@@ -126,28 +150,49 @@ def check_run(cfg: RunConfig) -> None:
 
 def wrap_options(par: ParallelConfig) -> dict[str, Any]:
     """``ShardedModel``'s ``replica_hop`` and ``replica_sync`` arguments for the parallel section."""
-    import torch  # deferred: configurations load without torch
-
-    from hsdp.engine.hops import named_hop
-    from hsdp.engine.replica_sync import DiLoCo
+    from hsdp.engine.hops import named_hop  # deferred: configurations load without torch
 
     if not is_diloco(par):
         return {"replica_hop": named_hop(par.replica_hop), "replica_sync": None}
+    return {"replica_hop": None, "replica_sync": policy(par)}
+
+
+@functools.cache
+def policy(par: ParallelConfig) -> DiLoCo:
+    """The ``hsdp.DiLoCo`` of a ``replica_sync = "diloco"`` section."""
+    import torch  # deferred: configurations load without torch
+
+    from hsdp.engine.replica_sync import DiLoCo
+
     wire = None if par.diloco_wire_dtype == "fp32" else torch.bfloat16
-    return {"replica_hop": None, "replica_sync": DiLoCo(every=par.diloco_every, outer_lr=par.diloco_outer_lr,
-                                                        outer_momentum=par.diloco_outer_momentum, wire_dtype=wire)}
+    return DiLoCo(every=par.diloco_every, outer_lr=par.diloco_outer_lr, outer_momentum=par.diloco_outer_momentum,
+                  wire_dtype=wire, fragments=par.diloco_fragments, delay=par.diloco_delay, mix=par.diloco_mix)
+
+
+def _starting(par: ParallelConfig, step: int) -> list[int]:
+    """The fragments whose all-reduce starts after train step ``step`` of a fresh run: the optimizer counts its
+    phase from 0 at step 0, and fragment p starts after each step whose phase is ``DiLoCo.offset(p)``."""
+    sync = policy(par)
+    return [p for p in range(sync.fragments) if step >= 1 and step % sync.every == sync.offset(p)]
 
 
 def step_fields(par: ParallelConfig, step: int) -> dict[str, Any]:
-    """What a step's record adds under DiLoCo: ``{"synced": whether the step ended with the replicas' sync}``
-    (the optimizer's H-th, 2H-th, ... step; ``{}`` otherwise)."""
-    return {"synced": step % par.diloco_every == 0} if is_diloco(par) else {}
+    """What a step's record adds under DiLoCo (``{}`` otherwise): ``synced``, whether an outer update landed
+    after the step (with one fragment and no delay: steps H, 2H, ...); with fragments or a delay also
+    ``sync_started`` and ``sync_landed``, the fragments whose all-reduce started and whose update landed."""
+    if not is_diloco(par):
+        return {}
+    landed = _starting(par, step - par.diloco_delay)
+    if par.diloco_fragments == 1 and par.diloco_delay == 0:
+        return {"synced": bool(landed)}
+    return {"synced": bool(landed), "sync_started": _starting(par, step), "sync_landed": landed}
 
 
 def summary_fields(cfg: RunConfig, records: list[dict[str, Any]], n_params: int,
                    mesh: hsdp.HSDPMesh) -> dict[str, Any]:
-    """``summary.json``'s ``"replica_sync"`` entry under DiLoCo (``{}`` otherwise): H, the outer optimizer, the
-    steps that synced and the inter-node floor of one sync per node, ``2(R-1)/R x P x b``."""
+    """``summary.json``'s ``"replica_sync"`` entry under DiLoCo (``{}`` otherwise): the options, the steps after
+    which an update landed and the inter-node floor per node of one sync of the whole model (every fragment once,
+    each H steps), ``2(R-1)/R x P x b``."""
     par = cfg.parallel
     if not is_diloco(par):
         return {}
@@ -155,5 +200,6 @@ def summary_fields(cfg: RunConfig, records: list[dict[str, Any]], n_params: int,
     per_sync = 2 * (replicas - 1) / replicas * n_params * WIRE_BYTES[par.diloco_wire_dtype]
     return {"replica_sync": {"mode": "diloco", "every": par.diloco_every, "outer_lr": par.diloco_outer_lr,
                              "outer_momentum": par.diloco_outer_momentum, "wire_dtype": par.diloco_wire_dtype,
+                             "fragments": par.diloco_fragments, "delay": par.diloco_delay, "mix": par.diloco_mix,
                              "synced_steps": [r["step"] for r in records if r.get("synced")],
                              "inter_node_floor_bytes_per_sync": per_sync}}
