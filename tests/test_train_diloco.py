@@ -29,9 +29,9 @@ from hsdp.apps.train.metrics import read_metrics
 # sharding_degree 2: R = 2 replicas of the 4 ranks (the harness's ranks all look like one node's).
 QUIET = ["parallel.sharding_degree=2", "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1",
          "data.max_bytes=200000", "optim.warmup_steps=1", "optim.lr=3e-3"]
-# Checkpoints of a DiLoCo run are not built yet: hsdp train refuses them with it.
+DILOCO = ["parallel.replica_sync=diloco", "train.checkpoint_every=0"]
+# A fragment's all-reduce in flight (a delay) cannot be checkpointed yet: hsdp train refuses checkpoints with it.
 NO_CHECKPOINTS = ["train.checkpoint_every=0", "train.save_on_signal=false"]
-DILOCO = ["parallel.replica_sync=diloco", *NO_CHECKPOINTS]
 
 
 def _job(out: Path, *extra: str) -> tuple[dict, list[bool]]:
@@ -64,12 +64,17 @@ def _job(out: Path, *extra: str) -> tuple[dict, list[bool]]:
 
 def _worker(rank: int, world: int, tmp: str) -> dict:
     base = Path(tmp)
-    fp32 = _job(base / "fp32", "train.steps=7", "parallel.diloco_every=3")
+    fp32 = _job(base / "fp32", "train.steps=7", "parallel.diloco_every=3", "train.checkpoint_every=2")
+    # The same run stopped after step 5 (newest checkpoint: step 4, mid-phase), then resumed to step 7.
+    _job(base / "resumed", "train.steps=7", "parallel.diloco_every=3", "train.checkpoint_every=2",
+         "train.stop_after=5")
+    resumed = _job(base / "resumed", "train.steps=7", "parallel.diloco_every=3", "train.checkpoint_every=2",
+                   "train.resume=true")
     bf16 = _job(base / "bf16", "train.steps=2", "train.grad_accum=2", "parallel.diloco_every=2",
                 "parallel.diloco_wire_dtype=bf16")
     stream = _job(base / "stream", "train.steps=6", "parallel.diloco_every=4", "parallel.diloco_fragments=2",
-                  "parallel.diloco_delay=1")
-    return {"fp32": fp32, "bf16": bf16, "stream": stream}
+                  "parallel.diloco_delay=1", *NO_CHECKPOINTS)
+    return {"fp32": fp32, "resumed": resumed, "bf16": bf16, "stream": stream}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +98,22 @@ def test_replicas_sync_every_h_steps_and_only_then_cross_nodes(jobs: tuple[list[
         assert r["fp32"][1] == [s % 3 == 0 for s in range(1, 8)]
     assert records[-1]["loss"] < records[0]["loss"] - 0.3
     assert "synced" in (base / "fp32" / "metrics.csv").read_text().splitlines()[0]
+
+
+def test_a_resumed_run_continues_mid_phase_bitwise(jobs: tuple[list[dict], Path]) -> None:
+    # Saved after step 4 (one step into the second phase: the replicas' weights differ), loaded by every replica
+    # from its own keys; steps 5-7 (a sync at 6) equal the straight run's, bit for bit (CPU fp32).
+    results, base = jobs
+    straight, resumed = read_metrics(str(base / "fp32")), read_metrics(str(base / "resumed"))
+    assert results[0]["resumed"][0]["steps"] == {"first": 5, "last": 7, "planned": 7}
+    assert sorted(p.name for p in (base / "fp32" / "checkpoints").iterdir()) == \
+        ["latest", "step_000004", "step_000006", "step_000007"]
+    assert [r["step"] for r in resumed] == list(range(1, 8))
+    for a, b in zip(straight, resumed, strict=True):
+        for key in ("loss", "grad_norm", "synced", "replicate_bytes"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    for r in results:  # the resumed session's replicas: apart after 5 and 7, the same after the sync at 6
+        assert r["resumed"][1] == [False, True, False]
 
 
 def test_summary_holds_the_syncs_and_the_amortized_floor(jobs: tuple[list[dict], Path]) -> None:
@@ -137,10 +158,10 @@ def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
     (["parallel.diloco_fragments=2"], "parallel.diloco_fragments = 2: is read only with"),
     (["parallel.replica_sync=every_h"], "parallel.replica_sync = 'every_h': choose one of"),
     (["parallel.diloco_every=10"], "parallel.diloco_every = 10: is read only with parallel.replica_sync = 'diloco'"),
-    (["parallel.replica_sync=diloco"], "train.checkpoint_every = 100: checkpoints of a parallel.replica_sync = "
-                                       "'diloco' run are not supported yet"),
-    (["parallel.replica_sync=diloco", "train.checkpoint_every=0"], "train.save_on_signal = True"),
-    ([*DILOCO, "train.resume=true"], "train.resume = True"),
+    (["parallel.replica_sync=diloco", "parallel.diloco_delay=1"], "train.checkpoint_every = 100: "
+                                                                  "parallel.diloco_delay = 1 keeps fragment "
+                                                                  "all-reduces in flight across steps"),
+    ([*DILOCO, "parallel.diloco_delay=1"], "train.save_on_signal = True: parallel.diloco_delay = 1"),
 ])
 def test_what_diloco_does_not_combine_with_is_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError) as e:
@@ -151,6 +172,7 @@ def test_what_diloco_does_not_combine_with_is_refused(overrides: list[str], mess
 def test_the_defaults_and_the_options_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture) -> None:
     assert resolve_config(None, []).parallel.replica_sync == "every_step"
+    assert resolve_config(None, ["parallel.replica_sync=diloco", "train.resume=true"]).train.checkpoint_every == 100
     par = resolve_config(None, [*DILOCO, "parallel.diloco_every=5", "parallel.diloco_outer_lr=0.5",
                                 "parallel.diloco_outer_momentum=0", "parallel.diloco_wire_dtype=bf16"]).parallel
     assert (par.replica_sync, par.diloco_every, par.diloco_outer_lr, par.diloco_outer_momentum,

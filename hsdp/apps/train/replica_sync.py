@@ -28,10 +28,13 @@ What DiLoCo does not combine with is refused when the configuration is read, bef
 ``diloco_wire_dtype``), ``shard_optimizer_across_replicas`` (each replica steps its own whole optimizer state),
 ``elastic``, a list of sharding degrees (replicas of different degrees lay their shards out differently) and
 batch weights other than ``"even"`` (a weighted rank's gradient counts its share of the global batch, but DiLoCo
-averages inside a replica). Checkpoints of a DiLoCo run are not supported yet (the optimizer refuses them: each
-replica's inner state and the outer state would be needed), so ``train.checkpoint_every``, ``train.save_on_signal``
-and ``train.resume`` are refused with it too. The ``diloco_*`` fields are read only with ``replica_sync =
-"diloco"``; setting one without it is refused, as a forgotten switch would otherwise train plain HSDP.
+averages inside a replica). Checkpoints (``hsdp.save_checkpoint``: every replica's weights and AdamW state, the
+global copy, the outer momentum and the phase) resume a DiLoCo run bit for bit, mid-phase too; a resume on another
+number of replicas starts every replica from the global copy at phase 0 (a warning says so). With
+``diloco_delay`` > 0 a checkpoint would catch a fragment's all-reduce in flight, which it cannot hold yet:
+``train.checkpoint_every`` and ``train.save_on_signal`` are refused with it. The ``diloco_*`` fields are read only
+with ``replica_sync = "diloco"``; setting one without it is refused, as a forgotten switch would otherwise train
+plain HSDP.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from hsdp.apps.train.config_rules import fail
 if TYPE_CHECKING:
     import hsdp
     from hsdp.apps.train.config import ParallelConfig, RunConfig
+    from hsdp.apps.train.trainer import Trainer
     from hsdp.engine.replica_sync import DiLoCo
 
 REPLICA_SYNCS = ("every_step", "diloco")
@@ -133,19 +137,19 @@ def _combination_problem(par: ParallelConfig) -> Problem | None:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """``ValueError`` for what a DiLoCo run cannot do across sections: checkpoints, until they are built."""
-    if not is_diloco(cfg.parallel):
+    """``ValueError`` for what a DiLoCo run cannot do across sections: checkpoints with a fragment's all-reduce in
+    flight (``diloco_delay`` > 0), which the checkpoint refuses."""
+    par, train = cfg.parallel, cfg.train
+    if not is_diloco(par) or par.diloco_delay == 0:
         return
-    why = ("checkpoints of a parallel.replica_sync = 'diloco' run are not supported yet (each replica's AdamW state "
-           "and the outer state would be needed)")
-    train = cfg.train
+    why = (f"parallel.diloco_delay = {par.diloco_delay} keeps fragment all-reduces in flight across steps, which a "
+           f"checkpoint cannot hold yet")
     for name, value, bad, fix in (
             ("checkpoint_every", train.checkpoint_every, train.checkpoint_every > 0, "set train.checkpoint_every = 0"),
             ("save_on_signal", True, train.save_on_signal,
-             "set train.save_on_signal = false (a SIGTERM then ends the job at once)"),
-            ("resume", True, train.resume, "start a new run (train.resume = false)")):
+             "set train.save_on_signal = false (a SIGTERM then ends the job at once)")):
         if bad:
-            fail("train", name, value, f"{why}: {fix}, or parallel.replica_sync = 'every_step'")
+            fail("train", name, value, f"{why}: {fix}, or parallel.diloco_delay = 0")
 
 
 def wrap_options(par: ParallelConfig) -> dict[str, Any]:
@@ -169,23 +173,30 @@ def policy(par: ParallelConfig) -> DiLoCo:
                   wire_dtype=wire, fragments=par.diloco_fragments, delay=par.diloco_delay, mix=par.diloco_mix)
 
 
-def _starting(par: ParallelConfig, step: int) -> list[int]:
-    """The fragments whose all-reduce starts after train step ``step`` of a fresh run: the optimizer counts its
-    phase from 0 at step 0, and fragment p starts after each step whose phase is ``DiLoCo.offset(p)``."""
-    sync = policy(par)
-    return [p for p in range(sync.fragments) if step >= 1 and step % sync.every == sync.offset(p)]
+def _phase(trainer: Trainer) -> int:
+    """The optimizer's phase after the step: inner steps since the last sync, mod H. Read from the engine's outer
+    state (no public accessor yet) rather than derived from the step number: a resume from a checkpoint without
+    DiLoCo, or of another replica count, restarts it at 0 (``hsdp/checkpoint/diloco.py``)."""
+    return trainer.optimizer._hsdp_outer.inner_steps
 
 
-def step_fields(par: ParallelConfig, step: int) -> dict[str, Any]:
+def step_fields(trainer: Trainer, step: int) -> dict[str, Any]:
     """What a step's record adds under DiLoCo (``{}`` otherwise): ``synced``, whether an outer update landed
-    after the step (with one fragment and no delay: steps H, 2H, ...); with fragments or a delay also
-    ``sync_started`` and ``sync_landed``, the fragments whose all-reduce started and whose update landed."""
+    after the step (with one fragment and no delay: every H-th step); with fragments or a delay also
+    ``sync_started`` and ``sync_landed``, the fragments whose all-reduce started and whose update landed. Fragment
+    p starts after each step that brings the phase to ``DiLoCo.offset(p)`` and lands ``delay`` steps later; none
+    is in flight across a session's start (a checkpoint refuses them), so none lands in its first ``delay``
+    steps."""
+    par = trainer.cfg.parallel
     if not is_diloco(par):
         return {}
-    landed = _starting(par, step - par.diloco_delay)
-    if par.diloco_fragments == 1 and par.diloco_delay == 0:
+    sync, phase = policy(par), _phase(trainer)
+    started = [p for p in range(sync.fragments) if sync.offset(p) == phase]
+    landed = [p for p in range(sync.fragments) if sync.offset(p) == (phase - sync.delay) % sync.every
+              and step - sync.delay > trainer.start_step]
+    if sync.fragments == 1 and sync.delay == 0:
         return {"synced": bool(landed)}
-    return {"synced": bool(landed), "sync_started": _starting(par, step), "sync_landed": landed}
+    return {"synced": bool(landed), "sync_started": started, "sync_landed": landed}
 
 
 def summary_fields(cfg: RunConfig, records: list[dict[str, Any]], n_params: int,
