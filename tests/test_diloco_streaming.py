@@ -10,10 +10,16 @@ One 4-rank spawn, inner AdamW, outer Nesterov SGD (lr 0.7, momentum 0.9):
 - the all-reduce is asynchronous: after the step that starts it, its handles are not waited and its stats row has
   no seconds booked (with tau = 0 they are), and it lands tau steps later;
 - refused with a ValueError before any collective: more fragments than units (naming the unit count), fragments
-  > every, tau < 0, tau >= every, tau not an int, alpha outside [0, 1).
+  > every, tau < 0, tau >= every, tau not an int, alpha outside [0, 1);
+- a checkpoint taken while two fragments' syncs are in flight (F = 3, tau = 3, after step 10) resumes bitwise: the
+  syncs in flight, global copy, outer momentum, phase and weights as saved, then the same losses and state 4 steps
+  on as the run that went on.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import pytest
 import torch
@@ -26,13 +32,18 @@ WORLD = 4
 RUNS = {"f2": (dict(every=4, fragments=2, delay=1), 8),
         "f3": (dict(every=6, fragments=3, delay=3, mix=0.25), 9),
         "f1": (dict(every=4), 4)}
+CKPT_SAVE, CKPT_END = 10, 14  # the "f3" policy: after step 10 fragment 0 (1 step left) and 1 (3 left) in flight
+
+
+def _build(policy: dict, seed: int = 0) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer]:
+    torch.manual_seed(seed)
+    sync = hsdp.DiLoCo(outer_lr=0.7, outer_momentum=0.9, **policy)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=sync)
+    return model, hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
 def _train(rank: int, policy: dict, steps: int) -> dict:
-    torch.manual_seed(0)
-    sync = hsdp.DiLoCo(outer_lr=0.7, outer_momentum=0.9, **policy)
-    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=sync)
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model, opt = _build(policy)
     outer = opt._hsdp_outer
     sent, seconds, in_flight = [], [], []
     for step in range(steps):
@@ -74,14 +85,51 @@ def _refusals() -> dict[str, str]:
     return out
 
 
-def _worker(rank: int, world: int) -> dict:
+def _steps(model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step, rank)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _snapshot(opt: hsdp.ShardedOptimizer) -> dict[str, Any]:
+    """This rank's weights, global copy, outer momentum, phase and syncs in flight (their means: waits)."""
+    outer = opt._hsdp_outer
+    return {"local": [u.sharded_flat.clone() for u in outer.units], "global": [g.clone() for g in outer.global_copy],
+            "momentum": [outer.outer.state[g]["momentum_buffer"].clone() for g in outer.global_copy],
+            "phase": outer.inner_steps,
+            "pending": [(s.fragment, s.left, [m.clone() for m in s.settle()]) for s in outer.pending]}
+
+
+def _checkpoint_round_trip(rank: int, tmp: str) -> dict[str, Any]:
+    policy, out = RUNS["f3"][0], {}
+    model, opt = _build(policy)
+    out["losses"] = _steps(model, opt, rank, range(CKPT_SAVE))
+    hsdp.save_checkpoint(os.path.join(tmp, "stream"), model, opt, step=CKPT_SAVE)
+    out["saved"] = _snapshot(opt)
+    out["losses"] += _steps(model, opt, rank, range(CKPT_SAVE, CKPT_END))
+    out["end"] = _snapshot(opt)
+    model, opt = _build(policy, seed=1)
+    hsdp.load_checkpoint(os.path.join(tmp, "stream"), model, opt)
+    out["resumed"] = _snapshot(opt)
+    out["resumed_losses"] = _steps(model, opt, rank, range(CKPT_SAVE, CKPT_END))
+    out["resumed_end"] = _snapshot(opt)
+    return out
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
     return {**{name: _train(rank, policy, steps) for name, (policy, steps) in RUNS.items()},
-            "refusals": _refusals()}
+            "refusals": _refusals(), "checkpoint": _checkpoint_round_trip(rank, tmp)}
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(_worker, WORLD, timeout=240)
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(_worker, WORLD, str(tmp_path_factory.mktemp("streaming")), timeout=240)
 
 
 def _fragment_of(name: str, fragments: int) -> int:
@@ -195,3 +243,25 @@ def test_refusals_name_the_fix(results: list[dict]) -> None:
     assert "the model has 4 units with parameters" in got["more_than_units"]
     assert "use fragments <= 4" in got["more_than_units"]
     assert got["collectives_before"] == "{}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested lists, tuples and dicts of tensors and numbers."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_a_checkpoint_with_syncs_in_flight_resumes_bitwise(results: list[dict]) -> None:
+    for r in results:
+        got = r["checkpoint"]
+        assert [(f, left) for f, left, _ in got["saved"]["pending"]] == [(0, 1), (1, 3)]  # what must survive
+        assert got["saved"]["phase"] == CKPT_SAVE % 6
+        assert _same(got["resumed"], got["saved"])
+        assert got["resumed_losses"] == got["losses"][CKPT_SAVE:]
+        assert _same(got["resumed_end"], got["end"])
+        assert not _same(got["end"]["global"], got["saved"]["global"])  # the in-flight syncs landed after the resume

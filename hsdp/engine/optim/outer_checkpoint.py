@@ -13,6 +13,15 @@ the unit: units are an implementation detail, parameter names are not), and the 
 last sync). :func:`load_outer_state_dict` takes that dict back (any layout DCP resharded it to). The outer
 optimizer's hyper-parameters are not saved: they are the ``DiLoCo`` policy's, as built.
 
+[Note: syncs in flight] Under Streaming DiLoCo (``delay > 0``) a fragment's pseudo-gradient all-reduce may be in
+flight when the checkpoint is taken: its outer update is still to apply, so it is part of the outer state. The
+save waits for it (every rank started the same all-reduces, so every rank can) and keeps the fp32 mean under
+each of the fragment's parameters as ``outer[fqn]["pending_pseudo_gradient"]`` (sharded like the parameter)
+with ``outer_scalars[fqn]["pending_steps_left"]`` (the inner steps before it lands); the load puts the syncs back
+as already reduced, so each lands at the same step with the same values: the resume is bitwise. A load without
+the phase (another replica count: every replica restarts from the global copy) drops them with the inner steps
+since the last sync. The fragments must be split as saved (the same units and ``fragments``).
+
 :func:`restart` is what loading state without DiLoCo's part means: the global copy becomes the model's current
 weights, the phase 0 and the outer optimizer's state (its momentum) starts fresh, as at the optimizer's
 construction. ``ShardedOptimizer.load_state_dict`` calls it after loading the inner state, so the model's
@@ -29,9 +38,11 @@ from typing import Any
 
 import torch
 
-from hsdp.engine.optim.outer_step import OuterState
+from hsdp.engine.optim.outer_step import OuterState, PendingSync
 from hsdp.engine.runtime.origin import stamp
 from hsdp.engine.runtime.sharded_param import ShardedParam
+
+PENDING, LEFT = "pending_pseudo_gradient", "pending_steps_left"  # see [Note: syncs in flight]
 
 
 def chunks(outer: OuterState, unit_index: int, flat: torch.Tensor) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
@@ -55,7 +66,6 @@ def global_weights(outer: OuterState) -> dict[str, torch.Tensor]:
 def check_savable(outer: OuterState) -> None:
     """``ValueError`` naming the fix for a state :func:`outer_state_dict` cannot hold (call it before the first
     collective of a save: every rank holds the same outer state, so every rank raises)."""
-    _check_settled(outer)
     for flat in outer.global_copy:
         for name, value in outer.outer.state.get(flat, {}).items():
             _kind(name, value, flat)
@@ -77,8 +87,10 @@ def _kind(name: str, value: Any, flat: torch.Tensor) -> str | None:
 
 
 def outer_state_dict(outer: OuterState) -> dict[str, Any]:
-    """The global copy, the outer optimizer's state and the phase (module docstring); views, no copy."""
+    """The global copy, the outer optimizer's state, the syncs in flight and the phase (module docstring; waits
+    for the all-reduces in flight, see [Note: syncs in flight]); views, no copy."""
     check_savable(outer)
+    outer.settle()
     out: dict[str, Any] = {"global": {}, "outer": {}, "outer_scalars": {},
                            "phase": torch.tensor(outer.inner_steps, dtype=torch.int64)}
     for i, flat in enumerate(outer.global_copy):
@@ -92,6 +104,12 @@ def outer_state_dict(outer: OuterState) -> dict[str, Any]:
             elif kind == "outer_scalars":
                 for p in outer.units[i].params:
                     out[kind].setdefault(p.fqn, {})[name] = value
+    for sync in outer.pending:
+        left = torch.tensor(sync.left, dtype=torch.int64)
+        for i, mean in zip(outer.fragments[sync.fragment], sync.settle(), strict=True):
+            for p, chunk in chunks(outer, i, mean):
+                out["outer"].setdefault(p.fqn, {})[PENDING] = stamp(p.to_dtensor(chunk))
+                out["outer_scalars"].setdefault(p.fqn, {})[LEFT] = left
     return out
 
 
@@ -99,16 +117,19 @@ def outer_state_dict(outer: OuterState) -> dict[str, Any]:
 def load_outer_state_dict(outer: OuterState, sd: dict[str, Any]) -> None:
     """Set the global copy, the outer optimizer's state and the phase from :func:`outer_state_dict`'s layout
     (values: DTensors placed like the parameters, or this rank's chunks). Missing ``"outer"`` parts leave the
-    outer optimizer fresh, a missing ``"phase"`` starts the phase at 0."""
-    _check_settled(outer)
+    outer optimizer fresh, a missing ``"phase"`` starts the phase at 0 with no sync in flight."""
+    _drop_pending(outer)
     for i, flat in enumerate(outer.global_copy):
         flat.zero_()  # padding rows are zero
         for p, chunk in chunks(outer, i, flat):
             chunk.copy_(_local(sd["global"][p.fqn]))
     index = {id(t): n for n, t in enumerate(t for g in outer.outer.param_groups for t in g["params"])}
-    state = {}
+    state, in_flight = {}, {}
     for i, flat in enumerate(outer.global_copy):
         entries = {**_unit_flats(outer, i, sd.get("outer", {})), **_unit_scalars(outer, i, sd.get("outer_scalars", {}))}
+        mean, left = entries.pop(PENDING, None), entries.pop(LEFT, None)
+        if mean is not None and left is not None:
+            in_flight[i] = (int(left), mean)
         if entries:
             state[index[id(flat)]] = entries
     outer.outer.state.clear()
@@ -116,6 +137,24 @@ def load_outer_state_dict(outer: OuterState, sd: dict[str, Any]) -> None:
     outer.outer.load_state_dict({"state": state, "param_groups": outer.outer.state_dict()["param_groups"]})
     phase = sd.get("phase")
     outer.inner_steps = 0 if phase is None else int(phase)
+    outer.pending = [] if phase is None else _pending(outer, in_flight)
+
+
+def _pending(outer: OuterState, in_flight: dict[int, tuple[int, torch.Tensor]]) -> list[PendingSync]:
+    """The saved syncs in flight (unit index -> (steps left, fp32 mean)) as reduced ``PendingSync``s, in the
+    order started (the fewest steps left first)."""
+    out = []
+    for fragment, indices in enumerate(outer.fragments):
+        saved = [in_flight.get(i) for i in indices]
+        if all(s is None for s in saved):
+            continue
+        lefts = {s[0] for s in saved if s is not None}
+        if any(s is None for s in saved) or len(lefts) != 1:
+            raise ValueError(f"the checkpoint's DiLoCo syncs in flight do not cover fragment {fragment} "
+                             f"({[outer.units[i].name for i in indices]}) as one: it was saved with other "
+                             f"fragments; resume with the DiLoCo(fragments=...) and units it was saved with")
+        out.append(PendingSync(fragment, lefts.pop(), [], [], reduced=[s[1] for s in saved if s is not None]))
+    return sorted(out, key=lambda sync: sync.left)
 
 
 def _saved(outer: OuterState, i: int, saved: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
@@ -152,17 +191,15 @@ def _local(value: Any) -> torch.Tensor:
 
 @torch.no_grad()
 def restart(outer: OuterState) -> None:
-    """Global copy := the model's weights, phase 0, a fresh outer state (module docstring)."""
-    _check_settled(outer)
+    """Global copy := the model's weights, phase 0, a fresh outer state, no sync in flight (module docstring)."""
+    _drop_pending(outer)
     for unit, flat in zip(outer.units, outer.global_copy, strict=True):
         flat.copy_(unit.sharded_flat)
     outer.outer.state.clear()
     outer.inner_steps = 0
 
 
-def _check_settled(outer: OuterState) -> None:
-    # Streaming DiLoCo (delay > 0) keeps fragment syncs in flight across steps; they are not saved yet.
-    if getattr(outer, "pending", None):
-        raise ValueError("a DiLoCo fragment sync is in flight (delay > 0): checkpoints of its in-flight "
-                         "pseudo-gradients are not supported yet; save at a step where none is in flight, or use "
-                         "delay=0")
+def _drop_pending(outer: OuterState) -> None:
+    """Forget the syncs in flight (waiting for their all-reduces first: every rank started them)."""
+    outer.settle()
+    outer.pending = []

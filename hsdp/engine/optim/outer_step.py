@@ -10,7 +10,9 @@ all-reduce is waited, the mean is set as the fragment's global copies' gradient,
 (torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
 state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a
 plain copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the
-same code path. Padding rows are zero on every replica, so they stay zero.
+same code path. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the syncs in
+flight and keeps their means and steps left, so they land at the same steps after a resume
+(``outer_checkpoint.py``, [Note: syncs in flight]).
 
 [Note: one order everywhere] Every rank starts the same fragments' all-reduces after the same inner steps, in
 fragment and unit order, and lands them in the order started, so the replicate group's collectives match on
