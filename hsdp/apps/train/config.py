@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 from hsdp.apps.train.config_rules import at_least as _at_least
 from hsdp.apps.train.config_rules import fail as _fail
 from hsdp.apps.train.config_rules import one_of as _one_of
-from hsdp.apps.train.replica_sync import check_parallel, check_run
+from hsdp.apps.train.replica_sync import check_parallel
 
 if TYPE_CHECKING:
     from hsdp.models import GPTConfig
@@ -360,7 +360,6 @@ class RunConfig:
             self._check_tensor_parallel_model()
         if self.parallel.elastic:
             self._check_elastic_run()
-        check_run(self)
 
     def _check_elastic_run(self) -> None:
         if self.train.resume:

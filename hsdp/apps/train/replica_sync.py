@@ -21,7 +21,8 @@ all-reduce run behind tau more inner steps before its update lands; ``diloco_mix
 weights a replica keeps then (0: the global copy replaces them). The records then also say which fragments started
 their all-reduce after the step (``"sync_started"``: the step's ``replicate_bytes`` are theirs) and which landed
 (``"sync_landed"``), in ``metrics.jsonl`` (the CSV keeps ``synced``). A sync started in the last tau steps of a
-session never lands. F must not exceed the model's units with parameters (refused by the optimizer at start-up).
+run never lands (a checkpoint keeps it for the resumed session). F must not exceed the model's units with
+parameters (refused by the optimizer at start-up).
 
 What DiLoCo does not combine with is refused when the configuration is read, before any rank starts: a
 ``parallel.replica_hop`` other than ``fp32`` (there is no per-step hop to compress; the wire dtype is
@@ -29,12 +30,10 @@ What DiLoCo does not combine with is refused when the configuration is read, bef
 ``elastic``, a list of sharding degrees (replicas of different degrees lay their shards out differently) and
 batch weights other than ``"even"`` (a weighted rank's gradient counts its share of the global batch, but DiLoCo
 averages inside a replica). Checkpoints (``hsdp.save_checkpoint``: every replica's weights and AdamW state, the
-global copy, the outer momentum and the phase) resume a DiLoCo run bit for bit, mid-phase too; a resume on another
-number of replicas starts every replica from the global copy at phase 0 (a warning says so). With
-``diloco_delay`` > 0 a checkpoint would catch a fragment's all-reduce in flight, which it cannot hold yet:
-``train.checkpoint_every`` and ``train.save_on_signal`` are refused with it. The ``diloco_*`` fields are read only
-with ``replica_sync = "diloco"``; setting one without it is refused, as a forgotten switch would otherwise train
-plain HSDP.
+global copy, the outer momentum, the phase and, with ``diloco_delay`` > 0, the fragments' all-reduces in flight)
+resume a DiLoCo run bit for bit, mid-phase too; a resume on another number of replicas starts every replica from
+the global copy at phase 0 (a warning says so). The ``diloco_*`` fields are read only with ``replica_sync =
+"diloco"``; setting one without it is refused, as a forgotten switch would otherwise train plain HSDP.
 """
 
 from __future__ import annotations
@@ -136,22 +135,6 @@ def _combination_problem(par: ParallelConfig) -> Problem | None:
     return None
 
 
-def check_run(cfg: RunConfig) -> None:
-    """``ValueError`` for what a DiLoCo run cannot do across sections: checkpoints with a fragment's all-reduce in
-    flight (``diloco_delay`` > 0), which the checkpoint refuses."""
-    par, train = cfg.parallel, cfg.train
-    if not is_diloco(par) or par.diloco_delay == 0:
-        return
-    why = (f"parallel.diloco_delay = {par.diloco_delay} keeps fragment all-reduces in flight across steps, which a "
-           f"checkpoint cannot hold yet")
-    for name, value, bad, fix in (
-            ("checkpoint_every", train.checkpoint_every, train.checkpoint_every > 0, "set train.checkpoint_every = 0"),
-            ("save_on_signal", True, train.save_on_signal,
-             "set train.save_on_signal = false (a SIGTERM then ends the job at once)")):
-        if bad:
-            fail("train", name, value, f"{why}: {fix}, or parallel.diloco_delay = 0")
-
-
 def wrap_options(par: ParallelConfig) -> dict[str, Any]:
     """``ShardedModel``'s ``replica_hop`` and ``replica_sync`` arguments for the parallel section."""
     from hsdp.engine.hops import named_hop  # deferred: configurations load without torch
@@ -184,16 +167,19 @@ def step_fields(trainer: Trainer, step: int) -> dict[str, Any]:
     """What a step's record adds under DiLoCo (``{}`` otherwise): ``synced``, whether an outer update landed
     after the step (with one fragment and no delay: every H-th step); with fragments or a delay also
     ``sync_started`` and ``sync_landed``, the fragments whose all-reduce started and whose update landed. Fragment
-    p starts after each step that brings the phase to ``DiLoCo.offset(p)`` and lands ``delay`` steps later; none
-    is in flight across a session's start (a checkpoint refuses them), so none lands in its first ``delay``
-    steps."""
+    p starts after each step that brings the phase to ``DiLoCo.offset(p)`` and lands ``delay`` steps later. A
+    checkpoint keeps the syncs in flight, so a resumed session lands those started before it; a resume that
+    restarted the phase (a checkpoint without DiLoCo, or of another replica count: its phase is then no longer the
+    step's, mod H) has none in flight. (Left: such a restart at a step that is a multiple of H is taken for a
+    continuation, and its first ``delay`` records may name a landing that did not happen.)"""
     par = trainer.cfg.parallel
     if not is_diloco(par):
         return {}
     sync, phase = policy(par), _phase(trainer)
+    first = 0 if phase == step % sync.every else trainer.start_step  # the last step before the first start
     started = [p for p in range(sync.fragments) if sync.offset(p) == phase]
     landed = [p for p in range(sync.fragments) if sync.offset(p) == (phase - sync.delay) % sync.every
-              and step - sync.delay > trainer.start_step]
+              and step - sync.delay > first]
     if sync.fragments == 1 and sync.delay == 0:
         return {"synced": bool(landed)}
     return {"synced": bool(landed), "sync_started": started, "sync_landed": landed}
