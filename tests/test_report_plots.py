@@ -1,7 +1,9 @@
 """The plots: ``hsdp report``'s figures of a run and ``hsdp plan --plot``, read back as images and figures.
 
 No training run: the metrics are synthetic records written with the real ``MetricsWriter`` (and a
-``summary.json`` by hand), so the test knows every value a panel must show.
+``summary.json`` by hand), so the test knows every value a panel must show. An elastic run's records (members,
+committed, global batch, writer per step) add the membership figure, whose bars and marks are read back
+against the scenario the records describe.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.image import imread
 from PIL import Image
+from rich.console import Console
 
 from hsdp.apps.cli import build_parser, main
 from hsdp.apps.cli.plan import build_plan
+from hsdp.apps.train.elastic_run import ELASTIC_FIELDS, membership
 from hsdp.apps.train.metrics import MetricsWriter
 from hsdp.apps.train.report import report_figures, training_figure, write_report
+from hsdp.apps.train.summary import run_table
 from hsdp.tools.planner.plot import MEMORY_COLOURS, TIME_COLOURS, plan_figure
 
 _PLAN_ARGS = ["plan", "--model", "7b", "--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80GiB",
@@ -44,6 +49,33 @@ def _run_dir(tmp_path: Path, steps: int, peaks: list[float] | None = None) -> Pa
     if peaks is not None:  # the end-of-run summary's per-rank records (only the field the report reads)
         ranks = [{"rank": i, "peak_bytes": p} for i, p in enumerate(peaks)]
         (tmp_path / "summary.json").write_text(json.dumps({"ranks": ranks}))
+    return tmp_path
+
+
+# An elastic run of 3 replicas (sequences per replica and step: 4): replica 2 dies during step 6 (discarded on
+# all three), is out for steps 7-12 and rejoins at 13; replica 0, the writer, dies during step 16 (discarded),
+# and replica 1 writes from step 17 on.
+_SHARE, _DISCARDED = 4, (6, 16)
+
+
+def _members(step: int) -> list[int]:
+    return [0, 1, 2] if step <= 6 or 13 <= step <= 16 else [0, 1] if step < 13 else [1, 2]
+
+
+def _elastic_records(steps: int = 20) -> list[dict[str, Any]]:
+    out = []
+    for r in _records(steps):
+        members, committed = _members(r["step"]), r["step"] not in _DISCARDED
+        out.append({**r, "committed": committed, "replicas": members, "writer": min(members),
+                    "global_batch": _SHARE * len(members) if committed else 0,
+                    "grad_norm": r["grad_norm"] if committed else None})
+    return out
+
+
+def _elastic_run_dir(tmp_path: Path) -> Path:
+    with MetricsWriter(str(tmp_path), fields=ELASTIC_FIELDS) as w:
+        for r in _elastic_records():
+            w.write(r)
     return tmp_path
 
 
@@ -149,3 +181,60 @@ def test_plan_plot_has_a_log_memory_axis_and_one_colour_meaning(tmp_path: Path,
         assert [to_hex(t.get_color()) == "#000000" for t in labels] == fits
         assert [t.get_fontweight() == "bold" for t in labels] == [e is plan.best for e in plan.layouts]
         assert "does not fit" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_an_elastic_run_adds_the_membership_figure(tmp_path: Path) -> None:
+    paths = write_report(str(_elastic_run_dir(tmp_path)))
+    assert [Path(p).name for p in paths][-1] == "membership.png"  # the other runs' four come first
+    img = Image.open(paths[-1])
+    assert img.size == (800, 750)
+    for colour in ((31, 119, 180), (214, 39, 40), (188, 189, 34)):  # member bars, discarded marks, batch line
+        assert _colour_pixels(img, colour) > 100, colour
+
+
+def test_membership_figure_bars_each_replicas_member_steps_and_marks_the_discarded_ones(tmp_path: Path) -> None:
+    member_ax, batch_ax = report_figures(str(_elastic_run_dir(tmp_path)))["membership.png"]().axes
+    bars = {c.get_label(): c for c in member_ax.collections if c.get_label().startswith("replica ")}
+    assert list(bars) == ["replica 0", "replica 1", "replica 2"]
+    # Each bar spans whole steps (first - 0.5 .. last + 0.5) on its replica's row.
+    expected = {0: [(1, 16)], 1: [(1, 20)], 2: [(1, 6), (13, 20)]}  # replica 0 left after 16, 2 for 7-12
+    for replica, runs in expected.items():
+        boxes = [(p.vertices[:, 0].min(), p.vertices[:, 0].max(), (p.vertices[:, 1].min() + p.vertices[:, 1].max()) / 2)
+                 for p in bars[f"replica {replica}"].get_paths()]
+        assert [(lo, hi) for lo, hi, _ in boxes] == [(first - 0.5, last + 0.5) for first, last in runs], replica
+        assert all(np.isclose(y, replica) for _, _, y in boxes)
+    (lost,) = [c for c in member_ax.collections if c.get_label().startswith("discarded")]
+    marked = sorted(map(tuple, np.asarray(lost.get_offsets()).tolist()))
+    assert marked == [(float(s), float(r)) for s in _DISCARDED for r in (0, 1, 2)]  # every member of each
+    (writers,) = [c for c in member_ax.collections if c.get_label() == "writer of the record"]
+    assert [tuple(o) for o in np.asarray(writers.get_offsets()).tolist()] == [
+        (float(s), float(min(_members(s)))) for s in range(1, 21)]
+    assert [t.get_text() for t in member_ax.get_yticklabels()] == ["replica 0", "replica 1", "replica 2"]
+    assert member_ax.get_ylim()[0] > 2 > 0 > member_ax.get_ylim()[1]  # replica 0 on top
+    title = member_ax.get_title()
+    assert "18 steps committed, 2 discarded (steps 6, 16)" in title, title
+    assert "members from step 1: [0, 1, 2], 7: [0, 1], 13: [0, 1, 2], 17: [1, 2]" in title, title
+    steps, batch = _line(batch_ax, "global batch")
+    assert steps == list(range(1, 21))
+    assert batch == [0 if s in _DISCARDED else _SHARE * len(_members(s)) for s in steps]
+    assert batch[:7] == [12, 12, 12, 12, 12, 0, 8] and batch_ax.get_ylabel() == "sequences"
+    for ax in (member_ax, batch_ax):
+        ticks = [t for t in ax.get_xticks() if 1 <= t <= 20]
+        assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_the_run_summary_says_the_same_membership_changes() -> None:
+    records = _elastic_records()
+    said = membership(records)  # the summary.json's "elastic" part (with the replica and the configured count)
+    assert said["discarded"] == list(_DISCARDED) and said["committed"] == 18 and said["writers"] == [0, 1]
+    assert said["membership"] == [{"step": 1, "replicas": [0, 1, 2]}, {"step": 7, "replicas": [0, 1]},
+                                  {"step": 13, "replicas": [0, 1, 2]}, {"step": 17, "replicas": [1, 2]}]
+    summary = {"mesh": {"replicas": 3, "shards": 2, "world": 2}, "model": {"kind": "gpt", "preset": "tiny",
+               "params": 1000}, "steps": {"first": 1, "last": 20, "planned": 20}, "loss_first": None,
+               "eval_loss_last": None, "tokens_per_s": 1.0, "tokens": 1, "seconds": 1.0,
+               "elastic": {"replica": 1, "replicas": 3, **said}}
+    console = Console(record=True, width=300)
+    console.print(run_table(summary, "data"))
+    text = console.export_text()
+    assert ("18 steps committed, 2 discarded [6, 16]; members from step 1: [0, 1, 2], 7: [0, 1], 13: [0, 1, 2], "
+            "17: [1, 2]") in text, text

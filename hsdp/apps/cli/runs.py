@@ -68,7 +68,8 @@ def add_report(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("report",
                               help="PNG plots of a train run (loss, throughput, communication, lr, grad norm, memory)",
                               description="Write loss.png, throughput.png, communication.png and training.png into "
-                                          "RUN_DIR/report.")
+                                          "RUN_DIR/report (and membership.png for an elastic run: the replicas "
+                                          "of each step).")
     p.add_argument("run_dir", metavar="RUN_DIR", help="an hsdp train run directory (e.g. runs/train)")
     p.set_defaults(func=run_report)
     return p

@@ -19,7 +19,7 @@ Hugging Face causal-LM folder), ``hf_export`` (``hsdp export --to hf``), ``optim
 ``trainer`` (the ``Trainer``: steps, evaluation, checkpoints), ``result`` (a session's records),
 ``metrics``, ``wandb_sink`` (Weights & Biases, ``log.wandb``), ``progress``, ``rank_warnings``, ``resume``,
 ``profiling``, ``summary``, ``job`` (one rank's run), ``command`` (the command line), ``report`` (``hsdp
-report``'s plots).
+report``'s plots; ``report_membership``: an elastic run's members per step).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ coordinator``); all of them train into the same ``train.out_dir``. The rules:
 from __future__ import annotations
 
 import collections
+import json
 import os
 import uuid
 from collections.abc import Sequence
@@ -101,8 +102,24 @@ def _check_run_dir(cfg: RunConfig, layer: ElasticLayer) -> None:
         problem = start_problem(cfg)
     else:
         problem = lease_problem(run.checkpoints, shared=shared_label(layer)) or _config_problem(cfg, run)
+    if problem is None:
+        problem = _job_config_problem(cfg, layer)
     if problem is not None:
         raise ValueError(problem)
+
+
+def _job_config_problem(cfg: RunConfig, layer: ElasticLayer) -> str | None:
+    """Whether this replica's configuration is the job's (the first replica to ask leaves its own on the
+    coordinator's store): replicas of another job on the same coordinator and job name, which the coordinator
+    cannot tell apart from late ones, are refused here instead of training with this job."""
+    ours = json.dumps({"config": to_toml(cfg), "out_dir": cfg.train.out_dir})
+    theirs = json.loads(layer.client.store.compare_set(key(layer.client.job, "train", "config"), "", ours))
+    if theirs["config"] == to_toml(cfg):
+        return None
+    return (f"replica {layer.replica_id}: elastic job {layer.client.job!r} on the coordinator at "
+            f"{layer.client.address} already trains another configuration (its first replica's, out_dir "
+            f"{theirs['out_dir']!r}): start every replica of a job with the same configuration, or run a second "
+            f"job under its own HSDP_ELASTIC_JOB (hsdp coordinator --job NAME) or coordinator")
 
 
 def _config_problem(cfg: RunConfig, run: RunDir) -> str | None:

@@ -1,6 +1,6 @@
 """``hsdp report RUN_DIR``: PNG plots of a training run from its ``metrics.jsonl``.
 
-Four figures in ``RUN_DIR/report/``, one question each, every x axis in whole steps:
+Four figures in ``RUN_DIR/report/`` (five for an elastic run), one question each, every x axis in whole steps:
 
   * ``loss.png``: training loss per step, held-out loss at the evaluation steps;
   * ``throughput.png``: tokens/s per step, with the run's median as a line;
@@ -9,7 +9,10 @@ Four figures in ``RUN_DIR/report/``, one question each, every x axis in whole st
     waited for collectives instead of computing) as a darker area inside it, and the time inside each
     group's collectives drawn over it;
   * ``training.png``: learning rate, gradient norm (before clipping) and rank 0's peak memory per step, with
-    every rank's end-of-run peak from ``summary.json`` when the run has finished.
+    every rank's end-of-run peak from ``summary.json`` when the run has finished;
+  * ``membership.png``, only for an elastic run (``parallel.elastic = true``: the records name each step's
+    replicas): which replica ids were members at each step, the discarded steps marked, and the global batch
+    per step (:mod:`hsdp.apps.train.report_membership`).
 
 What the communication seconds are: each collective's time from issue to completed wait, summed over the
 step. Asynchronous collectives run while the rank computes (and while other collectives run), so the sum can
@@ -163,21 +166,27 @@ def read_rank_peaks(run_dir: str) -> dict[int, float]:
 
 
 def report_figures(run_dir: str) -> dict[str, Callable[[], Any]]:
-    """File name -> a function drawing that figure, in the order ``write_report`` writes them.
-    ``ValueError`` when the run directory has no metrics yet."""
+    """File name -> a function drawing that figure, in the order ``write_report`` writes them (``membership.png``
+    only for an elastic run). ``ValueError`` when the run directory has no metrics yet."""
+    # Here, not at the top: the membership figure draws with this module's helpers.
+    from hsdp.apps.train.report_membership import is_elastic, membership_figure
+
     records = read_metrics(run_dir)
     if not records:
         raise ValueError(f"{os.path.join(run_dir, JSONL_NAME)} is missing or empty: pass the run directory of "
                          f"an hsdp train run (train.out_dir, e.g. runs/train) that finished at least one step")
-    return {"loss.png": lambda: loss_figure(records),
-            "throughput.png": lambda: throughput_figure(records),
-            "communication.png": lambda: communication_figure(records),
-            "training.png": lambda: training_figure(records, read_rank_peaks(run_dir))}
+    figures = {"loss.png": lambda: loss_figure(records),
+               "throughput.png": lambda: throughput_figure(records),
+               "communication.png": lambda: communication_figure(records),
+               "training.png": lambda: training_figure(records, read_rank_peaks(run_dir))}
+    if is_elastic(records):
+        figures["membership.png"] = lambda: membership_figure(records)
+    return figures
 
 
 def write_report(run_dir: str) -> list[str]:
-    """Write the four PNGs into ``run_dir/report``; returns their paths. ``ValueError`` when the run
-    directory has no metrics yet."""
+    """Write the PNGs of :func:`report_figures` into ``run_dir/report``; returns their paths. ``ValueError``
+    when the run directory has no metrics yet."""
     figures = report_figures(run_dir)
     out = RunDir(run_dir).report
     os.makedirs(out, exist_ok=True)

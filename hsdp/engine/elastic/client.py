@@ -10,7 +10,9 @@ in the replica's own group).
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -37,18 +39,39 @@ def connect(address: str, job: str, policy: ElasticPolicy) -> dist.Store:
     command that starts a coordinator within ``policy.connect_timeout`` instead of hanging."""
     host, port = parse_address(address)
     timeout = timedelta(seconds=policy.connect_timeout)
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, TimeoutError) as e:
-        raise ValueError(f"no hsdp coordinator reachable at {address} within {policy.connect_timeout:g} s ({e}): "
-                         f"start one with `hsdp coordinator --port {port} --replicas N` on that host (hsdp launch "
-                         f"--elastic starts it for the emulated cluster), or fix HSDP_COORDINATOR") from None
+    # Probed with a plain socket first: the store's own client retries past its timeout (up to twice it) and
+    # logs a C++ stack trace per try, which would bury the one line that names the fix.
+    problem = _unreachable(host, port, policy.connect_timeout)
+    if not problem:
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        except (RuntimeError, TimeoutError) as e:
+            problem = str(e)
+    if problem:
+        raise ValueError(f"no hsdp coordinator reachable at {address} within {policy.connect_timeout:g} s ({problem}):"
+                         f" start one with `hsdp coordinator --port {port} --replicas N` on that host (hsdp launch "
+                         f"--elastic starts it for the emulated cluster), or fix HSDP_COORDINATOR")
     try:
         store.wait([key(job, "coordinator")], timeout)
     except (RuntimeError, TimeoutError):
         raise ValueError(f"the coordinator at {address} serves no elastic job {job!r}: start it with `hsdp "
                          f"coordinator --job {job}`, or set HSDP_ELASTIC_JOB to the job it serves") from None
     return store
+
+
+def _unreachable(host: str, port: int, timeout: float) -> str:
+    """"" once something accepts TCP connections at ``host:port`` within ``timeout`` seconds (a coordinator
+    starting up may take a moment), else the last error."""
+    deadline = time.monotonic() + timeout
+    error = "timed out"
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=left):
+                return ""
+        except OSError as e:  # refused (nothing listens yet), unresolvable host, no route, timed out
+            error = f"{type(e).__name__}: {e}"
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    return error
 
 
 class CoordinatorClient:

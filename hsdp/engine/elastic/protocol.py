@@ -8,7 +8,8 @@ only one that decides; replicas write requests and read decisions, all under one
   watches with its own clock (no clock is compared across hosts);
 * ``ready/<id>/<incarnation>``: its model and optimizer exist (a replica is admitted only then, so a member's
   heal never waits for a joiner's start-up); ``admit/<id>/<incarnation>``: the step the coordinator admits it
-  at, or ``reject/...``: why not (the id is used by a live replica);
+  at, or ``reject/...``: why not (the id is used by a live replica, even one not yet admitted; the replica has
+  another rank count than the job's; the job stopped);
 * ``want/<step>/<id>``: a member reached step ``step``; ``quorum/<step>``: the members of that step (JSON,
   :class:`Quorum`), published once every live member asked, or ``stop`` below the minimum;
 * ``ok/<step>/<id>`` (a counter, one per rank) and ``fail/<step>``: each rank's vote on whether its

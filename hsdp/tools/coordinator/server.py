@@ -6,6 +6,11 @@ drop members whose heartbeat went silent, admit registered replicas as joiners (
 publish the quorum; then wait for every rank's vote and publish ``commit`` or ``abort``. Liveness is judged by
 heartbeat counters read with the coordinator's own clock, so hosts' clocks never need to agree.
 
+Refused, each told why (``reject/...``): an id used twice (a second incarnation while the first still beats past
+the heartbeat timeout, admitted or not; a torchrun restart is told from it by the old one going silent), a
+replica whose rank count is not the job's (fixed by the first quorum: the most common count among the ready
+replicas), and any replica once the job stopped.
+
 State is tiny (members, step, epoch) and lives in this process: like torchft's lighthouse the coordinator is a
 single point of failure. It is reached through the ``Store`` interface only, so a replicated store (etcd, which
 torch's elastic rendezvous speaks) can replace the ``TCPStore`` later.
@@ -13,6 +18,7 @@ torch's elastic rendezvous speaks) can replace the ``TCPStore`` later.
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from collections.abc import Callable
@@ -32,6 +38,7 @@ class _Incarnation:
     ready: bool = False
     beats: int = -1
     seen: float = 0.0  # coordinator clock when the heartbeat last moved (or when registered)
+    refused: bool = False  # told why it cannot join (``reject/...``); never admitted
 
 
 @dataclass
@@ -42,6 +49,10 @@ class JobState:
     epoch: int = -1
     members: dict[int, _Incarnation] = field(default_factory=dict)
     pending: dict[int, _Incarnation] = field(default_factory=dict)  # registered, not yet admitted
+    # Later incarnations of an id whose pending one still beats: a restart (admitted once the older one is
+    # silent) or a second replica using the id (refused).
+    claims: list[_Incarnation] = field(default_factory=list)
+    degree: int | None = None  # every replica's rank count, fixed by the first quorum
     known: dict[int, int] = field(default_factory=dict)  # replica id -> incarnations seen
     quorum: Quorum | None = None  # published for ``step``, awaiting votes
     last: dict[int, int] = field(default_factory=dict)  # the previous quorum's members: id -> incarnation
@@ -84,6 +95,9 @@ class Coordinator:
         self._discover()
         self._beat()
         self._reject_duplicates()
+        self._settle_claims()
+        if self.state.degree is not None:
+            self._refuse_other_degrees(self.state.degree)
         if self.state.quorum is None:
             self._maybe_decide_quorum()
         else:
@@ -106,7 +120,12 @@ class Coordinator:
                 if reg is None:
                     return  # registered its number but not yet its details: next round
                 now = self.clock()
-                s.pending[replica] = _Incarnation(replica, number, json.loads(reg)["degree"], now, seen=now)
+                inc = _Incarnation(replica, number, json.loads(reg)["degree"], now, seen=now)
+                held = s.pending.get(replica)
+                if held is not None and not held.refused and self._alive(held):
+                    s.claims.append(inc)  # judged by _settle_claims once the older one had time to go silent
+                else:
+                    s.pending[replica] = inc
                 s.known[replica] = number
 
     def _beat(self) -> None:
@@ -124,7 +143,7 @@ class Coordinator:
         keeps the members' heal from waiting on the joiner's start-up."""
         if not inc.ready:
             inc.ready = self._get("ready", inc.replica, inc.number) is not None
-        return inc.ready and self._alive(inc) and inc.beats >= 0
+        return inc.ready and not inc.refused and self._alive(inc) and inc.beats >= 0
 
     def _reject_duplicates(self) -> None:
         """A new incarnation of an id whose member still beats, past the timeout: a second replica using the id
@@ -132,12 +151,53 @@ class Coordinator:
         s = self.state
         for replica, inc in list(s.pending.items()):
             old = s.members.get(replica)
-            if old is not None and self._alive(old) and self.clock() - inc.registered > self.policy.heartbeat_timeout:
-                self.store.set(key(self.job, "reject", replica, inc.number),
-                               f"replica id {replica} of job {self.job!r} is in use by a live replica (incarnation "
-                               f"{old.number}): give every replica group its own {'HSDP_REPLICA_ID'}, or run a "
-                               f"second job under another HSDP_ELASTIC_JOB prefix")
+            if (old is not None and not inc.refused and self._alive(old)
+                    and self.clock() - inc.registered > self.policy.heartbeat_timeout):
+                self._reject(inc, self._in_use(old))
                 del s.pending[replica]
+
+    def _settle_claims(self) -> None:
+        """A later incarnation of an id whose earlier one is still waiting for admission: it takes the earlier
+        one's place once that one went silent (a restart before admission), and is refused when the earlier one
+        still beats past the timeout (two replicas, or two jobs, using one id before either was admitted)."""
+        s = self.state
+        for inc in list(s.claims):
+            held = s.pending.get(inc.replica)
+            if held is None or held.refused or not self._alive(held):
+                s.claims.remove(inc)
+                s.pending[inc.replica] = inc  # a member of that id, if any, is judged by _reject_duplicates
+            elif self.clock() - inc.registered > self.policy.heartbeat_timeout:
+                s.claims.remove(inc)
+                self._reject(inc, self._in_use(held))
+
+    def _in_use(self, holder: _Incarnation) -> str:
+        return (f"replica id {holder.replica} of job {self.job!r} is in use by a live replica (incarnation "
+                f"{holder.number}): give every replica group its own HSDP_REPLICA_ID, or run a second job under "
+                f"another HSDP_ELASTIC_JOB prefix (hsdp coordinator --job NAME) or coordinator")
+
+    def _reject(self, inc: _Incarnation, why: str) -> None:
+        """Tell ``inc`` why it is not admitted (its leader raises ``ValueError`` with ``why``)."""
+        inc.refused = True
+        self.store.set(key(self.job, "reject", inc.replica, inc.number), why)
+
+    def _refuse_other_degrees(self, degree: int) -> bool:
+        """Refuse waiting incarnations whose rank count is not ``degree``; whether any was. They stay pending,
+        refused, so the membership log says nothing it would word as an id in use."""
+        odd = [inc for inc in self.state.pending.values() if not inc.refused and inc.degree != degree]
+        for inc in odd:
+            self._reject(inc, f"replica {inc.replica} of job {self.job!r} has {inc.degree} rank(s), the job's "
+                              f"replicas have {degree}: every replica needs the same number of ranks (a joiner is "
+                              f"healed shard by shard from a live one): start it with {degree} ranks (torchrun "
+                              f"--nproc-per-node {degree}), or run a different job under its own HSDP_ELASTIC_JOB "
+                              f"(hsdp coordinator --job NAME) or coordinator")
+        return bool(odd)
+
+    def _first_degree(self) -> int:
+        """The rank count of the first quorum: the most common among the ready replicas (ties: the lowest
+        id's), so one replica started with the wrong count does not refuse all the others."""
+        ready = sorted((r, inc.degree) for r, inc in self.state.pending.items() if self._ready(inc))
+        counts = collections.Counter(d for _, d in ready)
+        return max((d for _, d in ready), key=lambda d: counts[d])  # max keeps the first (lowest id) of a tie
 
     # -- quorum ------------------------------------------------------------------------------------------
     def _maybe_decide_quorum(self) -> None:
@@ -149,6 +209,10 @@ class Coordinator:
         if s.step == 0 and not s.members:
             if not self._start_ready():
                 return
+            if s.degree is None:
+                s.degree = self._first_degree()
+                if self._refuse_other_degrees(s.degree):
+                    return  # decide again without them (they no longer count as ready)
         elif not s.members:
             # Every replica that held the state is gone (the job ended, or all died): nothing to heal from.
             self._stop(f"no live replica holds the model state at step {s.step} (the job ended or every replica "
@@ -160,7 +224,9 @@ class Coordinator:
                    and (r not in s.members or not self._alive(s.members[r]))}
         merged = {**s.members, **joiners}
         if len(merged) < self.min_replicas:
-            self._stop(f"{len(merged)} live replica(s) {sorted(merged)} is below the minimum of {self.min_replicas}")
+            self._stop(f"{len(merged)} live replica(s) {sorted(merged)} is below the minimum of {self.min_replicas}"
+                       f" (--min-replicas): to go on, start a new job (a new coordinator) from a checkpoint with at "
+                       f"least {self.min_replicas} live replicas, or with a lower --min-replicas")
             return
         source = min(s.members) if s.members else min(merged)
         if not s.members:  # the first quorum: everyone but the source is healed from it, so all start equal
@@ -200,10 +266,12 @@ class Coordinator:
 
     def _refuse_pending(self, reason: str) -> None:
         """Registered replicas waiting for admission learn the job is over (instead of waiting it out)."""
-        for replica, inc in list(self.state.pending.items()):
-            self.store.set(key(self.job, "reject", replica, inc.number), f"the elastic job {self.job!r} stopped: "
-                                                                            f"{reason}")
-            del self.state.pending[replica]
+        s = self.state
+        for inc in [*s.pending.values(), *s.claims]:
+            if not inc.refused:  # one already refused keeps its own reason
+                self._reject(inc, f"the elastic job {self.job!r} stopped: {reason}")
+        s.pending.clear()
+        s.claims.clear()
 
     # -- commit ------------------------------------------------------------------------------------------
     def _maybe_decide_commit(self) -> None:
