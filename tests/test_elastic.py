@@ -1,17 +1,19 @@
 """Elastic replicas: a dead or stopped replica costs a step, not the job, and a restarted one rejoins from a peer.
 
-Three replicas of two ranks, each its own job (its own rendezvous store, as one torchrun per node), and an hsdp
-coordinator in this process (``tests/programs/elastic_worker.py`` is the training loop). At step 3 the victim
-replica's ranks die in backward (SIGKILL), or its rank 0 is stopped (SIGSTOP; its own watchdog then ends the
-replica; that case also accumulates two micro-batches per step, the hop deferred to the last); this test plays
-torchrun's part: once a rank of the victim exited it ends the rest and starts the
-replica again, with no checkpoint. Checked:
+``hsdp launch --elastic --nodes 3 --nproc-per-node 2``: three replicas of two ranks, each its own torchrun job
+(``--max-restarts 1``), a coordinator on node 0, every node in its network namespace (with root and iproute2;
+on the loopback otherwise). ``tests/programs/elastic_worker.py`` is the training loop. At step 10 of its first
+incarnation, node 2's ranks die in backward (SIGKILL), or its rank 0 is stopped (SIGSTOP; rank 1's watchdog
+then ends the replica, the store rank 0 hosts no longer answering; that case also accumulates two
+micro-batches per step, the hop deferred to the last); its torchrun restarts it (a stopped rank after
+torchrun's 30 s SIGTERM grace), with no checkpoint. Checked:
 
 - the survivors discard the interrupted step (``model.last_step.committed`` False, on both) and commit their
-  next step within 10 s of the fault, with the two of them (the replicate groups' own timeout is 60 s: a
-  stopped peer's collective is given up on the coordinator's notice, not on a timeout);
-- the restarted replica is admitted at a later step, healed from replica 0, and all three train on together
-  (two committed steps of all three), after which ``check_replicas`` passes on every rank;
+  next step within 10 s of the fault (the replicate groups' own timeout is 60 s: a stopped peer's collective
+  is given up on the coordinator's notice, not on a timeout);
+- the restarted replica is admitted at a later step, healed from replica 0 (the coordinator says so), and all
+  three train on together (two committed steps of all three), after which ``check_replicas`` passes on every
+  rank; the launch exits 0 and leaves no process (nor namespace) behind;
 - no step is applied twice or partially: every rank's losses and the final parameters equal one plain process
   replaying exactly the committed steps, each on the concatenated batches of the replicas it lists (1e-5);
 - the replica-sharded optimizer is refused on an elastic mesh, before any collective.
@@ -21,85 +23,38 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Iterator
+import re
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from launched import run_launch
 from models import ParityNet, batch, loss_fn
 
-from hsdp.engine.elastic.protocol import ElasticPolicy
-from hsdp.tools.coordinator.server import Coordinator
+from hsdp.tools.launch.netns import find_tools, list_namespaces
 
 PROGRAM = Path(__file__).parent / "programs" / "elastic_worker.py"
-REPLICAS, RANKS, VICTIM, FAULT_STEP = 3, 2, 2, 3
-POLICY = ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0)  # as the worker's
+REPLICAS, RANKS, VICTIM, FAULT_STEP = 3, 2, 2, 10
+HEARTBEAT_TIMEOUT_S = 4  # the coordinator's: above its default 3 s, which a busy 2-core machine can miss
 ACCUM = {"kill": 1, "stop": 2}  # the stopped-replica case also accumulates two micro-batches per step
+RUN_TIMEOUT_S = 300
 
 
-@pytest.fixture()
-def coordinator() -> Iterator[str]:
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    coord = Coordinator(master, "test", replicas=REPLICAS, policy=POLICY)
-    stop = threading.Event()
-    thread = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{master.port}"
-    stop.set()
-    thread.join()
-
-
-class Replica:
-    """One replica's job: its ranks, and the store its own process group meets on (torchrun's agent's)."""
-
-    def __init__(self, replica: int, address: str, out: Path, fault: str, accum: int) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.procs = []
-        for rank in range(RANKS):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-                   "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1", "HSDP_COORDINATOR": address,
-                   "HSDP_REPLICA_ID": str(replica), "HSDP_ELASTIC_JOB": "test", "ELASTIC_OUT": str(out),
-                   "ELASTIC_FAULT": fault, "ELASTIC_VICTIM": str(VICTIM), "ELASTIC_FAULT_STEP": str(FAULT_STEP),
-                   "ELASTIC_ACCUM": str(accum)}
-            self.procs.append(subprocess.Popen([sys.executable, str(PROGRAM)], env=env, stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, text=True))
-
-    def any_exited(self) -> bool:
-        return any(p.poll() is not None for p in self.procs)
-
-    def end(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait()
-
-    def outputs(self) -> str:
-        return "\n".join(p.stdout.read() for p in self.procs if p.stdout is not None)
-
-
-def _run(address: str, out: Path, fault: str) -> tuple[list[Replica], Replica]:
-    replicas = [Replica(r, address, out, fault, ACCUM[fault]) for r in range(REPLICAS)]
-    deadline = time.monotonic() + 120
-    while not replicas[VICTIM].any_exited():  # torchrun's part: a rank of the replica ended
-        assert time.monotonic() < deadline, "the victim replica never failed"
-        time.sleep(0.1)
-    replicas[VICTIM].end()
-    restarted = Replica(VICTIM, address, out, "", ACCUM[fault])
-    for job in [*replicas[:VICTIM], restarted]:
-        for p in job.procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                job.end()
-                pytest.fail(f"a replica did not finish:\n{job.outputs()[-3000:]}")
-    return replicas, restarted
+def _run(out: Path, fault: str) -> str:
+    """The launch, checked to end well: status 0, nothing left behind; its output."""
+    tools = find_tools() if os.geteuid() == 0 else None
+    before = set(list_namespaces(tools)) if tools is not None else set()
+    flags = ["--elastic", "--nodes", str(REPLICAS), "--nproc-per-node", str(RANKS), "--max-restarts", "1",
+             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+             "--require-emulation" if tools is not None else "--no-emulation"]
+    env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_FAULT": fault, "ELASTIC_VICTIM": str(VICTIM),
+           "ELASTIC_FAULT_STEP": str(FAULT_STEP), "ELASTIC_ACCUM": str(ACCUM[fault])}
+    code, output, left = run_launch(flags, [str(PROGRAM)], env, RUN_TIMEOUT_S)
+    assert code == 0, output[-6000:]
+    assert left == [], f"processes left behind: {left}"
+    if tools is not None:
+        assert set(list_namespaces(tools)) <= before, output[-3000:]
+    return output
 
 
 def _records(out: Path) -> dict[tuple[int, int], list[list[dict]]]:
@@ -137,11 +92,14 @@ def _replay(steps: list[dict], accum: int) -> tuple[dict[str, torch.Tensor], dic
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(coordinator: str, tmp_path: Path, fault: str) -> None:
-    replicas, restarted = _run(coordinator, tmp_path, fault)
-    for name, job in [("replica 0", replicas[0]), ("replica 1", replicas[1]), ("restarted", restarted)]:
-        assert all(p.returncode == 0 for p in job.procs), (name, [p.returncode for p in job.procs],
-                                                            job.outputs()[-4000:])
+def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, fault: str) -> None:
+    output = _run(tmp_path, fault)
+    assert re.search(rf"\[coordinator\] .*replica {VICTIM} left", output), output[-6000:]
+    assert re.search(rf"\[coordinator\] .*replica {VICTIM} rejoined \(incarnation 2, healed from replica 0\)",
+                     output), output[-6000:]
+    assert "summary of elastic job 'default'" in output and "1 join(s), 1 departure(s)" in output, output[-3000:]
+    if fault == "stop":  # the stopped rank 0 hosts its replica's store: rank 1's watchdog ends the replica
+        assert "the job's store has not answered for" in output, output[-6000:]
     logs = _records(tmp_path)
     survivor = [r for r in logs[(0, 0)][0] if "step" in r]
     by_step = {r["step"]: r for r in survivor}

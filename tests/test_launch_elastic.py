@@ -9,12 +9,8 @@ With small processes (no torch): the supervisor lets the other nodes go on when 
 run when the coordinator dies; a service is ready on its line, or reported with its output.
 
 With torch: the coordinator command on a free port (its address line, a taken port refused, SIGTERM ends it
-with a summary and status 0); ONE real ``hsdp launch --elastic --nodes 3 --nproc-per-node 2 --no-emulation``
-of :data:`WORKER`, whose node 2 SIGKILLs its ranks at step 3 once: torchrun restarts that node, it rejoins
-(the coordinator says so, the worker says it started again at a later step), every node ends together and
-the launch exits 0 leaving no process behind. With root and iproute2, the same script on 2 emulated nodes
-of 1 rank (--min-replicas 1), node 1 killed at step 2: the coordinator in node 0's namespace is reached from
-the other's, node 1's torchrun restarts it inside its namespace and it rejoins, nothing is left.
+with a summary and status 0). Real ``hsdp launch --elastic`` runs, a node killed or stopped, restarted by its
+torchrun and rejoining, are ``tests/test_elastic.py``'s.
 """
 
 from __future__ import annotations
@@ -25,14 +21,13 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from launched import launch_env
 
 from hsdp.apps.cli import build_parser
 from hsdp.apps.cli import launch as launch_cli
@@ -51,57 +46,9 @@ from hsdp.tools.launch.elastic import (
 from hsdp.tools.launch.emulated import LaunchOptions
 from hsdp.tools.launch.layout import NodeLayout
 from hsdp.tools.launch.local import AgentSpec, Service, Supervisor, start_service, threads_per_rank
-from hsdp.tools.launch.netns import ClusterSpec, RunId, find_tools, list_namespaces
+from hsdp.tools.launch.netns import ClusterSpec, RunId
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_TIMEOUT_S = 240
-KILL_NODE, KILL_STEP = 2, 3
-TESTS_DIR = str(ROOT / "tests")
-
-# The job every node runs: ParityNet (tests/models.py) trained with AdamW; node KILL_NODE's ranks SIGKILL
-# themselves before step KILL_STEP in their first incarnation (torchrun's restart count 0). Every rank stops
-# after two committed steps of all NODES replicas past MIN_STEP (the same step on every replica: they agree on
-# the history), so a restarted replica must rejoin for the job to end.
-WORKER = textwrap.dedent(f"""\
-    import os, signal, sys
-    import torch
-    import hsdp
-    sys.path.insert(0, {TESTS_DIR!r})
-    from models import ParityNet, batch, loss_fn
-
-    NODES, MIN_STEP = int(os.environ["TEST_NODES"]), int(os.environ["TEST_MIN_STEP"])
-    KILL_NODE, KILL_STEP = int(os.environ.get("TEST_KILL_NODE", "-1")), int(os.environ.get("TEST_KILL_STEP", "-1"))
-    POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=1.5, hop_timeout=3.0,
-                                connect_timeout=30.0, join_timeout=120.0)
-    torch.set_num_threads(1)
-    replica, restart = int(os.environ["HSDP_REPLICA_ID"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8.0, interval=0.5))
-    torch.manual_seed(replica)
-    model = hsdp.ShardedModel(ParityNet(), mesh=mesh)
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    step = model.last_step.step + 1 if model.last_step is not None else 0
-    rank = mesh.shard_rank
-    if rank == 0:
-        print(f"worker: replica {{replica}} starts at step {{step}} (restart {{restart}})", flush=True)
-    together = 0
-    while step < 300:
-        if replica == KILL_NODE and step == KILL_STEP and restart == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(step, NODES * replica + rank)
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        last = model.last_step
-        together = together + 1 if last.committed and len(last.replicas) == NODES else 0
-        step = last.step + 1
-        if together >= 2 and last.step >= MIN_STEP:
-            break
-    model.check_replicas()
-    if rank == 0:
-        print(f"worker: replica {{replica}} done at step {{last.step}} with replicas {{list(last.replicas)}}",
-              flush=True)
-    sys.exit(0 if step < 300 else 3)
-""")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -115,8 +62,8 @@ def test_elastic_flags_parse_with_three_restarts_by_default(tmp_path: Path) -> N
     args = _launch_args("--elastic", "--nodes", "3", "--nproc-per-node", "2")
     assert launch_cli._elastic(args) == ElasticOptions(max_restarts=3, min_replicas=None)
     assert launch_cli.ELASTIC_RESTARTS == elastic.DEFAULT_RESTARTS
-    args = _launch_args("--elastic", "--max-restarts", "0", "--min-replicas", "1")
-    assert launch_cli._elastic(args) == ElasticOptions(max_restarts=0, min_replicas=1)
+    args = _launch_args("--elastic", "--max-restarts", "0", "--min-replicas", "1", "--heartbeat-timeout", "4.5")
+    assert launch_cli._elastic(args) == ElasticOptions(max_restarts=0, min_replicas=1, heartbeat_timeout=4.5)
     assert launch_cli._elastic(_launch_args("--nodes", "2")) is None
     script = tmp_path / "s.py"
     script.write_text("")
@@ -127,6 +74,8 @@ def test_elastic_flags_parse_with_three_restarts_by_default(tmp_path: Path) -> N
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-restarts", "2"], "only apply to an elastic job: add --elastic"),
     (["--min-replicas", "1"], "only apply to an elastic job"),
+    (["--heartbeat-timeout", "5"], "--heartbeat-timeout only apply to an elastic job"),
+    (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0.0: give a positive number of seconds"),
     (["--elastic", "--nproc-per-node", "2,1"], "every replica must have the same number of ranks"),
     (["--elastic", "--nodes", "3", "--min-replicas", "4"], "give a count in 1..3"),
     (["--elastic", "--nodes", "3", "--min-replicas", "0"], "give a count in 1..3"),
@@ -194,12 +143,12 @@ def test_in_namespaces_each_node_enters_its_own_and_the_coordinator_sits_on_node
         assert agent.command[4:7] == (sys.executable, "-m", "hsdp.tools.launch.agent")
         assert agent.env["GLOO_SOCKET_IFNAME"] == node.interface and agent.env["HSDP_REPLICA_ID"] == str(i)
         assert agent.env["HSDP_COORDINATOR"] == "10.213.7.1:555"
-    command = coordinator_command(places[0], 3, ElasticOptions(min_replicas=1, job="j"))
+    command = coordinator_command(places[0], 3, ElasticOptions(min_replicas=1, job="j", heartbeat_timeout=4.5))
     assert command[:4] == ["/sbin/ip", "netns", "exec", spec.node(0).namespace]
     assert command[4:7] == [sys.executable, "-m", "hsdp"]
     args = build_parser().parse_args(command[7:])
-    assert (args.command, args.host, args.port, args.replicas, args.min_replicas, args.job, args.start_grace) == (
-        "coordinator", "10.213.7.1", 0, 3, 1, "j", elastic.START_GRACE_S)
+    assert (args.command, args.host, args.port, args.replicas, args.min_replicas, args.job, args.start_grace,
+            args.heartbeat_timeout) == ("coordinator", "10.213.7.1", 0, 3, 1, "j", elastic.START_GRACE_S, 4.5)
     assert replica_command(2, 0, ["-m", "pkg"])[-2:] == ["-m", "pkg"]
 
 
@@ -365,21 +314,16 @@ def test_a_service_is_ready_on_its_line_and_its_failure_stops_the_nodes(tmp_path
 # ---------------------------------------------------------------------------------------------------------
 # Real processes.
 # ---------------------------------------------------------------------------------------------------------
-def _env(marker: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "TEST_MARKER": marker}
-
-
 def test_the_coordinator_prints_its_address_refuses_a_taken_port_and_ends_cleanly_on_sigterm() -> None:
     command = [sys.executable, "-m", "hsdp", "coordinator", "--port", "0", "--replicas", "2", "--host", "127.0.0.1"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=_env("c"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(command, cwd=ROOT, env=launch_env("c"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline() for _ in range(2)]  # what it serves, then the address alone on its line
         match = re.fullmatch(r"HSDP_COORDINATOR=127\.0\.0\.1:(\d+)\n", lines[1])
         assert match and "elastic job 'default', 2 replica(s)" in lines[0], lines
-        taken = subprocess.run([*command[:5], match.group(1), *command[6:]], cwd=ROOT, env=_env("c"),
+        taken = subprocess.run([*command[:5], match.group(1), *command[6:]], cwd=ROOT, env=launch_env("c"),
                                capture_output=True, text=True, timeout=60)
         assert taken.returncode == 1 and "cannot serve on 127.0.0.1" in taken.stderr, taken.stderr
         proc.send_signal(signal.SIGTERM)
@@ -388,73 +332,3 @@ def test_the_coordinator_prints_its_address_refuses_a_taken_port_and_ends_cleanl
         proc.kill()
     assert proc.returncode == 0, rest
     assert "summary of elastic job 'default'" in rest and "never started" in rest, rest
-
-
-def _alive_with(marker: str) -> list[int]:
-    """Processes whose environment carries ``TEST_MARKER=marker`` (the launcher's children, all of them)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if f"TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
-def _launch(tmp_path: Path, flags: list[str], worker_env: dict[str, str]) -> tuple[int, str, list[int]]:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    marker = uuid.uuid4().hex
-    env = {**_env(marker), **worker_env}
-    proc = subprocess.Popen([sys.executable, "-m", "hsdp", "launch", "--elastic", *flags, "--", str(script)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"hsdp launch --elastic did not finish in {RUN_TIMEOUT_S} s:\n{output[-6000:]}")
-    deadline = time.monotonic() + 10  # a killed process's /proc entry may linger a moment
-    while _alive_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return proc.returncode, output, _alive_with(marker)
-
-
-def test_a_killed_node_is_restarted_by_its_torchrun_and_rejoins(tmp_path: Path) -> None:
-    code, output, left = _launch(tmp_path, ["--nodes", "3", "--nproc-per-node", "2", "--no-emulation"],
-                                 {"TEST_NODES": "3", "TEST_MIN_STEP": str(KILL_STEP + 2),
-                                  "TEST_KILL_NODE": str(KILL_NODE), "TEST_KILL_STEP": str(KILL_STEP)})
-    assert code == 0, output[-6000:]
-    assert left == [], f"processes left behind: {left}"
-    assert re.search(r"\[coordinator\] HSDP_COORDINATOR=127\.0\.0\.1:\d+", output), output[-6000:]
-    assert re.search(r"\[coordinator\] \S+ step 0, epoch 0: started with replicas \[0, 1, 2\]", output), output
-    assert re.search(rf"\[coordinator\] .*replica {KILL_NODE} left \(no heartbeat for 3 s\)", output), output[-6000:]
-    assert re.search(rf"\[coordinator\] .*replica {KILL_NODE} rejoined \(incarnation 2, healed from replica 0\)",
-                     output), output[-6000:]
-    starts = re.findall(rf"\[node {KILL_NODE}\] .*worker: replica {KILL_NODE} starts at step (\d+) \(restart (\d)\)",
-                        output)
-    assert len(starts) == 2 and starts[0] == ("0", "0"), output[-6000:]
-    assert int(starts[1][0]) > KILL_STEP and starts[1][1] == "1", starts  # torchrun's first restart, healed
-    done = re.findall(r"\[node (\d)\] .*worker: replica \1 done at step (\d+) with replicas \[0, 1, 2\]", output)
-    assert sorted(n for n, _ in done) == ["0", "1", "2"] and len({s for _, s in done}) == 1, output[-6000:]
-    assert "summary of elastic job 'default'" in output and "1 join(s), 1 departure(s)" in output, output[-3000:]
-
-
-def test_emulated_nodes_reach_the_coordinator_on_node_0_restart_in_their_namespace_and_leave_nothing(
-        tmp_path: Path) -> None:
-    if os.geteuid() != 0 or find_tools() is None:
-        pytest.skip("network emulation needs root and iproute2 (`ip`, `tc`)")
-    before = set(list_namespaces(find_tools()))
-    flags = ["--nodes", "2", "--nproc-per-node", "1", "--require-emulation", "--min-replicas", "1"]
-    code, output, left = _launch(tmp_path, flags, {"TEST_NODES": "2", "TEST_MIN_STEP": "4", "TEST_KILL_NODE": "1",
-                                                   "TEST_KILL_STEP": "2"})
-    assert code == 0, output[-6000:]
-    assert left == [] and set(list_namespaces(find_tools())) <= before, output[-3000:]
-    assert re.search(r"\[coordinator\] HSDP_COORDINATOR=10\.213\.\d+\.1:\d+", output), output[-6000:]
-    assert re.search(r"\[coordinator\] .*replica 1 rejoined \(incarnation 2", output), output[-6000:]
-    assert re.search(r"\[node 1\] .*worker: replica 1 starts at step [2-9]\d* \(restart 1\)", output), output[-6000:]
-    assert len(re.findall(r"worker: replica \d done at step \d+ with replicas \[0, 1\]", output)) == 2, output
-    assert "Inter-node traffic" in output, output[-3000:]

@@ -1,15 +1,16 @@
-"""One rank of one replica of an elastic hsdp job (tests/test_elastic.py starts them, one job per replica).
+"""One rank of one replica of an elastic hsdp job (tests/test_elastic.py runs it under ``hsdp launch --elastic``).
 
-Environment: the replica's own RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, HSDP_COORDINATOR, HSDP_REPLICA_ID,
-HSDP_ELASTIC_JOB; ``ELASTIC_OUT`` (a folder), ``ELASTIC_FAULT`` (``kill`` or ``stop`` with ``ELASTIC_VICTIM`` and
-``ELASTIC_FAULT_STEP``: that replica's ranks SIGKILL, or its rank 0 SIGSTOPs, itself in the backward of that
-step; a restarted replica runs without the fault).
+Environment: what torchrun and ``hsdp launch --elastic`` give a rank (RANK, WORLD_SIZE, ..., HSDP_COORDINATOR,
+HSDP_REPLICA_ID, HSDP_ELASTIC_JOB, TORCHELASTIC_RESTART_COUNT); ``ELASTIC_OUT`` (a folder), ``ELASTIC_FAULT``
+(``kill`` or ``stop`` with ``ELASTIC_VICTIM`` and ``ELASTIC_FAULT_STEP``: in its first incarnation, that
+replica's ranks SIGKILL, or its rank 0 SIGSTOPs, itself in the backward of that step; restarted, it runs
+without the fault).
 
 Every replica trains the same tiny model with AdamW; at step k, replica r's rank s reads batch ``(k, r, s)``
 (``ELASTIC_ACCUM`` micro-batches of it, the inter-node hop deferred to the last).
 Each rank appends what ``model.last_step`` says after every optimizer step, with the loss of the step, to
 ``<out>/r<replica>_s<rank>_i<incarnation>.jsonl``; the run stops after two consecutive committed steps of every
-replica at step >= 5, then checks replicas and saves the full parameters.
+replica past the fault step, then checks replicas and saves the full parameters.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import ParityNet, batch, loss_fn
 
 REPLICAS = 3
+MAX_STEPS = 2000  # a safety bound: the run ends once the restarted replica trained with the others
+PACE_S = 0.05  # a pause per step: survivors waiting for the restart leave the CPUs to it (2 cores in CI)
 ACCUM = int(os.environ.get("ELASTIC_ACCUM", "1"))  # micro-batches per step
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
@@ -36,7 +39,8 @@ POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_t
 def main() -> None:
     torch.set_num_threads(1)
     out, replica = os.environ["ELASTIC_OUT"], int(os.environ["HSDP_REPLICA_ID"])
-    fault = os.environ.get("ELASTIC_FAULT", "")
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    fault = os.environ.get("ELASTIC_FAULT", "") if first else ""
     victim, fault_step = int(os.environ.get("ELASTIC_VICTIM", "-1")), int(os.environ.get("ELASTIC_FAULT_STEP", "-1"))
     # The watchdog's bound (a stopped rank of the own replica ends it) above the hop timeout.
     mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8.0, interval=0.5))
@@ -65,7 +69,7 @@ def main() -> None:
 
     model.blocks[1].register_full_backward_pre_hook(die)
     together = 0
-    while step < 400:
+    while step < MAX_STEPS:
         losses = []
         for micro in range(ACCUM):  # accumulation: the hop only on the last micro-batch
             x, y = batch(1000 * micro + step, REPLICAS * replica + rank)
@@ -75,13 +79,14 @@ def main() -> None:
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+        time.sleep(PACE_S)
         last = model.last_step
         log.write(json.dumps({"step": last.step, "committed": last.committed, "replicas": list(last.replicas),
                               "losses": losses, "t": time.time()}) + "\n")
         log.flush()
         together = together + 1 if last.committed and len(last.replicas) == REPLICAS else 0
         step = last.step + 1
-        if together >= 2 and last.step >= 5:
+        if together >= 2 and last.step > fault_step:
             break
     model.check_replicas()
     torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},

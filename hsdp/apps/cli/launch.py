@@ -73,6 +73,9 @@ def add_launch(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         f"{ELASTIC_RESTARTS})")
     p.add_argument("--min-replicas", type=int, default=None, metavar="M",
                    help="with --elastic: live nodes needed to go on (default: a majority)")
+    p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                   help="with --elastic: seconds of heartbeat silence after which the coordinator drops a node "
+                        "(default: hsdp coordinator's; raise it on a machine too busy to beat in time)")
     p.add_argument("--cleanup", action="store_true",
                    help="remove namespaces, links and processes left by runs whose launcher died, then exit")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
@@ -112,14 +115,15 @@ def _elastic(args: argparse.Namespace) -> ElasticOptions | None:
     from hsdp.tools.launch.elastic import ElasticOptions
 
     if not args.elastic:
-        given = [flag for flag, value in (("--max-restarts", args.max_restarts), ("--min-replicas", args.min_replicas))
-                 if value is not None]
+        given = [flag for flag, value in (("--max-restarts", args.max_restarts), ("--min-replicas", args.min_replicas),
+                                          ("--heartbeat-timeout", args.heartbeat_timeout)) if value is not None]
         if given:
             raise ValueError(f"{' and '.join(given)} only apply to an elastic job: add --elastic (without it one "
                              f"rank's failure ends the whole job, and no node is restarted)")
         return None
     restarts = ELASTIC_RESTARTS if args.max_restarts is None else args.max_restarts
-    return ElasticOptions(max_restarts=restarts, min_replicas=args.min_replicas)
+    return ElasticOptions(max_restarts=restarts, min_replicas=args.min_replicas,
+                          heartbeat_timeout=args.heartbeat_timeout)
 
 
 def add_demo(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@ position's group directly on torch's process-group classes, over the coordinator
 ``hsdp/<job>/pg/<epoch>/<shard rank>/``: its group rank is the replica's index in the quorum, its size the
 member count. A new epoch (a member left or joined) builds a new group under a new prefix, never touching the
 replica's own (intra-node) groups; the old one is aborted, so a collective a dead peer left hanging ends
-instead of waiting for its timeout.
+instead of waiting for its timeout, and kept a while (``ElasticLayer._retire``: destroying a gloo group waits
+for its collectives, which a stopped peer holds until the timeout).
 
 Gloo groups time out after ``hop_timeout`` (a stopped peer's collective fails then; a killed peer's closed
 sockets fail at once); NCCL groups get the same timeout.

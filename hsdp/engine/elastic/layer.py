@@ -65,6 +65,7 @@ class ElasticLayer:
         self._wanted = -1
         self._failure = ""  # why this step's inter-node reduction failed on this rank ("" = it did not)
         self._unhealed: Quorum | None = None  # a quorum with joiners read before any heal was registered
+        self._retired: list[tuple[float, dist.ProcessGroup]] = []  # replaced groups, kept until safe to destroy
         self._lock = threading.RLock()
         # At exit, before the interpreter tears threads down: stop the heartbeat, shut the group down (a gloo
         # group destroyed with its threads still running ends the process with std::terminate).
@@ -136,7 +137,7 @@ class ElasticLayer:
             assert self.step is not None
             quorum = self.client.quorum(self.step)
             if quorum.epoch != self._epoch:
-                abort_group(self._group)
+                self._retire(self._group)
                 self._group = build_group(self.client.store, self.client.job, quorum.epoch, self.shard_rank,
                                           quorum.index(self.replica_id), len(quorum.members), self.device_type,
                                           self.policy.hop_timeout)
@@ -162,6 +163,18 @@ class ElasticLayer:
             for heal in self.heals:
                 heal(quorum)
 
+    def _retire(self, group: dist.ProcessGroup | None) -> None:
+        """Abort a replaced group and keep it for ``hop_timeout``: destroying a gloo group joins its threads, and a
+        thread in a collective with a stopped (not dead) peer returns only at that timeout, so dropping the group
+        at once would block this step for it. Groups retired longer ago are dropped now (their collectives
+        have ended)."""
+        if group is None:
+            return
+        abort_group(group)
+        now = time.monotonic()
+        bound = self.policy.hop_timeout + 5.0
+        self._retired = [(t, g) for t, g in self._retired if now - t < bound] + [(now, group)]
+
     def _watch(self, epoch: int, group: dist.ProcessGroup) -> None:
         """NCCL: a host wait does not block (the stream does), so a stuck collective cannot be given up by the
         waiting thread as on gloo (``handles.py``); a thread aborts the epoch's communicator on the
@@ -182,6 +195,10 @@ class ElasticLayer:
         if group is not None:
             with contextlib.suppress(RuntimeError):
                 group.shutdown()
+        # Retired groups are dropped here, on this thread: one whose collective still waits out a stopped peer
+        # holds the exit up to hop_timeout, but a daemon thread inside a group's destructor when the interpreter
+        # finalizes would abort the process.
+        self._retired.clear()
 
     def fail(self, why: str) -> None:
         """This rank's inter-node reduction of the current step failed (a member died mid-step): the step will

@@ -13,6 +13,10 @@ and the errors name addresses, never ranks. The watchdog closes both gaps with t
 So a failure anywhere ends every rank within about ``timeout + interval`` seconds, with O(1) store traffic
 per rank. A rank that finishes normally marks ``hsdp/done/<rank>`` and is no longer watched.
 
+The store work runs on a thread of its own: a store call whose host is stopped rather than dead (rank 0
+under SIGSTOP or hung: its sockets stay open, nothing answers) never returns, so the watchdog thread times
+each beat's store work and ends the rank when the store has not answered for about ``timeout``.
+
 Hangs without a death (``detect_hangs``): every rank also publishes its collective ledger once per beat
 (``hsdp/prog/<rank>``, see ``ledger.py``). A rank whose oldest unfinished collective has waited longer than
 ``timeout`` reads every rank's ledger, asks the late ranks for their Python stack (``hsdp/stackreq/<rank>``,
@@ -86,6 +90,8 @@ class Watchdog:
         self.policy = policy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hsdp-watchdog", daemon=True)
+        self._store_thread = threading.Thread(target=self._beat_store, name="hsdp-watchdog-store", daemon=True)
+        self._in_store_since: float | None = None  # when the store thread's current beat began (None: between)
         self._checks: list[Callable[[], str | None]] = []
         self.ledger = CollectiveLedger()  # filled by every Comm on a mesh carrying this watchdog
         self._published: tuple | None = None
@@ -119,8 +125,9 @@ class Watchdog:
         # Wait for the thread to leave any store call: a daemon thread still inside C++ when the interpreter
         # finalizes is ended by pthread_exit, which aborts the process ("terminate called without an active
         # exception") after all the work is done. Bounded: a store whose host is gone must not stall exit.
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.policy.interval)
+        for thread in (self._thread, self._store_thread):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=2 * self.policy.interval)
         with contextlib.suppress(Exception):  # the store's host may be gone already at shutdown
             self.store.add(f"hsdp/done/{self.rank}", 1)
 
@@ -179,27 +186,33 @@ class Watchdog:
 
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        """The local checks and the store's answers, every beat; the store work on a thread of its own, since a
+        store call whose host is stopped (not dead: its sockets stay open) never returns."""
+        self._store_thread.start()
+        while not self._stop.wait(self.policy.interval):
+            self._run_checks()  # without the store: they matter most when its host is gone
+            self._check_store_answers()
+
+    def _check_store_answers(self) -> None:
+        since = self._in_store_since
+        waited = time.monotonic() - since if since is not None else 0.0
+        # Above the longest store work of a beat: a hang diagnosis reads every rank and waits for stacks.
+        if waited > self.policy.timeout + 6 * self.policy.interval:
+            self._exit(f"the job's store has not answered for {waited:.0f} s: the process hosting it (rank 0, or "
+                       f"the launcher's agent) is stopped or hung, so no rank can go on")
+
+    def _beat_store(self) -> None:
         peer = (self.rank + 1) % self.world_size
         last_value, last_change = -1, time.monotonic()
-        store_alive = True
         while not self._stop.wait(self.policy.interval):
-            self._run_checks()  # first, and without the store: they matter most when its host is gone
-            if not store_alive:
-                continue
+            self._in_store_since = time.monotonic()
             try:
-                self.store.add(f"hsdp/hb/{self.rank}", 1)
-                if self.store.check([FAILED_KEY]):
-                    self._exit(self.store.get(FAILED_KEY).decode())
-                if self.policy.detect_hangs:
-                    self._publish()
-                    self._answer_stack_request()
-                    self._check_hang()
-                    self._check_foreign()
-                if peer == self.rank or self.store.add(f"hsdp/done/{peer}", 0):
-                    continue
-                value = self.store.add(f"hsdp/hb/{peer}", 0)
+                value = self._store_beat(peer)
             except Exception:
-                store_alive = False  # its host exited: collectives report the failure; checks go on
+                return  # its host exited: collectives report the failure; the local checks go on
+            finally:
+                self._in_store_since = None
+            if value is None:
                 continue
             now = time.monotonic()
             if value != last_value:
@@ -208,6 +221,21 @@ class Watchdog:
                 message = f"rank {peer} stopped responding (no heartbeat for {now - last_change:.0f} s)"
                 self.publish_failure(message)
                 self._exit(message)
+
+    def _store_beat(self, peer: int) -> int | None:
+        """One beat's store work: this rank's heartbeat, the job's failure, hang detection; the watched peer's
+        heartbeat counter (``None`` when there is no peer to watch)."""
+        self.store.add(f"hsdp/hb/{self.rank}", 1)
+        if self.store.check([FAILED_KEY]):
+            self._exit(self.store.get(FAILED_KEY).decode())
+        if self.policy.detect_hangs:
+            self._publish()
+            self._answer_stack_request()
+            self._check_hang()
+            self._check_foreign()
+        if peer == self.rank or self.store.add(f"hsdp/done/{peer}", 0):
+            return None
+        return self.store.add(f"hsdp/hb/{peer}", 0)
 
     # -- hang detection --------------------------------------------------------------------------------
     def _publish(self) -> None:

@@ -52,17 +52,21 @@ COORDINATOR_READY_S = 120.0  # its start is an interpreter and torch: seconds, m
 class ElasticOptions:
     """The elastic part of one launch: each node's torchrun restarts it up to ``max_restarts`` times; the job
     goes on while at least ``min_replicas`` nodes live (default: a majority); ``job`` names it on the
-    coordinator. ``ValueError`` naming the fix for a negative restart count or a bad job name."""
+    coordinator; ``heartbeat_timeout`` is the coordinator's (``None``: its default). ``ValueError`` naming the
+    fix for a negative restart count, a bad job name or a timeout that is not positive."""
 
     max_restarts: int = DEFAULT_RESTARTS
     min_replicas: int | None = None
     job: str = DEFAULT_JOB
+    heartbeat_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"--max-restarts {self.max_restarts!r}: give a whole number, at least 0")
         if not self.job or "/" in self.job:
             raise ValueError(f"elastic job name {self.job!r}: give a non-empty name without '/'")
+        if self.heartbeat_timeout is not None and not self.heartbeat_timeout > 0:
+            raise ValueError(f"--heartbeat-timeout {self.heartbeat_timeout}: give a positive number of seconds")
 
     def check(self, layout: NodeLayout) -> None:
         """``ValueError`` naming the fix when ``layout`` cannot be an elastic job: its nodes differ in rank count
@@ -115,8 +119,10 @@ def coordinator_command(place: NodePlace, replicas: int, options: ElasticOptions
     the first step waits up to :data:`START_GRACE_S` for every node (they all start now, but not equally fast
     on a busy machine: one that misses the start joins later and is healed, a step's cost)."""
     minimum = [] if options.min_replicas is None else ["--min-replicas", str(options.min_replicas)]
+    timeout = [] if options.heartbeat_timeout is None else ["--heartbeat-timeout", f"{options.heartbeat_timeout:g}"]
     return [*place.prefix, sys.executable, "-m", "hsdp", "coordinator", "--host", place.address, "--port", "0",
-            "--replicas", str(replicas), *minimum, "--job", options.job, "--start-grace", f"{START_GRACE_S:g}"]
+            "--replicas", str(replicas), *minimum, *timeout, "--job", options.job, "--start-grace",
+            f"{START_GRACE_S:g}"]
 
 
 def coordinator_spec(place: NodePlace, replicas: int, options: ElasticOptions,
