@@ -156,33 +156,18 @@ def policy(par: ParallelConfig) -> DiLoCo:
                   wire_dtype=wire, fragments=par.diloco_fragments, delay=par.diloco_delay, mix=par.diloco_mix)
 
 
-def _phase(trainer: Trainer) -> int:
-    """The optimizer's phase after the step: inner steps since the last sync, mod H. Read from the engine's outer
-    state (no public accessor yet) rather than derived from the step number: a resume from a checkpoint without
-    DiLoCo, or of another replica count, restarts it at 0 (``hsdp/checkpoint/diloco.py``)."""
-    return trainer.optimizer._hsdp_outer.inner_steps
-
-
-def step_fields(trainer: Trainer, step: int) -> dict[str, Any]:
-    """What a step's record adds under DiLoCo (``{}`` otherwise): ``synced``, whether an outer update landed
-    after the step (with one fragment and no delay: every H-th step); with fragments or a delay also
-    ``sync_started`` and ``sync_landed``, the fragments whose all-reduce started and whose update landed. Fragment
-    p starts after each step that brings the phase to ``DiLoCo.offset(p)`` and lands ``delay`` steps later. A
-    checkpoint keeps the syncs in flight, so a resumed session lands those started before it; a resume that
-    restarted the phase (a checkpoint without DiLoCo, or of another replica count: its phase is then no longer the
-    step's, mod H) has none in flight. (Left: such a restart at a step that is a multiple of H is taken for a
-    continuation, and its first ``delay`` records may name a landing that did not happen.)"""
+def step_fields(trainer: Trainer) -> dict[str, Any]:
+    """What a step's record adds under DiLoCo (``{}`` otherwise), from the optimizer's ``last_sync``: ``synced``,
+    whether an outer update landed after the step (with one fragment and no delay: every H-th step); with
+    fragments or a delay also ``sync_started`` and ``sync_landed``, the fragments whose all-reduce started and
+    whose update landed (a checkpoint keeps the syncs in flight, so a resumed run lands those started before it)."""
     par = trainer.cfg.parallel
-    if not is_diloco(par):
+    record = trainer.optimizer.last_sync if is_diloco(par) else None
+    if record is None:
         return {}
-    sync, phase = policy(par), _phase(trainer)
-    first = 0 if phase == step % sync.every else trainer.start_step  # the last step before the first start
-    started = [p for p in range(sync.fragments) if sync.offset(p) == phase]
-    landed = [p for p in range(sync.fragments) if sync.offset(p) == (phase - sync.delay) % sync.every
-              and step - sync.delay > first]
-    if sync.fragments == 1 and sync.delay == 0:
-        return {"synced": bool(landed)}
-    return {"synced": bool(landed), "sync_started": started, "sync_landed": landed}
+    if par.diloco_fragments == 1 and par.diloco_delay == 0:
+        return {"synced": bool(record.landed)}
+    return {"synced": bool(record.landed), "sync_started": list(record.started), "sync_landed": list(record.landed)}
 
 
 def summary_fields(cfg: RunConfig, records: list[dict[str, Any]], n_params: int,

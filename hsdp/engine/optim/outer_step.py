@@ -55,6 +55,15 @@ def _numel(unit: ShardUnit) -> int:
     return sum(math.prod(p.layout.dtensor_shape) for p in unit.params)
 
 
+@dataclass(frozen=True)
+class SyncStep:
+    """What DiLoCo did after one inner step: the fragments whose all-reduce started and those whose outer update
+    landed (both empty on most steps; with one fragment and no delay, every H-th step has ``(0,)`` in each)."""
+
+    started: tuple[int, ...] = ()
+    landed: tuple[int, ...] = ()
+
+
 @dataclass
 class PendingSync:
     """One fragment's pseudo-gradient all-reduce in flight: it lands once ``left`` inner steps have passed."""
@@ -90,6 +99,7 @@ class OuterState:
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
+        self.last: SyncStep | None = None  # what the last inner step did (None before the first)
 
     def fragment_units(self, fragment: int) -> list[ShardUnit]:
         return [self.units[i] for i in self.fragments[fragment]]
@@ -101,10 +111,11 @@ class OuterState:
         for sync in self.pending:
             sync.left -= 1
         landed = self._land_due()
-        for fragment in range(self.policy.fragments):
-            if self.policy.offset(fragment) == self.inner_steps:
-                self.pending.append(self._start(fragment))
-        return self._land_due() or landed
+        started = [f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps]
+        self.pending.extend(self._start(fragment) for fragment in started)
+        landed += self._land_due()
+        self.last = SyncStep(tuple(started), tuple(landed))
+        return bool(landed)
 
     def settle(self) -> None:
         """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint)."""
@@ -124,12 +135,13 @@ class OuterState:
             sent.append(buffer)
         return PendingSync(fragment, self.policy.delay, handles, sent)
 
-    def _land_due(self) -> bool:
+    def _land_due(self) -> list[int]:
+        """Land the syncs due, in the order started; their fragments."""
         due = [s for s in self.pending if s.left <= 0]
         self.pending = [s for s in self.pending if s.left > 0]
         for sync in due:
             self._land(sync)
-        return bool(due)
+        return [s.fragment for s in due]
 
     @torch.no_grad()
     def _land(self, sync: PendingSync) -> None:

@@ -20,7 +20,7 @@ from hsdp.engine.optim.elastic_heal import attach_heal, elastic_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.optim.outer_checkpoint import restart
-from hsdp.engine.optim.outer_step import OuterState
+from hsdp.engine.optim.outer_step import OuterState, SyncStep
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
 from hsdp.engine.runtime.origin import check_origin, stamp
@@ -56,7 +56,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     torch's ``get_state_dict(model, optimizer)`` / ``set_state_dict`` (the FSDP2 recipe) give and take the same
     (see ``dcp_state_dict.py``; they leave out the int8 hop's residuals, with a warning). Under DiLoCo
     (``replica_sync=``) both refuse with a ``ValueError``: the replicas' states differ and a DCP save of them
-    would keep one; ``hsdp.save_checkpoint`` keeps them all (``hsdp/checkpoint/diloco.py``).
+    would keep one; ``hsdp.save_checkpoint`` keeps them all (``hsdp/checkpoint/diloco.py``). After each step,
+    ``last_sync`` says which DiLoCo fragments' syncs started and landed (``None`` without DiLoCo).
     """
 
     _hsdp_model: ShardedModel
@@ -89,6 +90,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sync = model._hsdp_state.replica_sync
         object.__setattr__(optimizer, "_hsdp_outer", None if sync is None else OuterState(model, sync))
         return optimizer  # type: ignore[return-value]
+
+    @property
+    def last_sync(self) -> SyncStep | None:
+        """Under DiLoCo, what the last ``step()`` did across replicas (``SyncStep``: the fragments whose
+        pseudo-gradient all-reduce started, and those whose outer update landed); ``None`` without DiLoCo or
+        before the first step."""
+        return None if self._hsdp_outer is None else self._hsdp_outer.last
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass  # built in __new__ from an existing optimizer
