@@ -216,7 +216,8 @@ def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_ag
 
 
 def test_below_the_minimum_every_rank_stops_and_the_survivor_checkpoints_its_last_step(tmp_path: Path) -> None:
-    args = [*_args(tmp_path, steps=50, checkpoint_every=0), "train.eval_every=0"]
+    # With the bf16 hop: the hop variants run on the elastic replicate groups as on a grid.
+    args = [*_args(tmp_path, steps=50, checkpoint_every=0), "train.eval_every=0", "parallel.replica_hop=bf16"]
     deadline = time.monotonic() + 100
     with _coordinator(replicas=2, min_replicas=2) as (coord, address, probe):
         coord.quorum_gate = 3  # train step 4: both wait for its quorum
@@ -237,6 +238,7 @@ def test_below_the_minimum_every_rank_stops_and_the_survivor_checkpoints_its_las
     _loads(run / "checkpoints")
     summary = json.loads((run / "summary.json").read_text())
     assert "below the minimum" in summary["elastic"]["quorum_lost"] and summary["elastic"]["committed"] == 3
+    assert all(r["replicate_bytes"] > 0 for r in read_metrics(str(run)))  # the bf16 hop crossed the groups
 
 
 def test_elastic_refusals_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
