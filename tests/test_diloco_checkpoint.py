@@ -96,6 +96,10 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
                     "weights": {n: t.to_local().clone() for n, t in global_weights(opt._hsdp_outer).items()}}
     out["saved_full"] = _outer(opt, full=True)
     out["refusals"] = _refusals(model, opt, run)
+    fresh_model, fresh = _build(_diloco(), seed=0)  # torch's helpers first step a fresh optimizer at lr 0
+    out["fresh"] = {"refusal": _refusals(fresh_model, fresh, run)["get_state_dict"],
+                    "phase": fresh._hsdp_outer.inner_steps, "last_sync": fresh.last_sync, "steps": fresh._hsdp_steps}
+    del fresh_model, fresh
     out["losses"] += _train(model, opt, rank, range(SAVE, END))
     out["end"] = {"local": _local(model), "outer": _outer(opt)}
 
@@ -199,3 +203,7 @@ def test_state_dicts_that_would_keep_one_replica_are_refused(results: list[dict]
             assert "would keep one replica's inner optimizer state" in r["refusals"][name], name
             assert "hsdp.save_checkpoint" in r["refusals"][name]
         assert "needs its ShardedOptimizer" in r["refusals"]["model_only"]
+        # torch's zero-lr step creating a fresh optimizer's state is no inner step: the phase did not move.
+        fresh = r["fresh"]
+        assert "would keep one replica's inner optimizer state" in fresh["refusal"]
+        assert (fresh["phase"], fresh["last_sync"], fresh["steps"]) == (0, None, 0), fresh

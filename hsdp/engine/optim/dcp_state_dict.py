@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import state_dict as dsd
+from torch.distributed.tensor import DTensor
 
 # torch >= 2.3; without it (a later torch that dropped the protocol) the helpers see the name-keyed layout.
 _REGISTRY: set[Callable[..., Any]] | None = getattr(dsd, "_patched_state_dict", None)
@@ -53,6 +54,19 @@ def install_named_state_dict(optimizer: torch.optim.Optimizer, named: Callable[[
         return
     _REGISTRY.add(state_dict)
     weakref.finalize(optimizer, _REGISTRY.discard, state_dict)
+
+
+def is_state_warmup(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this ``step()`` is torch's ``_init_optim_state``: before any state exists, ``get_state_dict`` and
+    friends step once with every learning rate 0 on all-zero gradients, only to create the state. That is no
+    training step: it must not vote in an elastic step, count toward DiLoCo's phase or check replicas. (A real
+    first step with lr 0 has gradients that are not all zero; one that has is a no-op either way.) Reads local
+    shards only: no collective."""
+    if optimizer.state or any(float(g.get("lr", 1.0)) != 0.0 for g in optimizer.param_groups):
+        return False
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
+    return len(local) == len(grads) and not any(bool(t.any()) for t in local)
 
 
 def warn_dropped_hop_state(has_hop_state: bool) -> None:

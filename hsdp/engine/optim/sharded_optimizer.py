@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from hsdp.engine.class_swap import original_class, swap_class
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.adafactor import adafactor_step, state_is_replicated
-from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, warn_dropped_hop_state
+from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, is_state_warmup, warn_dropped_hop_state
 from hsdp.engine.optim.elastic_heal import attach_heal, elastic_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
@@ -105,8 +105,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
         self._hsdp_model._hsdp_state.step_read.before_step()  # as torch's step pre-hook, which these may skip
+        if is_state_warmup(self):  # torch's state dict helpers creating the state: not a training step
+            return self._inner_step(closure)
         if self._hsdp_model.mesh.elastic is not None and not elastic_step(self._hsdp_model):
             return None  # discarded on every member (elastic_heal.py): nothing is applied anywhere
+        result = self._inner_step(closure)
+        self._hsdp_steps += 1
+        if self._hsdp_outer is not None:
+            self._hsdp_outer.after_inner_step()  # DiLoCo: every H-th step syncs the replicas' weights
+        if self._hsdp_check_every and self._hsdp_steps % self._hsdp_check_every == 0:
+            self._hsdp_model.check_replicas()
+        return result
+
+    def _inner_step(self, closure: Any) -> Any:
+        """The wrapped optimizer's step on this rank's shards."""
         if self._hsdp_sharded_step is not None:  # Adafactor, Muon: see adafactor.py, muon.py
             result = _evaluate(closure)
             self._hsdp_sharded_step(self, self._hsdp_model)
@@ -123,11 +135,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             result = self._verified_step()
         else:
             result = super().step(closure)
-        self._hsdp_steps += 1
-        if self._hsdp_outer is not None:
-            self._hsdp_outer.after_inner_step()  # DiLoCo: every H-th step syncs the replicas' weights
-        if self._hsdp_check_every and self._hsdp_steps % self._hsdp_check_every == 0:
-            self._hsdp_model.check_replicas()
         return result
 
     def _step_slices_unit_by_unit(self) -> None:
