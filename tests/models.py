@@ -57,3 +57,16 @@ def global_batch(step: int, world: int, per_rank: int = 4) -> tuple[torch.Tensor
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> list[float]:
+    """Train ``model`` on this rank's :func:`batch` of each step in ``steps``; the losses."""
+    losses = []
+    for step in steps:
+        x, y = batch(step, rank)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_distributed
-from models import ParityNet, batch, loss_fn
+from models import ParityNet, train_steps
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import hsdp
@@ -38,18 +38,6 @@ def _build(sync: hsdp.DiLoCo | None, seed: int, sharding: int = 2) -> tuple[hsdp
     torch.manual_seed(seed)
     model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(sharding), replica_sync=sync)
     return model, hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-
-def _train(model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer, rank: int, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = batch(step, rank)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _local(model: hsdp.ShardedModel) -> dict[str, torch.Tensor]:
@@ -90,7 +78,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     out: dict[str, Any] = {}
     model, opt = _build(_diloco(), seed=0)
     out["replica"], out["shard"] = model.mesh.replicate_rank, model.mesh.shard_rank
-    out["losses"] = _train(model, opt, rank, range(SAVE))
+    out["losses"] = train_steps(model, opt, rank, range(SAVE))
     hsdp.save_checkpoint(run, model, opt, extra={"step": SAVE}, step=SAVE)
     out["saved"] = {"local": _local(model), "outer": _outer(opt), "inner": _inner(opt),
                     "weights": {n: t.to_local().clone() for n, t in global_weights(opt._hsdp_outer).items()}}
@@ -100,13 +88,13 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     out["fresh"] = {"refusal": _refusals(fresh_model, fresh, run)["get_state_dict"],
                     "phase": fresh._hsdp_outer.inner_steps, "last_sync": fresh.last_sync, "steps": fresh._hsdp_steps}
     del fresh_model, fresh
-    out["losses"] += _train(model, opt, rank, range(SAVE, END))
+    out["losses"] += train_steps(model, opt, rank, range(SAVE, END))
     out["end"] = {"local": _local(model), "outer": _outer(opt)}
 
     model, opt = _build(_diloco(), seed=1)
     extra = hsdp.load_checkpoint(run, model, opt)
     out["resumed_at_save"] = {"extra": extra, "local": _local(model), "outer": _outer(opt), "inner": _inner(opt)}
-    out["resumed_losses"] = _train(model, opt, rank, range(SAVE, END))
+    out["resumed_losses"] = train_steps(model, opt, rank, range(SAVE, END))
     out["resumed_end"] = {"local": _local(model), "outer": _outer(opt)}
 
     model, opt = _build(None, seed=2)  # no DiLoCo: the global copy's weights, replica 0's inner state
@@ -114,10 +102,10 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     out["plain_from_diloco"] = {"local": _local(model), "inner": _inner(opt)}
 
     plain, plain_opt = _build(None, seed=3)
-    _train(plain, plain_opt, rank, range(3))
+    train_steps(plain, plain_opt, rank, range(3))
     hsdp.save_checkpoint(plain_run, plain, plain_opt, step=3)
     model, opt = _build(_diloco(), seed=4)
-    _train(model, opt, rank, range(H + 1))  # a sync (outer momentum) and phase 1 to be replaced
+    train_steps(model, opt, rank, range(H + 1))  # a sync (outer momentum) and phase 1 to be replaced
     out["stepped_before_plain_load"] = _outer(opt)["phase"], len(opt._hsdp_outer.outer.state)
     hsdp.load_checkpoint(plain_run, model, opt)
     out["diloco_from_plain"] = {"expected": _local(plain), "local": _local(model), "outer": _outer(opt),

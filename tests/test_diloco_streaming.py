@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_distributed
-from models import ParityNet, batch, loss_fn
+from models import ParityNet, batch, loss_fn, train_steps
 
 import hsdp
 
@@ -85,18 +85,6 @@ def _refusals() -> dict[str, str]:
     return out
 
 
-def _steps(model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer, rank: int, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = batch(step, rank)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _snapshot(opt: hsdp.ShardedOptimizer) -> dict[str, Any]:
     """This rank's weights, global copy, outer momentum, phase and syncs in flight (their means: waits)."""
     outer = opt._hsdp_outer
@@ -109,15 +97,15 @@ def _snapshot(opt: hsdp.ShardedOptimizer) -> dict[str, Any]:
 def _checkpoint_round_trip(rank: int, tmp: str) -> dict[str, Any]:
     policy, out = RUNS["f3"][0], {}
     model, opt = _build(policy)
-    out["losses"] = _steps(model, opt, rank, range(CKPT_SAVE))
+    out["losses"] = train_steps(model, opt, rank, range(CKPT_SAVE))
     hsdp.save_checkpoint(os.path.join(tmp, "stream"), model, opt, step=CKPT_SAVE)
     out["saved"] = _snapshot(opt)
-    out["losses"] += _steps(model, opt, rank, range(CKPT_SAVE, CKPT_END))
+    out["losses"] += train_steps(model, opt, rank, range(CKPT_SAVE, CKPT_END))
     out["end"] = _snapshot(opt)
     model, opt = _build(policy, seed=1)
     hsdp.load_checkpoint(os.path.join(tmp, "stream"), model, opt)
     out["resumed"] = _snapshot(opt)
-    out["resumed_losses"] = _steps(model, opt, rank, range(CKPT_SAVE, CKPT_END))
+    out["resumed_losses"] = train_steps(model, opt, rank, range(CKPT_SAVE, CKPT_END))
     out["resumed_end"] = _snapshot(opt)
     return out
 
