@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from hsdp.engine.clip import clip_grad_norm_
     from hsdp.engine.elastic.client import QuorumLost
     from hsdp.engine.elastic.protocol import ElasticPolicy
-    from hsdp.engine.faults.watchdog import FaultPolicy
+    from hsdp.engine.faults.policy import FaultPolicy
     from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop, ReplicaHop
     from hsdp.engine.init import load_pretrained, materialize
     from hsdp.engine.memory import StateBytes, state_bytes

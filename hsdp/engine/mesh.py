@@ -33,7 +33,8 @@ from hsdp.engine.elastic.bootstrap import join as elastic_join
 from hsdp.engine.elastic.layer import ElasticLayer
 from hsdp.engine.elastic.protocol import ElasticPolicy
 from hsdp.engine.faults.launcher import watch_launcher
-from hsdp.engine.faults.watchdog import FaultPolicy, Watchdog, start_watchdog
+from hsdp.engine.faults.policy import FaultPolicy
+from hsdp.engine.faults.watchdog import Watchdog, start_watchdog
 from hsdp.engine.hop_worker import HopWorker
 from hsdp.engine.mesh_layout import SHARDING_DEGREE_ENV, device_type_for, mesh_shape
 from hsdp.engine.replica_degrees import check_degrees, default_degrees, is_regular

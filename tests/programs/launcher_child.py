@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from hsdp.engine.faults.launcher import watch_launcher
-from hsdp.engine.faults.watchdog import FaultPolicy
+from hsdp.engine.faults.policy import FaultPolicy
 
 
 class StandInWatchdog:

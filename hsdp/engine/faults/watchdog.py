@@ -42,7 +42,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 
 import torch.distributed as dist
@@ -50,6 +49,7 @@ import torch.distributed as dist
 from hsdp.engine.faults.foreign import foreign_report, judge_foreign, working_notice
 from hsdp.engine.faults.hang import judge, report, stuck_transport
 from hsdp.engine.faults.ledger import CollectiveLedger, Entry
+from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.faults.stacks import MainThreadSampler, describe_record, main_thread_stack, raised_in_collective
 from hsdp.engine.faults.status import EXIT_CODE
 
@@ -57,27 +57,6 @@ FAILED_KEY = "hsdp/failed"
 # One watchdog per rendezvous store and process: a heartbeat thread is process-wide by nature, so this
 # registry is the one module-level state in hsdp (keyed by the store, never read for ranks or groups).
 _BY_STORE: dict[int, Watchdog] = {}
-
-
-@dataclass(frozen=True)
-class FaultPolicy:
-    """``timeout``: seconds without a heartbeat before a rank is declared dead, and seconds a collective may
-    wait for a late or mismatched rank before the job is ended as hung (hsdp's own collectives, and those of
-    other libraries that some ranks call alone: ``hsdp.engine.faults.foreign``); ``interval``: beat period;
-    ``detect_hangs``: whether to watch collectives at all (off: only dead ranks are caught);
-    ``watch_launcher``: end the rank when its launcher dies (``hsdp.engine.faults.launcher``);
-    ``lease_stale_after``: how old a run directory's lease may get before another job takes it over
-    (``hsdp.checkpoint.lease``)."""
-
-    timeout: float = 45.0
-    interval: float = 1.0
-    detect_hangs: bool = True
-    watch_launcher: bool = True  # a rank whose launcher (torchrun agent, hsdp launch) died exits too
-    lease_stale_after: float = 60.0  # a run-directory lease not renewed for this long may be taken over
-
-    def __post_init__(self) -> None:
-        if not 0 < self.interval < self.timeout:
-            raise ValueError(f"need 0 < interval < timeout, got interval={self.interval}, timeout={self.timeout}")
 
 
 class Watchdog:

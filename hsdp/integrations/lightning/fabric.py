@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from hsdp.checkpoint import CheckpointOptions
 from hsdp.engine.clip import clip_grad_norm_
-from hsdp.engine.faults.watchdog import FaultPolicy
+from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.hops import ReplicaHop
 from hsdp.engine.mesh import DEFAULT_FAULT_POLICY, DEFAULT_TIMEOUT
 from hsdp.engine.model import ShardedModel

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.checkpoint import CheckpointOptions
-from hsdp.engine.faults.watchdog import FaultPolicy
+from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.hops import ReplicaHop
 from hsdp.engine.init import materialize
 from hsdp.engine.mesh import (

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.checkpoint import CheckpointOptions
-from hsdp.engine.faults.watchdog import FaultPolicy
+from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.hops import ReplicaHop
 from hsdp.engine.mesh import DEFAULT_FAULT_POLICY, DEFAULT_TIMEOUT
 from hsdp.engine.model import ShardedModel
