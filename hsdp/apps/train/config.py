@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, ClassVar
 
+from hsdp.apps.train.config_replica_sync import check_parallel
 from hsdp.apps.train.config_rules import at_least as _at_least
 from hsdp.apps.train.config_rules import fail as _fail
 from hsdp.apps.train.config_rules import one_of as _one_of
-from hsdp.apps.train.replica_sync import check_parallel
 
 if TYPE_CHECKING:
     from hsdp.models import GPTConfig

@@ -35,11 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsdp.apps.train.metrics import JSONL_NAME, read_metrics
+from hsdp.apps.train.report_canvas import TALL, figure
+from hsdp.apps.train.report_membership import is_elastic, membership_figure
 from hsdp.apps.train.rundir import RunDir
-
-_DPI = 100
-_SIZE = (8, 4.5)  # inches: 800 x 450 pixels at _DPI
-_TALL = (8, 7.5)  # three stacked panels: 800 x 750 pixels
 
 
 @dataclass(frozen=True)
@@ -55,30 +53,12 @@ class Series:
         return cls([s for s, _ in rows], [v * scale for _, v in rows])
 
 
-def _figure(rows: int = 1, size: tuple[float, float] = _SIZE) -> tuple[Any, Any]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=size, dpi=_DPI)
-    axes = fig.subplots(rows, 1, sharex=True)
-    for ax in axes if rows > 1 else [axes]:
-        _step_axis(ax)
-    return fig, axes
-
-
-def _step_axis(ax: Any) -> None:
-    # Steps are whole numbers: without this a short run gets ticks at 2.5, 7.5.
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-
-
 def _binary_unit(largest: float) -> tuple[str, float]:
     return ("GiB", 2.0**30) if largest >= 2**30 else ("MiB", 2.0**20)
 
 
 def loss_figure(records: list[dict[str, Any]]) -> Any:
-    fig, ax = _figure()
+    fig, ax = figure()
     train, held = Series.of(records, "loss"), Series.of(records, "eval_loss")
     ax.plot(train.steps, train.values, label="train", color="tab:blue", linewidth=1.2)
     if held.steps:
@@ -89,7 +69,7 @@ def loss_figure(records: list[dict[str, Any]]) -> Any:
 
 
 def throughput_figure(records: list[dict[str, Any]]) -> Any:
-    fig, ax = _figure()
+    fig, ax = figure()
     tps = Series.of(records, "tokens_per_s")
     ax.plot(tps.steps, tps.values, color="tab:green", linewidth=1.0, label="per step")
     if tps.values:
@@ -105,7 +85,7 @@ _GROUPS = (("shard", "tab:blue", "intra-node"), ("replicate", "tab:red", "inter-
 
 
 def communication_figure(records: list[dict[str, Any]]) -> Any:
-    fig, (sent_ax, time_ax) = _figure(rows=2)
+    fig, (sent_ax, time_ax) = figure(rows=2)
     step = Series.of(records, "step_s")
     # The step as an area: a collective line above it ran (partly) alongside compute or other collectives.
     time_ax.fill_between(step.steps, step.values, color="0.85", step="mid", label="step time")
@@ -130,7 +110,7 @@ def communication_figure(records: list[dict[str, Any]]) -> Any:
 def training_figure(records: list[dict[str, Any]], rank_peaks: dict[int, float] | None = None) -> Any:
     """Learning rate, gradient norm and peak memory per step. ``rank_peaks``: each rank's peak bytes at the
     end of the run (``summary.json``), drawn at the last step so the spread across ranks shows."""
-    fig, (lr_ax, norm_ax, mem_ax) = _figure(rows=3, size=_TALL)
+    fig, (lr_ax, norm_ax, mem_ax) = figure(rows=3, size=TALL)
     lr, norm = Series.of(records, "lr"), Series.of(records, "grad_norm")
     lr_ax.plot(lr.steps, lr.values, color="tab:purple", label="lr")
     lr_ax.set(title="Learning rate", ylabel="lr")
@@ -168,9 +148,6 @@ def read_rank_peaks(run_dir: str) -> dict[int, float]:
 def report_figures(run_dir: str) -> dict[str, Callable[[], Any]]:
     """File name -> a function drawing that figure, in the order ``write_report`` writes them (``membership.png``
     only for an elastic run). ``ValueError`` when the run directory has no metrics yet."""
-    # Here, not at the top: the membership figure draws with this module's helpers.
-    from hsdp.apps.train.report_membership import is_elastic, membership_figure
-
     records = read_metrics(run_dir)
     if not records:
         raise ValueError(f"{os.path.join(run_dir, JSONL_NAME)} is missing or empty: pass the run directory of "

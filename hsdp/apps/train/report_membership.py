@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from hsdp.apps.train.elastic_run import membership
-from hsdp.apps.train.report import _TALL, _figure
+from hsdp.apps.train.report_canvas import TALL, figure
 
 _MEMBER, _DISCARDED, _BATCH = "tab:blue", "tab:red", "tab:olive"
 _BAR = 0.6  # a row's bar height (rows are one apart)
@@ -69,7 +69,7 @@ def membership_figure(records: list[dict[str, Any]]) -> Any:
     """The two panels (see the module docstring); ``records`` as :func:`~hsdp.apps.train.metrics.read_metrics`
     returns them."""
     elastic = sorted((r for r in records if "replicas" in r), key=lambda r: r["step"])
-    fig, (member_ax, batch_ax) = _figure(rows=2, size=_TALL)
+    fig, (member_ax, batch_ax) = figure(rows=2, size=TALL)
     spans = member_spans(elastic)
     for replica, runs in spans.items():
         member_ax.broken_barh([(first - 0.5, count) for first, count in runs], (replica - _BAR / 2, _BAR),

@@ -25,8 +25,9 @@ from rich.text import Text
 
 import hsdp
 from hsdp.apps.train.config import RunConfig
+from hsdp.apps.train.config_replica_sync import WIRE_BYTES, is_diloco
 from hsdp.apps.train.metrics import peak_memory_bytes
-from hsdp.apps.train.replica_sync import WIRE_BYTES, is_diloco, summary_fields
+from hsdp.apps.train.replica_sync import summary_fields
 from hsdp.apps.train.result import LoopResult
 
 _WIRE_BYTES = {"fp32": 4, "bf16": 2}  # per element on the inter-node hop; int8 has no closed form here

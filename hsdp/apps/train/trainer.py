@@ -280,7 +280,7 @@ class Trainer:
         record = {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
                   "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
                   "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
-                  "mem_bytes": peak_memory_bytes(self.mesh.device), **step_fields(self)}
+                  "mem_bytes": peak_memory_bytes(self.mesh.device), **step_fields(self.cfg.parallel, self.optimizer)}
         if self.pen is not None:  # elastic: what the coordinator decided, the batch really averaged
             record = self.pen.annotate(step, record)
         self._calibrate(step, seconds, comm["exposed_comm_s"])
