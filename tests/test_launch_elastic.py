@@ -187,9 +187,9 @@ def _inc(number: int, degree: int = 2) -> SimpleNamespace:
 
 
 def _state(step: int, epoch: int, members: dict, pending: dict | None = None, quorum: Quorum | None = None,
-           history: list | None = None, stopped: str = "") -> SimpleNamespace:
+           history: list | None = None, stopped: str = "", refusals: list | None = None) -> SimpleNamespace:
     return SimpleNamespace(step=step, epoch=epoch, members=members, pending=pending or {}, quorum=quorum,
-                           history=history or [], stopped=stopped)
+                           history=history or [], stopped=stopped, refusals=refusals or [])
 
 
 def test_membership_log_says_what_changed_and_nothing_else() -> None:
@@ -214,11 +214,15 @@ def test_membership_log_says_what_changed_and_nothing_else() -> None:
         "step 6, epoch 2: replica 2 rejoined (incarnation 2, healed from replica 0); replicas [0, 1, 2]"]
     assert text(log.observe(_state(9, 2, two, {1: _inc(2)}, history=history))) == [
         "replica 1 registered (incarnation 2, 2 ranks), waiting to be admitted"]
-    assert text(log.observe(_state(9, 2, two, history=history))) == [
-        "replica 1 incarnation 2 refused: id 1 is in use by a live replica"]
-    assert text(log.observe(_state(9, 2, {0: _inc(1)}, history=history, stopped="1 live replica(s)"))) == [
+    refused = [(1, 2, "replica id 1 of job 'j' is in use by a live replica (incarnation 1): give every ...")]
+    assert text(log.observe(_state(9, 2, two, history=history, refusals=refused))) == [
+        "replica 1 incarnation 2 refused: replica id 1 of job 'j' is in use by a live replica (incarnation 1)"]
+    assert log.observe(_state(9, 2, two, history=history, refusals=refused)) == []  # said once
+    assert text(log.observe(_state(9, 2, {0: _inc(1)}, history=history, stopped="1 live replica(s)",
+                                   refusals=refused))) == [
         "job stopped at step 9: 1 live replica(s)"]
-    summary = log.summary(_state(9, 2, {0: _inc(1)}, history=history, stopped="1 live"), "j", 125.0)
+    summary = log.summary(_state(9, 2, {0: _inc(1)}, history=history, stopped="1 live", refusals=refused), "j",
+                          125.0)
     assert "after 2m05s" in summary and "4 (3 committed, 1 discarded)" in summary
     assert "1 join(s), 1 departure(s), 1 refused; last epoch 2" in summary and "stopped at step 9: 1 live" in summary
 

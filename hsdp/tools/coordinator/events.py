@@ -32,6 +32,7 @@ class _State(Protocol):
     quorum: Any
     stopped: str
     history: list[tuple[int, str, tuple[int, ...]]]
+    refusals: list[tuple[int, int, str]]
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Counts:
 
     joined: int = 0  # replicas admitted after the first quorum (rejoins included)
     left: int = 0  # members dropped because their heartbeat went silent (or replaced by a restart)
-    rejected: int = 0  # incarnations refused (their id was in use by a live replica)
+    rejected: int = 0  # incarnations refused (an id in use, another rank count, the job stopped)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class MembershipLog:
     _pending: dict[int, int] = field(default_factory=dict)
     _epoch: int = -1
     _decided: int = 0  # history entries already reported
+    _refused: int = 0  # refusals already reported
     _stopped: str = ""
     _started: bool = False
     _ever: set[int] = field(default_factory=set)  # ids that were members once: their next admission is a rejoin
@@ -69,7 +71,7 @@ class MembershipLog:
             lines.append(self._membership(state, members, quorum))
             self._members, self._epoch = members, state.epoch
             self._ever |= set(members)
-        lines += self._rejections(state, members)
+        lines += self._rejections(state)
         self._pending = {r: inc.number for r, inc in state.pending.items()}
         if state.stopped and not self._stopped:
             self._stopped = state.stopped
@@ -110,14 +112,12 @@ class MembershipLog:
             parts.append("replicate groups rebuilt after the discarded step")
         return f"{head} {'; '.join(parts)}; replicas {ids}"
 
-    def _rejections(self, state: _State, members: dict[int, int]) -> list[str]:
-        lines = []
-        for r, number in sorted(self._pending.items()):
-            gone = r not in state.pending and members.get(r) != number
-            if gone and not state.stopped:
-                self.counts.rejected += 1
-                lines.append(f"replica {r} incarnation {number} refused: id {r} is in use by a live replica")
-        return lines
+    def _rejections(self, state: _State) -> list[str]:
+        """The coordinator's refusals since the last call, each with its reason (the replica's error has the fix)."""
+        new = state.refusals[self._refused:]
+        self._refused = len(state.refusals)
+        self.counts.rejected += len(new)
+        return [f"replica {r} incarnation {number} refused: {why.split(': ', 1)[0]}" for r, number, why in new]
 
     def summary(self, state: _State, job: str, uptime_s: float) -> str:
         """A few lines on the whole run: steps decided, committed and discarded, membership changes, the end."""

@@ -58,6 +58,7 @@ class JobState:
     last: dict[int, int] = field(default_factory=dict)  # the previous quorum's members: id -> incarnation
     stopped: str = ""
     history: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)  # (step, decision, members)
+    refusals: list[tuple[int, int, str]] = field(default_factory=list)  # (replica, incarnation, why), in order
 
 
 class Coordinator:
@@ -178,6 +179,7 @@ class Coordinator:
     def _reject(self, inc: _Incarnation, why: str) -> None:
         """Tell ``inc`` why it is not admitted (its leader raises ``ValueError`` with ``why``)."""
         inc.refused = True
+        self.state.refusals.append((inc.replica, inc.number, why))
         self.store.set(key(self.job, "reject", inc.replica, inc.number), why)
 
     def _refuse_other_degrees(self, degree: int) -> bool:
