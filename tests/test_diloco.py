@@ -28,19 +28,24 @@ def _replicate_bytes(model: hsdp.ShardedModel) -> float:
     return sum(op["bytes"] for op in model.comm_stats().get("replicate", {}).values())
 
 
-def _train(rank: int, sync: hsdp.DiLoCo | None, inner: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _train(rank: int, sync: hsdp.DiLoCo | None, inner: str, steps: int = STEPS,
+           finish: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(0)
     model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=sync)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if inner == "sgd" \
         else torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt = hsdp.ShardedOptimizer(model, base)
     sent = []
-    for step in range(STEPS):
+    for step in range(steps):
         model.reset_comm_stats()
         x, y = batch(step, rank)
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        sent.append(_replicate_bytes(model))
+    if finish:  # mid-phase: the replicas differ until the final sync
+        model.reset_comm_stats()
+        opt.sync_replicas()
         sent.append(_replicate_bytes(model))
     return {n: p.detach().full_tensor() for n, p in model.named_parameters()}, sent
 
@@ -82,6 +87,8 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
             "h1": _train(rank, hsdp.DiLoCo(every=1, outer_lr=1.0, outer_momentum=0.0), "sgd")[0],
             "h4": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw"),
             "h4_bf16": _train(rank, hsdp.DiLoCo(every=4, wire_dtype=torch.bfloat16), "adamw")[1],
+            "h4_final": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw", steps=6,
+                               finish=True),
             "refusals": _refusals(rank, tmp)}
 
 
@@ -90,8 +97,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_distributed(_worker, WORLD, str(tmp_path_factory.mktemp("diloco")), timeout=240)
 
 
-def _simulate(every: int, outer_lr: float, momentum: float) -> dict[str, torch.Tensor]:
-    """Two DiLoCo workers in one process: replica q trains on its ranks' batches (2q, 2q + 1), inner AdamW."""
+def _simulate(every: int, outer_lr: float, momentum: float, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Two DiLoCo workers in one process: replica q trains on its ranks' batches (2q, 2q + 1), inner AdamW; a
+    last sync after the last step when it is not a sync step (``sync_replicas``)."""
     torch.manual_seed(0)
     global_model = ParityNet()
     workers = [ParityNet() for _ in range(2)]
@@ -99,13 +107,13 @@ def _simulate(every: int, outer_lr: float, momentum: float) -> dict[str, torch.T
         w.load_state_dict(global_model.state_dict())
     inner = [torch.optim.AdamW(w.parameters(), lr=1e-2) for w in workers]
     outer = torch.optim.SGD(global_model.parameters(), lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
-    for step in range(STEPS):
+    for step in range(steps):
         for q, (w, opt) in enumerate(zip(workers, inner, strict=True)):
             parts = [batch(step, 2 * q + s) for s in range(2)]
             loss_fn(w(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
             opt.step()
             opt.zero_grad()
-        if (step + 1) % every == 0:
+        if (step + 1) % every == 0 or step == steps - 1:
             with torch.no_grad():
                 for name, g in global_model.named_parameters():
                     locals_ = [dict(w.named_parameters())[name] for w in workers]
@@ -129,6 +137,15 @@ def test_four_step_syncs_equal_two_simulated_workers(results: list[dict]) -> Non
         params, _ = r["h4"]
         for name, value in ref.items():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_final_sync_mid_phase_makes_every_replica_the_global_copy(results: list[dict]) -> None:
+    ref = _simulate(4, 0.7, 0.9, steps=6)  # syncs after steps 4 and, by sync_replicas, 6
+    for r in results:
+        params, sent = r["h4_final"]
+        for name, value in ref.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        assert sent == [0, 0, 0, r["flat"] * 4, 0, 0, r["flat"] * 4]
 
 
 def test_inter_node_bytes_are_one_all_reduce_of_the_model_per_sync(results: list[dict]) -> None:

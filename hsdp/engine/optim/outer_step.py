@@ -117,6 +117,21 @@ class OuterState:
         self.last = SyncStep(tuple(started), tuple(landed))
         return bool(landed)
 
+    def sync_now(self) -> None:
+        """Sync every fragment now: land the syncs in flight, then all-reduce and land every fragment's
+        pseudo-gradient (one outer step per fragment), so every replica holds the global copy; the phase
+        restarts at 0. The same calls on every rank (the end of training, before evaluating or exporting)."""
+        for sync in self.pending:
+            sync.left = 0
+        landed = self._land_due()
+        started = list(range(self.policy.fragments))
+        self.pending.extend(self._start(fragment) for fragment in started)
+        for sync in self.pending:
+            sync.left = 0
+        landed += self._land_due()
+        self.inner_steps = 0
+        self.last = SyncStep(tuple(started), tuple(landed))
+
     def settle(self) -> None:
         """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint)."""
         for sync in self.pending:

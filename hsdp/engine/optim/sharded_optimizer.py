@@ -117,6 +117,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._hsdp_model.check_replicas()
         return result
 
+    def sync_replicas(self) -> None:
+        """Under DiLoCo, make every replica's weights the global copy now: the syncs in flight land, then every
+        fragment's pseudo-gradient is all-reduced and stepped by the outer optimizer at once (``last_sync`` says
+        so), and DiLoCo's phase restarts at 0. Call it on every rank at the end of training, before evaluating or
+        exporting, so the last H - 1 steps' progress is not left in the replicas apart. Without DiLoCo the
+        replicas are always in sync: nothing to do."""
+        if self._hsdp_outer is not None:
+            self._hsdp_model.reshard()
+            self._hsdp_outer.sync_now()
+
     def _inner_step(self, closure: Any) -> Any:
         """The wrapped optimizer's step on this rank's shards."""
         if self._hsdp_sharded_step is not None:  # Adafactor, Muon: see adafactor.py, muon.py
