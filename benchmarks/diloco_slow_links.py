@@ -1,21 +1,24 @@
-"""DiLoCo against plain HSDP on slow and fast emulated links: tokens/s, inter-node bytes, held-out loss.
+"""DiLoCo and Streaming DiLoCo against plain HSDP on slow and fast emulated links: tokens/s, bytes, held-out loss.
 
 Two emulated nodes of 2 ranks (``hsdp launch --nodes 2 --nproc-per-node 2``), ``hsdp.init_mesh(2)`` (one
-replica per node, each sharded over its 2 ranks), a byte-level GPT (``hsdp.models.gpt``, preset ``small``) on
-the Python standard library's sources (``hsdp.data.text``; the last 5 % of the tokens held out). Two modes,
-the same seed, batches and token budget:
+replica per node, each sharded over its 2 ranks), a byte-level GPT (``hsdp.models.gpt``, preset ``small``: 7
+units with parameters, 6 blocks and the root) on the Python standard library's sources (``hsdp.data.text``; the
+last 5 % of the tokens held out). Three modes, the same seed, batches and token budget:
 
 - ``plain``: HSDP, the gradient all-reduced across nodes every step, AdamW;
-- ``diloco``: ``replica_sync=hsdp.DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9)``: inner AdamW, nothing
-  crosses nodes for H - 1 steps, then one all-reduce of the pseudo-gradient and an outer Nesterov SGD step.
+- ``diloco``: ``replica_sync=hsdp.DiLoCo(every=H, outer_lr, outer_momentum, wire_dtype)``: inner AdamW, nothing
+  crosses nodes for H - 1 steps, then one all-reduce of the pseudo-gradient and an outer Nesterov SGD step;
+- ``streaming``: the same with ``fragments=F, delay=tau``: a fragment (1/F of the model) syncs every H / F
+  steps, its all-reduce overlapping the next tau steps' compute.
 
 Each at two link rates (100 Mbit/s, 10 Gbit/s). Tokens/s = the global tokens of the measured steps (after
-``--warmup``) / their wall time (the slowest rank's sum of step times; DiLoCo's syncs included, evaluations
-excluded). The held-out loss (a fixed set of windows, every rank a quarter) is evaluated before training and
-every H steps, where DiLoCo's replicas agree (right after a sync), so both modes are compared at equal tokens.
-Inter-node bytes per step: hsdp's count (``model.comm_stats()["replicate"]``, summed over a node's ranks) and
-the node's link counters (frames, TCP/IP headers included), as (bytes of the long run - bytes of an H-step run
-at 10 Gbit/s) / (steps - H), so the rendezvous, the wrap-time broadcasts and the final gather cancel out.
+``--warmup``) / their wall time (the slowest rank's sum of step times; syncs included, evaluations excluded).
+The held-out loss (fixed windows, each replica all of them, the replicas' mean) is evaluated before training and
+every H steps (DiLoCo's replicas agree there), so the modes are compared at equal tokens. Inter-node bytes per
+step: hsdp's count (``model.comm_stats()["replicate"]``, summed over a node's ranks) and the node's link
+counters (frames, headers included), as (bytes of the long run - bytes of an H-step run at 10 Gbit/s) /
+(steps - H), so the rendezvous, the wrap-time broadcasts and the final gather cancel out. ``--sweep`` runs
+configurations loss-only on loopback (the loss does not depend on the link) and keeps every one tried.
 
 Why so few tokens per step (1 x 128 per rank by default): the per-step all-reduce's time does not depend on
 the model size relative to its compute (both scale with the parameter count), only on the tokens per step; two
@@ -24,8 +27,9 @@ cluster on a 100 Mbit/s link is: the link dominates plain HSDP's step.
 
 Writes ``benchmarks/results/diloco_slow_links_<date>.{json,md,png}`` (``--tag`` adds a suffix) with the commands.
 
-    sudo python benchmarks/diloco_slow_links.py            # the driver: six launches, the table, the plot
-    sudo python benchmarks/diloco_slow_links.py --quick    # a 1-2 minute smoke run (preset tiny, few steps)
+    sudo python benchmarks/diloco_slow_links.py --every 20    # the driver: 9 launches, the table, the plot
+    sudo python benchmarks/diloco_slow_links.py --quick       # a smoke run (preset tiny, few steps)
+    python benchmarks/diloco_slow_links.py --sweep 20:0.7:0.9:bf16 20:1.0:0.0:fp32:4:2  # loss only, loopback
     python benchmarks/diloco_slow_links.py --job --mode diloco --steps 40  # one rank's job (under torchrun)
 """
 
@@ -43,17 +47,15 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-RATES = ("100mbit", "10gbit")
-MODES = ("plain", "diloco")
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the paper's outer Nesterov SGD
+from diloco_slow_links_report import RATES, stem_of, sweep_rows, write
+
+MODES = ("plain", "diloco", "streaming")
 
 
-# ---------------------------------------------------------------------------------------------------------
 # One rank's job.
-# ---------------------------------------------------------------------------------------------------------
 def _held_out(tokens: object, block: int, windows: int, rank: int, world: int) -> object:
-    """This rank's share of the fixed held-out windows (evenly spaced over the held-out tokens)."""
+    """This rank's share of the fixed held-out windows (evenly spaced over the held-out tokens): ``rank`` of
+    ``world`` is the rank's place in its replica, so every replica evaluates all of them."""
     import torch
 
     starts = torch.linspace(0, len(tokens) - block - 1, windows).long()  # type: ignore[arg-type]
@@ -62,7 +64,8 @@ def _held_out(tokens: object, block: int, windows: int, rank: int, world: int) -
 
 
 def _evaluate(model: object, windows: object) -> float:
-    """Mean held-out loss over every rank's windows (one tiny all-reduce across the world)."""
+    """Mean held-out loss over the windows, averaged over the replicas (one tiny all-reduce across the world):
+    under Streaming DiLoCo the replicas never agree on every fragment at once, so each is evaluated."""
     import torch
     import torch.distributed as dist
 
@@ -87,9 +90,12 @@ def job(args: argparse.Namespace) -> None:
     cfg = preset(args.preset)
     train, held = split_tokens(as_tokens(default_corpus_bytes(args.corpus_bytes)), 0.05)
     stream = TokenStream(train, args.block, args.batch, seed=args.seed, mesh=mesh)
-    windows = _held_out(held, args.block, args.eval_windows, mesh.rank, mesh.world_size)
-    sync = hsdp.DiLoCo(every=args.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM) \
-        if args.mode == "diloco" else None
+    windows = _held_out(held, args.block, args.eval_windows, mesh.shard_rank, mesh.sharding_degree)
+    streaming = {"fragments": args.fragments, "delay": args.delay, "mix": args.mix} if args.mode == "streaming" \
+        else {}
+    sync = None if args.mode == "plain" else hsdp.DiLoCo(
+        every=args.every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        wire_dtype=torch.bfloat16 if args.wire == "bf16" else None, **streaming)
     torch.manual_seed(args.seed)
     model = hsdp.ShardedModel(GPT(cfg), mesh=mesh, replica_sync=sync)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
@@ -108,7 +114,7 @@ def job(args: argparse.Namespace) -> None:
         step_s.append(time.perf_counter() - start)
         losses.append(loss.item())
         sent.append(sum(op["wire_bytes"] for op in model.comm_stats().get("replicate", {}).values()))
-        if (step + 1) % args.every == 0 or step + 1 == args.steps:  # DiLoCo's replicas agree here
+        if (step + 1) % args.every == 0 or step + 1 == args.steps:  # DiLoCo's replicas agree here (not streaming)
             evals.append((step + 1, _evaluate(model, windows)))
     mine = {"step_s": step_s, "loss": losses, "sent": sent}
     everyone = [None] * mesh.world_size
@@ -119,27 +125,32 @@ def job(args: argparse.Namespace) -> None:
                                               "ranks": everyone}))
 
 
-# ---------------------------------------------------------------------------------------------------------
 # The driver.
-# ---------------------------------------------------------------------------------------------------------
 def _job_args(args: argparse.Namespace, mode: str, steps: int) -> list[str]:
+    outer = [] if mode == "plain" else ["--outer-lr", str(args.outer_lr), "--outer-momentum",
+                                        str(args.outer_momentum), "--wire", args.wire]
+    stream = ["--fragments", str(args.fragments), "--delay", str(args.delay), "--mix", str(args.mix)] \
+        if mode == "streaming" else []
     return ["--job", "--mode", mode, "--steps", str(steps), "--every", str(args.every), "--preset", args.preset,
             "--batch", str(args.batch), "--block", str(args.block), "--lr", str(args.lr), "--seed", str(args.seed),
-            "--eval-windows", str(args.eval_windows), "--corpus-bytes", str(args.corpus_bytes)]
+            "--eval-windows", str(args.eval_windows), "--corpus-bytes", str(args.corpus_bytes), *outer, *stream]
 
 
-def _launch(args: argparse.Namespace, mode: str, rate: str, steps: int, tmp: Path) -> dict:
-    name = f"{mode}_{rate}_{steps}"
+def _launch(args: argparse.Namespace, mode: str, rate: str | None, steps: int, tmp: Path) -> dict:
+    """One launch on 2 x 2 emulated nodes at ``rate`` (``None``: on loopback, the loss only, no counters)."""
+    name = f"{mode}_{rate or 'loopback'}_{steps}"
     stats, out = tmp / f"links_{name}.json", tmp / f"job_{name}.json"
+    links = ["--no-emulation"] if rate is None else \
+        ["--inter-node-bandwidth", rate, "--require-emulation", "--stats-json", str(stats)]
     command = [str(Path(sys.executable).parent / "hsdp"), "launch", "--nodes", "2", "--nproc-per-node", "2",
-               "--inter-node-bandwidth", rate, "--require-emulation", "--stats-json", str(stats), "--",
-               __file__, *_job_args(args, mode, steps), "--out", str(out)]
+               *links, "--", __file__, *_job_args(args, mode, steps), "--out", str(out)]
     began = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     # As a person would type it: no interpreter or temporary paths.
-    shown = ["hsdp", *command[1:command.index("--stats-json") + 1], f"links_{name}.json", "--",
-             "benchmarks/diloco_slow_links.py", *_job_args(args, mode, steps), "--out", f"job_{name}.json"]
-    return {"command": shlex.join(shown), "links": json.loads(stats.read_text()),
+    shown = ["hsdp", *command[1:command.index("--")], "--", "benchmarks/diloco_slow_links.py",
+             *_job_args(args, mode, steps), "--out", f"job_{name}.json"]
+    shown = [f"links_{name}.json" if part == str(stats) else part for part in shown]
+    return {"command": shlex.join(shown), "links": json.loads(stats.read_text()) if rate else None,
             "job": json.loads(out.read_text()), "launch_s": time.perf_counter() - began}
 
 
@@ -157,8 +168,7 @@ def _summarise(run: dict, short: dict, args: argparse.Namespace) -> dict:
             for a, b in zip(run["links"]["nodes"], short["links"]["nodes"], strict=True)]
     return {"tokens_per_s": len(measured) * global_tokens / wall, "measured_steps": len(measured),
             "measured_wall_s": wall, "median_step_s": statistics.median(ranks[0]["step_s"][s] for s in measured),
-            "syncs_measured": sum(1 for s in measured if (s + 1) % args.every == 0) if run["mode"] == "diloco"
-            else len(measured),
+            "steps_sending_measured": sum(1 for s in measured if ranks[0]["sent"][s] > 0),
             "hsdp_bytes_per_step_per_node": hsdp_node, "link_bytes_per_step_per_node": link,
             "link_sent_total_per_node": [n["sent_bytes"] for n in run["links"]["nodes"]],
             "held_out": run["job"]["evals"], "train_loss": loss, "launch_s": run["launch_s"],
@@ -171,9 +181,9 @@ def drive(args: argparse.Namespace) -> None:
                          f"(the link counters are differenced against an --every-step run)")
     runs: dict[str, dict[str, dict]] = {rate: {} for rate in RATES}
     with tempfile.TemporaryDirectory() as tmp:
-        short = {m: _launch(args, m, "10gbit", args.every, Path(tmp)) for m in MODES}
+        short = {m: _launch(args, m, "10gbit", args.every, Path(tmp)) for m in args.modes}
         for rate in RATES:
-            for mode in MODES:
+            for mode in args.modes:
                 runs[rate][mode] = {**_launch(args, mode, rate, args.steps, Path(tmp)), "mode": mode}
                 print(f"{rate} {mode}: {runs[rate][mode]['launch_s']:.0f} s", flush=True)
     first = runs[RATES[0]][MODES[0]]["job"]
@@ -181,116 +191,81 @@ def drive(args: argparse.Namespace) -> None:
               "settings": {k: v for k, v in vars(args).items() if k not in ("job", "out", "mode")},
               "global_tokens_per_step": 4 * args.batch * args.block, "rates": {}}
     for rate in RATES:
-        s = {m: _summarise(runs[rate][m], short[m], args) for m in MODES}
-        final = {m: s[m]["held_out"][-1][1] for m in MODES}
-        s["tokens_per_s_ratio"] = s["diloco"]["tokens_per_s"] / s["plain"]["tokens_per_s"]
-        s["held_out_relative_gap"] = (final["diloco"] - final["plain"]) / final["plain"]
+        s = {m: _summarise(runs[rate][m], short[m], args) for m in args.modes}
+        for m in args.modes:  # against plain HSDP at the same link rate
+            s[m]["tokens_per_s_ratio"] = s[m]["tokens_per_s"] / s["plain"]["tokens_per_s"]
+            s[m]["held_out_relative_gap"] = (s[m]["held_out"][-1][1] - s["plain"]["held_out"][-1][1]) \
+                / s["plain"]["held_out"][-1][1]
         result["rates"][rate] = s
-    result["short_commands"] = [short[m]["command"] for m in MODES]
-    _write(result, args)
+    result["short_commands"] = [short[m]["command"] for m in args.modes]
+    if args.sweep_json:
+        result["sweep"] = json.loads(Path(args.sweep_json).read_text())
+    write(result, args)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Results.
-# ---------------------------------------------------------------------------------------------------------
-def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    per_step = result["global_tokens_per_step"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    rate = RATES[0]
-    for mode, colour in zip(MODES, ("tab:blue", "tab:orange"), strict=True):
-        s = result["rates"][rate][mode]
-        tokens = [(i + 1) * per_step for i in range(len(s["train_loss"]))]
-        ax.plot(tokens, s["train_loss"], color=colour, alpha=0.35, lw=0.8, label=f"{mode}: train (per step)")
-        ax.plot([t * per_step for t, _ in s["held_out"]], [v for _, v in s["held_out"]], "o-", color=colour,
-                label=f"{mode}: held-out")
-    every = result["settings"]["every"]
-    ax.set(xlabel="tokens (global)", ylabel="loss (nats/byte)",
-           title=f"GPT {result['settings']['preset']}, 2 x 2 ranks, {rate} links: plain HSDP vs DiLoCo (H={every})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+# The loss-only sweep (loopback: the loss does not depend on the link).
+def _parse_spec(spec: str) -> dict:
+    """``H:outer_lr:outer_momentum:wire`` (DiLoCo) or ``...:F:tau`` (Streaming DiLoCo), e.g. ``20:0.7:0.9:bf16``."""
+    parts = spec.split(":")
+    if len(parts) not in (4, 6) or parts[3] not in ("fp32", "bf16"):
+        raise ValueError(f"--sweep {spec!r}: use H:outer_lr:outer_momentum:wire (wire fp32 or bf16), or "
+                         f"H:outer_lr:outer_momentum:wire:fragments:delay for Streaming DiLoCo")
+    return {"every": int(parts[0]), "outer_lr": float(parts[1]), "outer_momentum": float(parts[2]),
+            "wire": parts[3], **({"fragments": int(parts[4]), "delay": int(parts[5])} if len(parts) == 6 else {})}
 
 
-def _rows(result: dict) -> list[str]:
-    rows = ["| link | mode | tokens/s | ratio | median step s | inter-node B/step, nodes 0, 1 (hsdp) | "
-            "(link counters) | held-out loss at end | gap |", "|---|---|---|---|---|---|---|---|---|"]
-    for rate, s in result["rates"].items():
-        for m in MODES:
-            r = s[m]
-            ratio = f"{s['tokens_per_s_ratio']:.2f}x" if m == "diloco" else "1"
-            gap = f"{100 * s['held_out_relative_gap']:+.2f} %" if m == "diloco" else ""
-            link = ", ".join(f"{b:.0f}" for b in r["link_bytes_per_step_per_node"])
-            counted = ", ".join(f"{b:.0f}" for b in r["hsdp_bytes_per_step_per_node"])
-            rows.append(f"| {rate} | {m} | {r['tokens_per_s']:.0f} | {ratio} | {r['median_step_s']:.3f} | "
-                        f"{counted} | {link} | {r['held_out'][-1][1]:.4f} | {gap} |")
-    return rows
-
-
-def _curve_rows(result: dict) -> list[str]:
-    per_step = result["global_tokens_per_step"]
-    header = "| tokens | " + " | ".join(f"{m} {rate}" for rate in RATES for m in MODES) + " |"
-    rows = [header, "|---" * (1 + 2 * len(RATES)) + "|"]
-    evals = result["rates"][RATES[0]]["plain"]["held_out"]
-    for i, (step, _) in enumerate(evals):
-        cells = [f"{result['rates'][rate][m]['held_out'][i][1]:.4f}" for rate in RATES for m in MODES]
-        rows.append(f"| {step * per_step} | " + " | ".join(cells) + " |")
-    return rows
-
-
-def _write(result: dict, args: argparse.Namespace) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / (f"diloco_slow_links_{result['date']}" + (f"_{args.tag}" if args.tag else ""))
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    _plot(result, stem.with_suffix(".png"))
-    st = result["settings"]
-    driver = "sudo python benchmarks/diloco_slow_links.py" + (" --quick" if args.quick else "") + \
-        "".join(f" --{k} {st[k]}" for k in ("steps", "every", "preset", "batch", "block", "warmup"))
-    lines = [f"# DiLoCo vs plain HSDP on slow and fast emulated links ({result['date']})", "",
-             f"{result['mesh']} on `hsdp launch --nodes 2 --nproc-per-node 2` (network namespaces, shaped links). "
-             f"GPT `{st['preset']}` ({result['params'] / 1e6:.2f}M parameters, fp32), byte-level, stdlib sources "
-             f"(first {st['corpus_bytes']:,} bytes, last 5 % held out); {st['batch']} x {st['block']} tokens per "
-             f"rank per step ({result['global_tokens_per_step']} global), {st['steps']} steps, the same seed and "
-             f"batches in both modes; AdamW lr {st['lr']}, betas (0.9, 0.95), weight decay 0.1, "
-             f"`hsdp.clip_grad_norm_(model, 1.0)`. DiLoCo: H = {st['every']}, outer Nesterov SGD lr {OUTER_LR}, "
-             f"momentum {OUTER_MOMENTUM}, fp32 pseudo-gradient.", "",
-             f"Tokens/s = global tokens of steps {st['warmup']}..{st['steps'] - 1} / their wall time (the slowest "
-             f"rank's sum of step times, DiLoCo's syncs inside, evaluations outside). Held-out loss: "
-             f"{st['eval_windows']} fixed windows, before training and every {st['every']} steps (DiLoCo right "
-             f"after a sync). Inter-node bytes per step over steps {st['every']}..{st['steps'] - 1} (whole sync "
-             f"periods): hsdp's count (the node's ranks summed) and the link counters, (long run - "
-             f"{st['every']}-step run at 10gbit) / {st['steps'] - st['every']}. The machine (2 CPU cores) was shared "
-             f"with other jobs: timings are noisy.", "", "```", driver,
-             *[result["rates"][r][m]["command"] for r in RATES for m in MODES],
-             *result["short_commands"], "```", "", *_rows(result), "",
-             "Held-out loss at equal tokens:", "", *_curve_rows(result), "",
-             f"Plot: `{stem.with_suffix('.png').name}` (train loss per step and held-out loss vs tokens, "
-             f"{RATES[0]})."]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def sweep(args: argparse.Namespace) -> None:
+    """Each ``--sweep`` spec once on loopback, and plain HSDP once per step count; appended to the sweep file
+    (what is already there is kept and not rerun), so every configuration tried stays in the record."""
+    path = stem_of(datetime.date.today().isoformat(), args.tag or "sweep").with_suffix(".json")
+    done = json.loads(path.read_text()) if path.exists() else {"settings": {}, "runs": []}
+    fixed = {k: getattr(args, k) for k in ("preset", "batch", "block", "lr", "seed", "eval_windows", "corpus_bytes")}
+    if done["settings"] and done["settings"] != fixed:
+        raise ValueError(f"{path.name} holds runs of other settings {done['settings']}: pass another --tag")
+    done["settings"] = fixed
+    specs = [{"mode": "plain", "every": 10}] + [
+        {"mode": "streaming" if "fragments" in c else "diloco", **c} for c in map(_parse_spec, args.sweep)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in specs:
+            key = {**spec, "steps": args.steps}
+            if any({k: r.get(k) for k in key} == key for r in done["runs"]):
+                continue
+            run_args = argparse.Namespace(**{**vars(args), "mix": 0.0, **spec})
+            run = _launch(run_args, spec["mode"], None, args.steps, Path(tmp))
+            done["runs"].append({**key, "held_out": run["job"]["evals"], "command": run["command"],
+                                 "launch_s": run["launch_s"]})
+            print(f"{key}: held-out {run['job']['evals'][-1][1]:.4f} ({run['launch_s']:.0f} s)", flush=True)
+            path.write_text(json.dumps(done, indent=1) + "\n")
+    path.with_suffix(".md").write_text("\n".join(sweep_rows(done)) + "\n")
+    print("\n".join(sweep_rows(done)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", action="store_true", help="run one rank's training job (under torchrun)")
-    parser.add_argument("--mode", choices=MODES, default="plain", help="--job: plain HSDP or DiLoCo")
+    parser.add_argument("--mode", choices=MODES, default="plain", help="--job: plain HSDP, DiLoCo or streaming")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the driver's modes")
     parser.add_argument("--quick", action="store_true", help="a 1-2 minute smoke run: preset tiny, 40 steps, H 10")
     parser.add_argument("--steps", type=int, default=160, help="training steps per run (a multiple of --every)")
     parser.add_argument("--every", type=int, default=40, help="DiLoCo's H: inner steps between syncs")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer momentum")
+    parser.add_argument("--wire", choices=("fp32", "bf16"), default="fp32", help="the pseudo-gradient's dtype")
+    parser.add_argument("--fragments", type=int, default=4, help="streaming: F (GPT small has 7 units)")
+    parser.add_argument("--delay", type=int, default=2, help="streaming: tau, steps a fragment's sync overlaps")
+    parser.add_argument("--mix", type=float, default=0.0, help="streaming: alpha, the local share kept")
     parser.add_argument("--preset", default="small", help="a GPT preset of hsdp.models.gpt (default: small)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--block", type=int, default=128, help="tokens per sequence (<= the preset's block)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows (split over the ranks)")
+    parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows (each replica all of them)")
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    parser.add_argument("--sweep", nargs="+", metavar="SPEC", help="loss only, on loopback: run each "
+                        "H:outer_lr:outer_momentum:wire[:F:tau] (and plain HSDP) for --steps, append to the "
+                        "sweep file")
+    parser.add_argument("--sweep-json", help="the driver: list this sweep file's runs in the Markdown")
     parser.add_argument("--tag", default="", help="a suffix for the result files")
     parser.add_argument("--out", default=os.devnull, help="--job: where rank 0 writes its record")
     args = parser.parse_args()
@@ -298,8 +273,12 @@ def main() -> None:
         args.preset, args.steps, args.every, args.eval_windows = "tiny", 40, 10, 16
         args.block = min(args.block, 64)
         args.tag = args.tag or "quick"
+    if "plain" not in args.modes:
+        parser.error("--modes must include plain (the ratios and gaps are against it)")
     if args.job:
         job(args)
+    elif args.sweep:
+        sweep(args)
     else:
         drive(args)
 
