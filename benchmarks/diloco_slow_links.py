@@ -27,7 +27,8 @@ cluster on a 100 Mbit/s link is: the link dominates plain HSDP's step.
 
 Writes ``benchmarks/results/diloco_slow_links_<date>.{json,md,png}`` (``--tag`` adds a suffix) with the commands.
 
-    sudo python benchmarks/diloco_slow_links.py --every 20    # the driver: 9 launches, the table, the plot
+    sudo python benchmarks/diloco_slow_links.py --every 10 --outer-lr 1.0 --outer-momentum 0.0 --wire bf16
+        # the driver (results 2026-12-03_h10): 9 launches, the table, the plot
     sudo python benchmarks/diloco_slow_links.py --quick       # a smoke run (preset tiny, few steps)
     python benchmarks/diloco_slow_links.py --sweep 20:0.7:0.9:bf16 20:1.0:0.0:fp32:4:2  # loss only, loopback
     python benchmarks/diloco_slow_links.py --job --mode diloco --steps 40  # one rank's job (under torchrun)
