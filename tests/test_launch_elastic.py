@@ -45,7 +45,7 @@ from hsdp.tools.launch.elastic import (
 )
 from hsdp.tools.launch.emulated import LaunchOptions
 from hsdp.tools.launch.layout import NodeLayout
-from hsdp.tools.launch.local import AgentSpec, Service, Supervisor, start_service, threads_per_rank
+from hsdp.tools.launch.local import AgentSpec, Service, Supervisor, start_service, stop_groups, threads_per_rank
 from hsdp.tools.launch.netns import ClusterSpec, RunId
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,6 +291,35 @@ def test_keep_going_lets_the_other_nodes_finish_and_returns_the_failed_status(tm
         assert Supervisor(agents, keep_going=True, stdout=sink, stderr=sink).run() == 3
     assert done.exists(), out.read_text()
     assert "node 0 exited with status 3: the other nodes go on" in out.read_text()
+
+
+def test_stopping_an_agent_ends_its_stopped_worker_in_a_session_of_its_own(tmp_path: Path) -> None:
+    # As torchrun starts a worker: a session of its own, out of the agent's process group; the worker stopped.
+    pid_file = tmp_path / "worker.pid"
+    worker = "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"
+    agent = (f"import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', {worker!r}], "
+             f"start_new_session=True); open({str(pid_file)!r}, 'w').write(str(w.pid)); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", agent], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    while _state(pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _state(pid) == "T"
+    stop_groups([proc], grace_s=1.0)
+    while _state(pid) not in ("", "Z") and time.monotonic() < deadline:  # a zombie until init reaps it
+        time.sleep(0.05)
+    assert _state(pid) in ("", "Z"), "the stopped worker outlived its agent"
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``""``: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
 
 
 def test_a_service_is_ready_on_its_line_and_its_failure_stops_the_nodes(tmp_path: Path) -> None:

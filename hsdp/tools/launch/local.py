@@ -288,16 +288,39 @@ class Supervisor:
 
 def stop_groups(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = DEFAULT_GRACE_S) -> None:
     """SIGTERM the process group of each live process in ``procs`` (each leads its own session), SIGKILL what is
-    left after ``grace_s``; return once they are gone."""
+    left after ``grace_s``; return once they are gone.
+
+    torchrun starts each worker in a session of its own, out of its agent's group: a worker that outlives its
+    agent is ended by its parent-death signal, except a stopped one (SIGSTOP, a debugger), which holds that
+    signal pending forever. So the workers' sessions found at the start are SIGKILLed after the grace too."""
     live = [p for p in procs if p.poll() is None]
+    workers = _child_sessions([p.pid for p in live])
     _signal_groups(live, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while live and time.monotonic() < deadline:
         live = [p for p in live if p.poll() is None]
         time.sleep(_POLL_S)
     _signal_groups(live, signal.SIGKILL)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # ended with its agent: nothing left
+            os.killpg(pid, signal.SIGKILL)
     for p in live:
         p.wait()
+
+
+def _child_sessions(parents: Sequence[int]) -> list[int]:
+    """The children of ``parents`` that lead a session of their own (torchrun's workers); none without /proc."""
+    found = []
+    with contextlib.suppress(OSError):
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+        for entry in entries:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, session
+                pid, ppid, session = int(entry), int(fields[1]), int(fields[3])
+                if ppid in parents and session == pid:
+                    found.append(pid)
+    return found
 
 
 def _signal_groups(procs: Sequence[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
