@@ -304,16 +304,16 @@ def test_stopping_an_agent_ends_its_stopped_worker_in_a_session_of_its_own(tmp_p
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     pid = int(pid_file.read_text())
-    while _state(pid) != "T" and time.monotonic() < deadline:
+    while _proc_state(pid) != "T" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _state(pid) == "T"
+    assert _proc_state(pid) == "T"
     stop_groups([proc], grace_s=1.0)
-    while _state(pid) not in ("", "Z") and time.monotonic() < deadline:  # a zombie until init reaps it
+    while _proc_state(pid) not in ("", "Z") and time.monotonic() < deadline:  # a zombie until init reaps it
         time.sleep(0.05)
-    assert _state(pid) in ("", "Z"), "the stopped worker outlived its agent"
+    assert _proc_state(pid) in ("", "Z"), "the stopped worker outlived its agent"
 
 
-def _state(pid: int) -> str:
+def _proc_state(pid: int) -> str:
     """A process's state letter (``""``: gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
