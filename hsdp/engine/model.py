@@ -317,6 +317,7 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], pre
         raise ValueError("assign=True would replace the sharded parameters: load with assign=False")
     state: HSDPState = module._hsdp_state
     state.reshard_all()
+    state.loads += 1  # DiLoCo's global copy follows (optim/outer_step.py)
     for unit in state.units:
         for p in unit.params:
             for slot in p.slots:

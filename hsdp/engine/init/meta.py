@@ -76,6 +76,7 @@ def materialize(model: nn.Module, device: torch.device | str | None = None,
         _ModuleInit(m, names[id(m)], owners, done, init_device, scratch).run(fn, unit_of, model)
     for unit in model.units:
         allocate_shards(unit, model.mesh)  # units whose parameters no module initialised (none, normally)
+    model._hsdp_state.loads += 1  # DiLoCo's global copy follows (optim/outer_step.py)
     buffer_dtype = model.units[0].policy.buffer_dtype
     if buffer_dtype is not None:
         cast_floating_buffers(model, buffer_dtype)

@@ -47,6 +47,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, key_map: KeyMa
     plan.raise_problems(os.fspath(path))
     model.reshard()
     _load_params(model, source, plan)
+    model._hsdp_state.loads += 1  # DiLoCo's global copy follows (optim/outer_step.py)
     _load_buffers(model, source, plan)
     for module, prefix in plan.rebuild:
         _rebuild_meta_buffers(module, prefix, model.mesh.device)

@@ -22,10 +22,10 @@ as already reduced, so each lands at the same step with the same values: the res
 the phase (another replica count: every replica restarts from the global copy) drops them with the inner steps
 since the last sync. The fragments must be split as saved (the same units and ``fragments``).
 
-:func:`restart` is what loading state without DiLoCo's part means: the global copy becomes the model's current
-weights, the phase 0 and the outer optimizer's state (its momentum) starts fresh, as at the optimizer's
-construction. ``ShardedOptimizer.load_state_dict`` calls it after loading the inner state, so the model's
-weights must have been loaded first (``hsdp.load_checkpoint`` and torch's ``set_state_dict`` load them first).
+``OuterState.restart`` is what loading state without DiLoCo's part means: the global copy becomes the model's
+current weights, the phase 0 and the outer optimizer's state (its momentum) starts fresh, as at the optimizer's
+construction. ``ShardedOptimizer.load_state_dict`` calls it after loading the inner state, and the next inner
+step calls it after any load of the model alone (``outer_step.py``, [Note: loads after the optimizer]).
 
 The inner state of every replica (its weights and inner optimizer state, which differ between replicas
 mid-phase and, for the optimizer, always) is the checkpoint layer's business: ``hsdp/checkpoint/diloco.py``.
@@ -118,7 +118,7 @@ def load_outer_state_dict(outer: OuterState, sd: dict[str, Any]) -> None:
     """Set the global copy, the outer optimizer's state and the phase from :func:`outer_state_dict`'s layout
     (values: DTensors placed like the parameters, or this rank's chunks). Missing ``"outer"`` parts leave the
     outer optimizer fresh, a missing ``"phase"`` starts the phase at 0 with no sync in flight."""
-    _drop_pending(outer)
+    outer.drop_pending()
     for i, flat in enumerate(outer.global_copy):
         flat.zero_()  # padding rows are zero
         for p, chunk in chunks(outer, i, flat):
@@ -138,6 +138,7 @@ def load_outer_state_dict(outer: OuterState, sd: dict[str, Any]) -> None:
     phase = sd.get("phase")
     outer.inner_steps = 0 if phase is None else int(phase)
     outer.pending = [] if phase is None else _pending(outer, in_flight)
+    outer.mark_written()  # the model's weights were loaded with this state: no restart at the next step
 
 
 def _pending(outer: OuterState, in_flight: dict[int, tuple[int, torch.Tensor]]) -> list[PendingSync]:
@@ -187,19 +188,3 @@ def _unit_scalars(outer: OuterState, i: int, saved: dict[str, dict[str, Any]]) -
 
 def _local(value: Any) -> torch.Tensor:
     return value.to_local() if hasattr(value, "to_local") else value
-
-
-@torch.no_grad()
-def restart(outer: OuterState) -> None:
-    """Global copy := the model's weights, phase 0, a fresh outer state, no sync in flight (module docstring)."""
-    _drop_pending(outer)
-    for unit, flat in zip(outer.units, outer.global_copy, strict=True):
-        flat.copy_(unit.sharded_flat)
-    outer.outer.state.clear()
-    outer.inner_steps = 0
-
-
-def _drop_pending(outer: OuterState) -> None:
-    """Forget the syncs in flight (waiting for their all-reduces first: every rank started them)."""
-    outer.settle()
-    outer.pending = []

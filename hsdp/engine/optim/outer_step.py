@@ -14,6 +14,17 @@ same code path. Padding rows are zero on every replica, so they stay zero. A che
 flight and keeps their means and steps left, so they land at the same steps after a resume
 (``outer_checkpoint.py``, [Note: syncs in flight]).
 
+[Note: loads after the optimizer] torch lets the optimizer be built before the weights are loaded
+(``model.load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``, a model-only ``hsdp.load_checkpoint``,
+or a user's own ``p.copy_`` under ``no_grad``). The global copy must then be the loaded weights, or the next sync
+pulls every replica back toward the weights the optimizer first saw. So the outer state records, after each
+write of its own (an inner step, a landing, a load of its state), the model's load count (``HSDPState.loads``,
+which hsdp's load paths bump: every rank runs them, so every rank sees the same count) and each parameter's
+version counter (which a user's in-place write to the DTensor parameter bumps; the inner step writes the local
+chunks, which leaves it alone); before the next inner step any change means the weights were loaded, and it
+:meth:`OuterState.restart`s from them. The flat shard's own version counter cannot serve: collectives (a
+broadcast from replica 0) and DTensor dispatch write it without bumping it.
+
 [Note: one order everywhere] Every rank starts the same fragments' all-reduces after the same inner steps, in
 fragment and unit order, and lands them in the order started, so the replicate group's collectives match on
 every rank although several may be in flight.
@@ -100,6 +111,38 @@ class OuterState:
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
         self.last: SyncStep | None = None  # what the last inner step did (None before the first)
+        self._seen = self._versions()  # see [Note: loads after the optimizer]
+
+    def _versions(self) -> tuple[int, list[int]]:
+        """The model's load count and its parameters' version counters ([Note: loads after the optimizer])."""
+        return self.model._hsdp_state.loads, [p.sharded._version for u in self.units for p in u.params]
+
+    def mark_written(self) -> None:
+        """The flat shards were just written by DiLoCo's own steps (an inner step, a landing, a load of the
+        outer state): not a load of the model."""
+        self._seen = self._versions()
+
+    def follow_loads(self) -> None:
+        """Before an inner step: weights written since DiLoCo's last own write were loaded (see [Note: loads
+        after the optimizer]), so restart from them."""
+        if self._versions() != self._seen:
+            self.restart()
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Global copy := the model's current weights, phase 0, a fresh outer optimizer state (its momentum), no
+        sync in flight: what loading weights without DiLoCo's own state means (``outer_checkpoint.py``)."""
+        self.drop_pending()
+        for unit, flat in zip(self.units, self.global_copy, strict=True):
+            flat.copy_(unit.sharded_flat)
+        self.outer.state.clear()
+        self.inner_steps = 0
+        self.mark_written()
+
+    def drop_pending(self) -> None:
+        """Forget the syncs in flight (waiting for their all-reduces first: every rank started them)."""
+        self.settle()
+        self.pending = []
 
     def fragment_units(self, fragment: int) -> list[ShardUnit]:
         return [self.units[i] for i in self.fragments[fragment]]
@@ -115,6 +158,7 @@ class OuterState:
         self.pending.extend(self._start(fragment) for fragment in started)
         landed += self._land_due()
         self.last = SyncStep(tuple(started), tuple(landed))
+        self.mark_written()
         return bool(landed)
 
     def sync_now(self) -> None:
@@ -131,6 +175,7 @@ class OuterState:
         landed += self._land_due()
         self.inner_steps = 0
         self.last = SyncStep(tuple(started), tuple(landed))
+        self.mark_written()
 
     def settle(self) -> None:
         """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint)."""

@@ -19,7 +19,6 @@ from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, is_state_
 from hsdp.engine.optim.elastic_heal import attach_heal, elastic_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
-from hsdp.engine.optim.outer_checkpoint import restart
 from hsdp.engine.optim.outer_step import OuterState, SyncStep
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
@@ -105,8 +104,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
         self._hsdp_model._hsdp_state.step_read.before_step()  # as torch's step pre-hook, which these may skip
+        outer = self._hsdp_outer
+        if outer is not None:
+            outer.follow_loads()  # weights loaded since the last step: the global copy follows them
         if is_state_warmup(self):  # torch's state dict helpers creating the state: not a training step
-            return self._inner_step(closure)
+            result = self._inner_step(closure)
+            if outer is not None:
+                outer.mark_written()
+            return result
         if self._hsdp_model.mesh.elastic is not None and not elastic_step(self._hsdp_model):
             return None  # discarded on every member (elastic_heal.py): nothing is applied anywhere
         result = self._inner_step(closure)
@@ -223,11 +228,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load the FQN-keyed form (``DTensor`` or full tensors); other forms go to the wrapped class.
 
         Under DiLoCo this is the inner optimizer's state alone: afterwards the global copy is the model's
-        current weights, the phase 0 and the outer momentum fresh (``outer_checkpoint.restart``), so load the
+        current weights, the phase 0 and the outer momentum fresh (``OuterState.restart``), so load the
         model first; ``hsdp.load_checkpoint`` then sets the global copy, outer state and phase it saved."""
         self._load_inner_state_dict(state_dict)
         if self._hsdp_outer is not None:
-            restart(self._hsdp_outer)
+            self._hsdp_outer.restart()
 
     def _load_inner_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict.get("param_groups", [])

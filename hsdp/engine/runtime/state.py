@@ -102,6 +102,7 @@ class HSDPState:
         if mesh.elastic is not None:
             self.step_read.sharded_optimizer_only = "is elastic (a step the coordinator discards must not be applied)"
         self.replica_sync: Any = None  # ShardedModel(replica_sync=hsdp.DiLoCo(...)), stepped by ShardedOptimizer
+        self.loads = 0  # weights written from outside training (load_state_dict, load_pretrained, materialize)
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
         # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
         # gloo's reduce-scatter work reports completion only once waited: nothing to poll), the mesh's hop
