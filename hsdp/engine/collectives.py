@@ -276,14 +276,24 @@ class Comm:
             else:  # on the hop worker: book to the entry chain() reserved
                 entry.work, self._worker_local.booked = work, True
             retire = functools.partial(self._ledger.done_when, entry)
-        # Elastic: a wait in the replicate group gives up once the coordinator says a member is gone, instead
-        # of blocking until the group's timeout (gloo cannot abort a collective in flight).
-        interrupt = getattr(self._layer, "interrupted", None) if group == "replicate" else None
         handle = Handle(work, stats, on_done=on_done, region=region, retire=retire, cuda_timed=self._cuda,
-                        completion=completion_event if self._cuda else None, interrupt=interrupt)
+                        completion=completion_event if self._cuda else None, interrupt=self._interrupt(group))
         if not async_op:
             handle.wait()
         return handle
+
+    def _interrupt(self, group: str) -> Callable[[], str] | None:
+        """What a wait in ``group`` asks, between slices, whether to give up (see ``Handle``): the elastic layer's
+        coordinator notice, on a gloo replicate group only. A gloo wait blocks its thread until the collective
+        ends (a stopped peer: the group's timeout), and a sliced wait leaves the collective running. On NCCL,
+        ``Work.wait(timeout)`` blocks the host instead of the stream and, once ``timeout`` has passed since the
+        collective was *enqueued*, marks it failed and aborts the communicator: a healthy hop queued behind
+        backward work would end the step. There the wait is plain (the stream waits, the host goes on) and the
+        epoch's watch thread aborts the communicator on the coordinator's notice (``elastic/layer.py``)."""
+        interrupted = getattr(self._layer, "interrupted", None) if group == "replicate" else None
+        if interrupted is None or not _waits_on_host(self._group(group), self.mesh.device):
+            return None
+        return interrupted
 
     # -- small control messages (checkpointing: agreeing on an error, sharing a resolved path; measurements)
     def all_gather_bytes(self, data: bytes, group: str = "world") -> list[bytes]:
@@ -325,6 +335,16 @@ class Comm:
         payload = _padded_bytes(data or b"", size, device)
         self.broadcast(payload, src_group_rank, group)
         return payload.cpu().numpy().tobytes()
+
+
+def _waits_on_host(pg: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``pg``'s collectives on ``device`` run on gloo, whose ``Work.wait(timeout)`` only gives up waiting
+    (NCCL's aborts the communicator; another backend's is not known to be safe)."""
+    group, gloo = pg if pg is not None else dist.group.WORLD, getattr(dist, "ProcessGroupGloo", None)
+    try:
+        return gloo is not None and isinstance(group._get_backend(device), gloo)
+    except RuntimeError:  # no backend for that device
+        return False
 
 
 def _padded_bytes(data: bytes, size: int, device: torch.device) -> torch.Tensor:

@@ -3,8 +3,9 @@
 ``Comm`` (``collectives.py``) issues every collective and returns a :class:`Handle`; a call handed to the mesh's
 hop worker returns a :class:`Chained`. A wait books its seconds to the collective's stats row, takes the
 collective out of the hang ledger's pending set (also when it failed), then runs ``on_done``. On an elastic mesh a
-wait in the replicate group is *interruptible*: it gives up once the coordinator says a member is gone, because
-gloo cannot abort a collective in flight.
+wait in a gloo replicate group is *interruptible*: it gives up once the coordinator says a member is gone, because
+gloo cannot abort a collective in flight. Never on NCCL, whose ``Work.wait(timeout)`` aborts the communicator once
+the timeout has passed since the collective was enqueued (``Comm._interrupt``): there every wait is plain.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class Handle:
         self.done = work is None and on_done is None and not self._after
 
     def _wait_work(self) -> None:
-        """``work.wait()``; with an interrupt, in slices (a sliced wait leaves the collective running), raising
-        once the interrupt gives a reason while the collective is still incomplete."""
+        """``work.wait()``; with an interrupt (gloo only), in slices (a sliced gloo wait leaves the collective
+        running), raising once the interrupt gives a reason while the collective is still incomplete."""
         work = self._work
         assert work is not None
         if self._interrupt is None:
