@@ -59,6 +59,7 @@ class AllReduceHop:
     dtype: torch.dtype | None = None
 
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
+        """Begin the average of ``buffer`` over the replicate group, on the wire in ``dtype``."""
         if comm.size("replicate") == 1:
             return Handle()
         if self.dtype is None or self.dtype == buffer.dtype:
@@ -79,10 +80,11 @@ class AllReduceHop:
         return handle.then(lambda: output.copy_(wire_out))
 
     def state_dict(self) -> None:
+        """``None``: this hop keeps no state across steps."""
         return None  # stateless
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        pass
+        """Nothing to restore (stateless)."""
 
 
 @dataclass
@@ -102,6 +104,8 @@ class Int8ErrorFeedbackHop:
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
+        """Quantise ``buffer`` plus this unit's residual, keep the new residual, and begin the all-gathers of
+        the int8 blocks and their scales; the handle's wait leaves every replica's mean in ``buffer``."""
         r = comm.size("replicate")
         if r == 1:
             return Handle()
@@ -129,9 +133,11 @@ class Int8ErrorFeedbackHop:
         return Handle.all(handles, on_done=decompress)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The residuals, ``{unit key: 1-D tensor}`` (saved with the optimizer state by ``save_checkpoint``)."""
         return dict(self.residuals)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore (some units') residuals returned by :meth:`state_dict`."""
         self.residuals.update(state)
 
 

@@ -22,9 +22,11 @@ class StateBytes:
 
     @property
     def total(self) -> int:
+        """Parameters + gradients + optimizer state, in bytes."""
         return self.params + self.grads + self.optimizer
 
     def as_dict(self) -> dict[str, int]:
+        """The three counts and their total, by name."""
         return {**asdict(self), "total": self.total}
 
 

@@ -99,6 +99,7 @@ class HSDPMesh:
 
     @property
     def device(self) -> torch.device:
+        """This rank's device: the current CUDA device on a CUDA mesh, else the CPU."""
         if self.param_mesh.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.param_mesh.device_type)
@@ -113,6 +114,8 @@ class HSDPMesh:
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
+        """The process group of this rank's replica: the ranks that split each parameter (all-gather,
+        reduce-scatter)."""
         return self.replicas.shard_group
 
     @property
@@ -150,10 +153,12 @@ class HSDPMesh:
 
     @property
     def tp_degree(self) -> int:
+        """The tensor-parallel degree T (1 without a tp dim)."""
         return self.device_mesh.size(2) if self.has_tp else 1  # type: ignore[union-attr]
 
     @property
     def shard_rank(self) -> int:
+        """This rank's index in its shard group: which dim-0 chunk of every parameter it holds."""
         return self.replicas.shard_rank
 
     @property
@@ -163,10 +168,12 @@ class HSDPMesh:
 
     @property
     def tp_rank(self) -> int:
+        """This rank's index in its tensor-parallel group (0 without a tp dim)."""
         return self.device_mesh.get_local_rank("tp") if self.has_tp else 0  # type: ignore[union-attr]
 
     @property
     def rank(self) -> int:
+        """This rank's global rank in the process group."""
         return dist.get_rank()
 
     @property

@@ -35,9 +35,11 @@ class MixedPrecision:
                 raise ValueError(f"MixedPrecision.{name} must be a floating torch.dtype or None, got {value!r}")
 
     def compute(self, orig: torch.dtype) -> torch.dtype:
+        """The all-gather and compute dtype of a parameter whose own dtype is ``orig``."""
         return self.param_dtype or orig
 
     def reduce(self, orig: torch.dtype) -> torch.dtype:
+        """The intra-node reduce-scatter's dtype for a parameter whose own dtype is ``orig``."""
         return self.reduce_dtype or self.compute(orig)
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
