@@ -14,6 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hsdp.engine.class_swap import register_extensions as _register_extensions
+
+# The framework classes whose own methods a wrapped model replaces: a wrapped Hugging Face or PEFT model's
+# ``save_pretrained(dir)``, called on every rank, gathers the shards and rank 0 writes. Strings, imported only
+# when such a model is wrapped (see [Note: class extensions] in hsdp/engine/class_swap.py, which imports nothing).
+_register_extensions({
+    "transformers:PreTrainedModel": "hsdp.integrations.hf_folder:PreTrainedSave",
+    "peft:PeftModel": "hsdp.integrations.peft:PeftSave",
+})
+
 # The public names, each from the module that defines it. They are imported on first use (PEP 562), so
 # `import hsdp` and the command line's torch-free subcommands (`hsdp version`, `hsdp plan`, `--help`) do not
 # pay for importing torch.

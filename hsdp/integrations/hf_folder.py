@@ -16,6 +16,9 @@ weight gathered on a GPU arrives as two separate tensors, so both copies would b
 3. every rank returns once rank 0 is done (an agreement: an error on rank 0 raises on every rank), so any rank
    may read the folder right after.
 
+A wrapped model's own ``model.save_pretrained(dir)`` is :func:`save_pretrained` (:class:`PreTrainedSave`, mixed in
+at wrap time), so the save a hand-written loop ends with works as written, on every rank.
+
 Memory: rank 0 holds the whole model in host memory while it writes (the price of a consolidated folder).
 For training checkpoints use ``hsdp.save_checkpoint`` (sharded, each rank writes its own part).
 """
@@ -26,6 +29,7 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from hsdp.engine.agreement import on_rank0
@@ -54,6 +58,35 @@ def save_pretrained(model: ShardedModel, save_directory: str | os.PathLike, **kw
     return directory
 
 
+class PreTrainedSave:
+    """Mixed into every wrapped ``transformers.PreTrainedModel`` between ``ShardedModel`` and the model's class (see
+    [Note: class extensions] in hsdp/engine/class_swap.py)."""
+
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
+                        state_dict: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Hugging Face's ``save_pretrained`` on a sharded model. Without ``state_dict``: :func:`save_pretrained`, a
+        collective (call it on every rank; rank 0 writes, so ``is_main_process`` changes nothing). With a
+        consolidated ``state_dict`` (``hsdp.full_state_dict(model)``, called on every rank, full on rank 0): no
+        collective, rank 0 writes it when ``is_main_process``, as Hugging Face does."""
+        model: ShardedModel = self  # type: ignore[assignment]  # only ever mixed into a ShardedModel
+        if state_dict is None:
+            save_pretrained(model, save_directory, **kwargs)
+            return
+        _check(model, save_directory, kwargs)
+        check_consolidated(state_dict, "model.save_pretrained(directory)")
+        if is_main_process and model.mesh.rank == 0:
+            # A copy of the dict (not the tensors): Hugging Face pops the entries it writes.
+            _write(model, dict(state_dict), os.fspath(save_directory), kwargs)
+
+
+def check_consolidated(state_dict: dict[str, Any], call: str) -> None:
+    """``ValueError`` for a ``state_dict`` of shards (``model.state_dict()`` of a ShardedModel holds DTensors)."""
+    if any(isinstance(v, DTensor) for v in state_dict.values()):
+        raise ValueError(f"state_dict holds sharded DTensor parameters (a ShardedModel's state_dict()): pass "
+                         f"hsdp.full_state_dict(model) (called on every rank), or leave state_dict out and call "
+                         f"{call} on every rank")
+
+
 def architecture_name(model: ShardedModel) -> str:
     """The class name ``config.json`` must carry: the model's class before hsdp swapped it."""
     return original_class(model, ShardedModel).__name__
@@ -76,7 +109,9 @@ def _check(model: Any, save_directory: Any, kwargs: dict[str, Any]) -> None:
 
 def _write(model: ShardedModel, weights: dict[str, torch.Tensor], directory: str, kwargs: dict[str, Any]) -> None:
     tie_aliases(model, weights)
-    model.save_pretrained(directory, state_dict=weights, is_main_process=True, **kwargs)
+    # The model class's own method: the wrapped model's is PreTrainedSave's, which would gather again.
+    original_class(model, ShardedModel).save_pretrained(model, directory, state_dict=weights, is_main_process=True,
+                                                        **kwargs)
     # save_pretrained names the architecture after type(model): hsdp's generated subclass. Write the original.
     model.config.architectures = [architecture_name(model)]
     model.config.save_pretrained(directory)
