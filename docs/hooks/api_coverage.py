@@ -111,7 +111,8 @@ def referenced(docs_dir: Path, package: griffe.Module) -> set[str]:
 
 def check(root: Path, docs_dir: Path) -> list[str]:
     """Every problem found, one line each (empty: all public names documented and referenced)."""
-    package = griffe.load(PACKAGE, search_paths=[str(root)], resolve_aliases=True, resolve_external=False)
+    package = griffe.load(PACKAGE, search_paths=[str(root)], try_relative_path=False, resolve_aliases=True,
+                          resolve_external=False)
     names = public_names(package)
     problems = [f"{n} has no docstring: write one (the API reference is generated from it)"
                 for n in undocumented(package, names)]
