@@ -15,8 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 import api_coverage  # noqa: E402  (docs/hooks is no package; griffe comes with the docs extra, in the test extra)
