@@ -17,6 +17,9 @@ One spawn of 4 gloo ranks as 2 emulated nodes x 2 (``LOCAL_WORLD_SIZE=2``, mesh 
 * ``precision="bf16-mixed"`` is hsdp's mixed precision (losses equal a hand-written hsdp loop with the same
   ``MixedPrecision``, and differ from fp32), no process is launched, the sampler is by data-parallel rank (a
   tensor-parallel pair shares one), Lightning's ``data_parallel`` mesh is refused.
+* Nodes of different sizes (3 + 1, no degree): the Trainer's strategy builds a heterogeneous mesh, hands the
+  LightningModule ``device_mesh=None`` and trains as the one-device Trainer does (1e-5); a module wrapped on
+  another heterogeneous mesh is refused.
 
 Bad input that needs no processes (precision flags, degrees, the wrong framework's strategy, a missing
 launcher) is checked in the test process.
@@ -253,7 +256,7 @@ def _trainer(strategy: Any, root: str, **kwargs: Any) -> L.Trainer:
                      gradient_clip_val=CLIP, default_root_dir=root, num_sanity_val_steps=0, **QUIET, **kwargs)
 
 
-def _trainer_checks(rank: int, tmp: str, fabric_gathers: int, fabric_hops: tuple) -> None:
+def _trainer_checks(rank: int, tmp: str, fabric_gathers: int, fabric_hops: tuple) -> dict[str, torch.Tensor]:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from safetensors.torch import load_file
 
@@ -302,12 +305,45 @@ def _trainer_checks(rank: int, tmp: str, fabric_gathers: int, fabric_hops: tuple
         plain.load_state_dict(load_file(out))  # strict: every key, tied ones included
         for name, value in plain.state_dict().items():
             assert torch.equal(value, full[name]), name
+    return ref.state_dict()
+
+
+class MeshProbe(LitGPT):
+    """Records the ``device_mesh`` the strategy hands to ``configure_model``."""
+
+    def configure_model(self) -> None:
+        self.seen_mesh = ("set", self.device_mesh)
+
+
+def _heterogeneous_checks(rank: int, tmp: str, ref_state: dict[str, torch.Tensor]) -> None:
+    """Nodes of 3 and 1 ranks (torchrun's LOCAL_WORLD_SIZE per node) and no degree: the Trainer's strategy builds
+    a heterogeneous mesh [3, 1], hands the LightningModule device_mesh=None (no grid), and trains as one process
+    does (the sampler by data-parallel rank: the grid's global batches). A module wrapped on another
+    heterogeneous mesh is refused (both meshes have device_mesh None: comparing those passed)."""
+    os.environ.update(LOCAL_WORLD_SIZE=str((3, 3, 3, 1)[rank]), LOCAL_RANK=str((0, 1, 2, 0)[rank]))
+    try:
+        lit = MeshProbe()
+        trainer = _trainer(HSDPStrategy(), tmp, enable_checkpointing=False)
+        trainer.fit(lit, DataLoader(_dataset(SAMPLES // 2), batch_size=PER_RANK))
+        mesh = trainer.strategy.mesh
+        assert mesh.heterogeneous and mesh.replicas.degrees == (3, 1) and lit.seen_mesh == ("set", None)
+        full = hsdp.full_state_dict(lit)
+        if rank == 0:
+            for name, value in ref_state.items():
+                _close(full[name], value, what=name)
+        elsewhere = hsdp.ShardedModel(LitGPT(), mesh=hsdp.init_mesh(fault_policy=None))  # another [3, 1] mesh
+        with pytest.raises(ValueError, match="already a ShardedModel on another mesh"):
+            _trainer(HSDPStrategy(), tmp, enable_checkpointing=False).fit(
+                elsewhere, DataLoader(_dataset(SAMPLES // 2), batch_size=PER_RANK))
+    finally:
+        os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
 
 
 def _everything(rank: int, world: int, tmp: str) -> None:
     fabric = _fabric_checks(rank, tmp)
     _bf16_and_sampler_checks(rank)
-    _trainer_checks(rank, tmp, fabric["gathers"], fabric["hops"])
+    ref_state = _trainer_checks(rank, tmp, fabric["gathers"], fabric["hops"])
+    _heterogeneous_checks(rank, tmp, ref_state)
 
 
 def test_lightning_fabric_and_trainer_match_one_process(tmp_path: Path) -> None:

@@ -45,6 +45,17 @@ inside the node and the inter-node all-reduce runs once per optimizer step. Clip
 issues one). Mixed precision: ``Accelerator(mixed_precision="bf16")`` autocasts the forward as for any model;
 ``hsdp.MixedPrecision`` also gathers and reduces in bf16.
 
+Data: accelerate splits a data loader by its process index and count, those of the torchrun job it runs in.
+On a grid or a heterogeneous mesh they are hsdp's data-parallel rank and size; on an elastic mesh
+(``init_mesh(elastic=True)``) each replica is a torchrun job of its own, and every replica would read the same
+batches. The loaders :func:`prepare` is given are then split by ``mesh.data_parallel_rank`` and
+``mesh.data_parallel_size`` (:func:`split_by_mesh`), every replica its own part, as ``hsdp.distributed_sampler``
+does; a shuffling loader needs accelerate's seedable sampler
+(``DataLoaderConfiguration(use_seedable_sampler=True)``) and the same seed on every replica (``set_seed``), and
+accelerate's dispatching loaders are refused (rank 0 of one replica cannot feed the others). accelerate's own
+collectives (``gather``, ``reduce``, ``gather_for_metrics``) still span one replica: prepare an evaluation
+loader with ``accelerator.prepare`` (each replica then evaluates all of it).
+
 Not supported (``ValueError`` naming the fix): accelerate's DeepSpeed, FSDP, Megatron-LM and XLA modes (hsdp
 shards the model itself), ``mixed_precision="fp16"`` (accelerate's GradScaler sees one rank's shards: use bf16,
 or ``hsdp.MixedPrecision`` and ``hsdp.ShardedGradScaler`` in a loop of your own), tensor-parallel meshes
@@ -56,24 +67,30 @@ or ``hsdp.full_state_dict``. Pass hsdp models and optimizers through :func:`prep
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
 
 from hsdp.checkpoint import load_checkpoint, save_checkpoint
 from hsdp.checkpoint.lease import release_lease
+from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 from hsdp.integrations.hf_folder import save_pretrained, tie_aliases
 
 __all__ = ["check_accelerator", "checkpoint_dir", "prepare", "prepare_model", "register_hooks", "save_pretrained",
-           "tie_aliases"]
+           "split_by_mesh", "tie_aliases"]
 
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 
@@ -102,7 +119,8 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
         else:
             rest.append(i)
     if rest:
-        prepared = accelerator.prepare(*[objects[i] for i in rest])
+        with split_by_mesh(accelerator, _data_mesh([_base(m) for m in models] + [p.model for p in hooks.pairs])):
+            prepared = accelerator.prepare(*[objects[i] for i in rest])
         for i, obj in zip(rest, prepared if len(rest) > 1 else (prepared,), strict=True):
             out[i] = obj
     for model in models:
@@ -154,6 +172,59 @@ def _check_mesh(accelerator: Accelerator, model: ShardedModel) -> None:
                          f"{accelerator.num_processes} process(es): on a machine without GPUs accelerate needs "
                          f"Accelerator(cpu=True) (or ACCELERATE_USE_CPU=1) to see the torchrun world; the mesh and "
                          f"the accelerator must span the same ranks")
+
+
+@contextlib.contextmanager
+def split_by_mesh(accelerator: Accelerator, mesh: HSDPMesh | None) -> Iterator[None]:
+    """While open, ``accelerator.prepare`` and ``accelerator.prepare_data_loader`` split data loaders by ``mesh``'s
+    data-parallel rank and size, not by accelerate's process index and count (those of this replica's torchrun job
+    on an elastic mesh). Nothing changes where the two agree (a grid, a heterogeneous mesh) or without a mesh.
+    ``ValueError`` naming the fix for a loader that cannot be split so (see the module doc)."""
+    if mesh is None or (mesh.data_parallel_size, mesh.data_parallel_rank) == (accelerator.num_processes,
+                                                                              accelerator.process_index):
+        yield
+        return
+    # An attribute of this accelerator object: accelerate's prepare (and Trainer's, through it) looks the method
+    # up on the instance, so every loader prepared inside the block comes here.
+    accelerator.prepare_data_loader = functools.partial(_prepare_split_loader, accelerator, mesh)
+    try:
+        yield
+    finally:
+        del accelerator.prepare_data_loader
+
+
+def _prepare_split_loader(accelerator: Accelerator, mesh: HSDPMesh, data_loader: DataLoader,
+                          device_placement: bool | None = None, slice_fn_for_dispatch: Any = None) -> DataLoader:
+    """``Accelerator.prepare_data_loader`` with the mesh's data-parallel rank and size."""
+    if getattr(data_loader, "_is_accelerate_prepared", False):
+        raise ValueError("this data loader was prepared before (split by accelerate's processes, one replica's on an "
+                         "elastic mesh): pass the plain DataLoader to hsdp.integrations.accelerate.prepare")
+    if accelerator.dispatch_batches:
+        raise ValueError("dispatch_batches=True: on an elastic mesh rank 0 of one replica cannot feed the others; use "
+                         "DataLoaderConfiguration(dispatch_batches=False) (each rank reads its own part)")
+    if isinstance(data_loader.sampler, RandomSampler) and not accelerator.use_seedable_sampler:
+        raise ValueError("a shuffling data loader on an elastic mesh: every replica must shuffle alike, which "
+                         "accelerate syncs inside one replica only; use Accelerator(dataloader_config="
+                         "DataLoaderConfiguration(use_seedable_sampler=True)) and set_seed(seed) on every replica")
+    if device_placement is None:
+        device_placement = accelerator.device_placement
+    prepared = prepare_data_loader(
+        data_loader, accelerator.device, num_processes=mesh.data_parallel_size, process_index=mesh.data_parallel_rank,
+        split_batches=accelerator.split_batches, put_on_device=device_placement, rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=False, even_batches=accelerator.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
+        use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader)
+    accelerator._dataloaders.append(prepared)  # as accelerate's own does: save_state/load_state see its sampler
+    return prepared
+
+
+def _data_mesh(models: list[ShardedModel]) -> HSDPMesh | None:
+    """The mesh that splits the data: the models' (``ValueError`` for models whose meshes split it differently)."""
+    splits = {(m.mesh.data_parallel_size, m.mesh.data_parallel_rank) for m in models}
+    if len(splits) > 1:
+        raise ValueError("the prepared hsdp models are on meshes that split data differently: train the models of "
+                         "one accelerator on one mesh")
+    return models[0].mesh if models else None
 
 
 def checkpoint_dir(output_dir: str | os.PathLike, index: int = 0) -> str:

@@ -29,7 +29,9 @@ callbacks, schedulers, ``max_grad_norm``, ``gradient_accumulation_steps``, ``gra
   (``hsdp.integrations.hf_folder.save_pretrained``: the original architecture name, tied weights once).
 
 Unchanged and checked in ``tests/test_integration_trainer.py``: accelerate's data loader gives each rank its own
-part of the global batch (hsdp's data-parallel rank is the global rank without tensor parallelism),
+part of the global batch (hsdp's data-parallel rank is the global rank without tensor parallelism; on an elastic
+mesh, where each replica is a torchrun job of its own, the training loader is split by the mesh's data-parallel
+rank and size instead: ``hsdp.integrations.accelerate.split_by_mesh``, tested in ``tests/test_integration_elastic.py``),
 accumulation micro-batches run under accelerate's ``no_sync``, which calls ``model.no_sync()``: reduce-scatter
 inside the node on every micro-batch, one inter-node all-reduce per optimizer step.
 
@@ -77,7 +79,7 @@ from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 from hsdp.engine.policy import MixedPrecision
 from hsdp.engine.wrap import WrapPolicy
-from hsdp.integrations.accelerate import check_accelerator, checkpoint_dir, prepare_model
+from hsdp.integrations.accelerate import check_accelerator, checkpoint_dir, prepare_model, split_by_mesh
 from hsdp.integrations.hf_folder import architecture_name, save_pretrained
 
 __all__ = ["HSDPTrainer", "resume_dir"]
@@ -122,6 +124,14 @@ class HSDPTrainer(Trainer):
         # The returned object is the model itself (torch_compile, the only thing that would wrap it, is refused).
         prepare_model(self.accelerator, model)
         return model
+
+    # -- data: every replica its own part ----------------------------------------------------------------------
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        # Split by the mesh's data-parallel rank and size: on an elastic mesh accelerate's processes are one
+        # replica's. Evaluation loaders stay accelerate's: each replica evaluates all of it (its metrics are
+        # gathered over its own ranks).
+        with split_by_mesh(self.accelerator, self.model.mesh):
+            return super().get_train_dataloader()
 
     # -- the optimizer: Trainer's, over the shards -----------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

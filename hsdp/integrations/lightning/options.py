@@ -93,6 +93,13 @@ def build_mesh(options: HSDPOptions) -> HSDPMesh:
                      device_mesh=options.device_mesh, timeout=options.timeout, fault_policy=options.fault_policy)
 
 
+def same_mesh(a: HSDPMesh, b: HSDPMesh) -> bool:
+    """The same mesh object, or two hsdp meshes over one ``DeviceMesh`` (``init_mesh(device_mesh=...)`` by the user
+    and by the strategy). A heterogeneous mesh has no ``DeviceMesh`` (``None`` for every one of them): only the
+    object itself is the same mesh."""
+    return a is b or (a.device_mesh is not None and a.device_mesh is b.device_mesh)
+
+
 def wrap_module(module: nn.Module, mesh: HSDPMesh, options: HSDPOptions,
                 precision: MixedPrecision | None) -> ShardedModel:
     """``hsdp.ShardedModel`` over ``module`` with the strategy's settings; a module built on the meta device
@@ -100,7 +107,7 @@ def wrap_module(module: nn.Module, mesh: HSDPMesh, options: HSDPOptions,
     its modules' ``reset_parameters()`` (the same seed on every rank, as hsdp checks). Idempotent: a module that
     is already a ShardedModel (a second ``trainer.fit``) is returned as it is."""
     if isinstance(module, ShardedModel):
-        if module.mesh.device_mesh is not mesh.device_mesh:
+        if not same_mesh(module.mesh, mesh):
             raise ValueError(f"{type(module).__name__} is already a ShardedModel on another mesh: build a fresh model "
                              f"for this strategy, or reuse the strategy that wrapped it")
         return module

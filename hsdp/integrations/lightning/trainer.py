@@ -44,7 +44,10 @@ class HSDPStrategy(HSDPStrategyBase, ParallelStrategy):
       from ``devices``/``num_nodes``. The process group is joined when the Trainer sets up (NCCL for a CUDA
       accelerator, gloo for the CPU) unless it exists; then ``hsdp.init_mesh`` builds the mesh
       (``strategy.mesh``; ``self.device_mesh`` in ``configure_model`` is its ``DeviceMesh``, ``["tp"]`` the
-      tensor-parallel sub-mesh for ``hsdp.tp_plans``).
+      tensor-parallel sub-mesh for ``hsdp.tp_plans``). Nodes of different sizes (torchrun's ``--nproc-per-node``
+      differing per node) make a heterogeneous mesh, one replica per node: no ``DeviceMesh`` grid describes it,
+      so ``self.device_mesh`` is ``None`` there, as under Lightning's DDP (tensor parallelism is refused on such a
+      mesh); ``strategy.mesh`` describes it.
     * Model: after ``configure_model``, the LightningModule itself becomes an ``hsdp.ShardedModel`` (same
       object, same ``state_dict`` keys; every repeated block a unit unless ``wrap=``). Each
       ``training_step``/``validation_step``/... runs as a forward of the module (Lightning's forward redirection),
@@ -111,7 +114,8 @@ class HSDPStrategy(HSDPStrategyBase, ParallelStrategy):
         self._setup_hsdp_environment()
         super().setup_environment()  # the accelerator's device (the GPU of LOCAL_RANK)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self.mesh.device_mesh  # LightningModule.device_mesh
+        # LightningModule.device_mesh: None on a heterogeneous mesh (no grid; see the class doc).
+        self.lightning_module._device_mesh = self.mesh.device_mesh
 
     # -- model and optimizer ----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
