@@ -3,6 +3,7 @@
 
 * ``on_files`` adds every file under ``examples/`` and ``benchmarks/`` to the site at its repository path
   (results tables render as pages, plots and scripts are copied as they are).
+* ``on_pre_build`` checks that every relative link of README.md names a repository file.
 * ``on_page_markdown`` rewrites each link that leaves ``docs/`` for one of those files into a link inside the
   site, and logs a warning (an error under ``--strict``) for a link to a repository file that does not exist
   or is not part of the site, so a renamed result or example fails ``make docs``.
@@ -75,3 +76,14 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
                             line)
         lines.append(line)
     return "\n".join(lines)
+
+
+def on_pre_build(config) -> None:
+    """The README is not part of the site, but it links into it: each of its relative links must name a file
+    of the repository (anchors are left to the pages' own check)."""
+    root = _repo_root(config)
+    readme = root / "README.md"
+    for target in LINK.findall(readme.read_text()) if readme.exists() else []:
+        path = target[1].partition("#")[0]
+        if path and not re.match(r"^[a-z][a-z0-9+.-]*:", path) and not (root / path).exists():
+            log.warning("README.md links to %s, which does not exist in the repository", path)
