@@ -34,10 +34,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from elastic_clients import ReplicaClient
 
 from hsdp.apps.train.config_io import resolve_config
 from hsdp.apps.train.elastic_run import prepare_elastic_run_dir
-from hsdp.engine.elastic.client import CoordinatorClient, QuorumLost, connect
+from hsdp.engine.elastic.client import QuorumLost, connect
 from hsdp.engine.elastic.protocol import ElasticPolicy
 from hsdp.tools.coordinator.server import Coordinator
 
@@ -159,26 +160,20 @@ def coordinator(request: pytest.FixtureRequest) -> Iterator[tuple[str, Coordinat
     thread = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
     thread.start()
     yield f"127.0.0.1:{master.port}", coord
-    for client in _CLIENTS:
-        client.close()  # heartbeats stop before the store they beat on goes
-    _CLIENTS.clear()
+    ReplicaClient.close_all()  # heartbeats stop before the store they beat on goes
     stop.set()
     thread.join()
 
 
-_CLIENTS: list[CoordinatorClient] = []
-
-
-def _client(address: str, replica: int, degree: int = 2) -> CoordinatorClient:
+def _client(address: str, replica: int, degree: int = 2) -> ReplicaClient:
     """A replica's leader that registered (``degree`` ranks) and is ready to be admitted."""
-    client = CoordinatorClient(connect(address, "job", POLICY), address, "job", replica, True, POLICY)
-    _CLIENTS.append(client)
+    client = ReplicaClient(connect(address, "job", POLICY), address, "job", replica, 0, POLICY)
     client.register(degree)
     client.ready()
     return client
 
 
-def _refusal(client: CoordinatorClient) -> tuple[str, float]:
+def _refusal(client: ReplicaClient) -> tuple[str, float]:
     start = time.monotonic()
     with pytest.raises(ValueError) as caught:
         client.admitted()

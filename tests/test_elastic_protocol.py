@@ -15,8 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from elastic_clients import ReplicaClient
+from harness import run_distributed
 
-from hsdp.engine.elastic.client import CoordinatorClient, QuorumLost, connect, parse_address
+from hsdp.engine.elastic.bootstrap import admit
+from hsdp.engine.elastic.client import CoordinatorClient, JobCompleted, QuorumLost, connect, parse_address
 from hsdp.engine.elastic.protocol import ElasticPolicy
 from hsdp.tools.coordinator.server import Coordinator
 
@@ -31,18 +34,19 @@ def coordinator() -> Iterator[tuple[str, Coordinator]]:
     thread = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
     thread.start()
     yield f"127.0.0.1:{master.port}", coord
+    ReplicaClient.close_all()
     stop.set()
     thread.join()
 
 
-def _client(address: str, replica: int) -> CoordinatorClient:
-    client = CoordinatorClient(connect(address, "job", POLICY), address, "job", replica, True, POLICY)
+def _client(address: str, replica: int) -> ReplicaClient:
+    client = ReplicaClient(connect(address, "job", POLICY), address, "job", replica, 0, POLICY)
     client.register(degree=2)
     client.ready()
     return client
 
 
-def _vote_all(clients: dict[int, CoordinatorClient], step: int) -> None:
+def _vote_all(clients: dict[int, ReplicaClient], step: int) -> None:
     for c in clients.values():
         c.vote(step, True)
         c.vote(step, True)  # two ranks per replica
@@ -98,6 +102,119 @@ def test_below_the_minimum_the_job_stops(coordinator: tuple[str, Coordinator]) -
     late = _client(address, 1)  # e.g. torchrun restarting a replica after the job stopped: told, not kept waiting
     with pytest.raises(ValueError, match="the elastic job 'job' stopped: 1 live replica"):
         late.admitted()
+
+
+def test_a_replica_is_dropped_within_the_heartbeat_timeout_when_a_rank_that_is_not_its_leader_stops(
+        coordinator: tuple[str, Coordinator]) -> None:
+    address, _ = coordinator
+    clients = {r: _client(address, r) for r in range(3)}
+    for c in clients.values():
+        c.admitted()
+    _vote_all(clients, 0)
+    assert clients[0].decision(0)
+    for c in clients.values():
+        c.want(1)
+    assert clients[0].quorum(1).members == (0, 1, 2)
+    clients[2].others[0].close()  # rank 1 of replica 2 stops (SIGSTOP, a hung host); its leader still beats
+    stopped = time.monotonic()
+    _vote_all({r: clients[r] for r in (0, 1)}, 1)
+    assert clients[0].decision(1) is False  # replica 2 cannot finish the step: discarded, not waited for
+    waited = time.monotonic() - stopped
+    assert waited < POLICY.heartbeat_timeout + 1.0, waited
+    for c in clients.values():
+        c.want(2)
+    assert clients[0].quorum(2).members == (0, 1)
+
+
+def test_a_late_replica_of_a_job_whose_members_finished_is_told_it_completed(
+        coordinator: tuple[str, Coordinator]) -> None:
+    address, coord = coordinator
+    clients = {r: _client(address, r) for r in range(3)}
+    for c in clients.values():
+        c.admitted()
+    _vote_all(clients, 0)
+    assert clients[0].decision(0)
+    clients[2].close()  # killed: torchrun restarts it
+    for c in (clients[0], clients[1]):
+        c.want(1)
+    assert clients[0].quorum(1).members == (0, 1)
+    _vote_all({r: clients[r] for r in (0, 1)}, 1)
+    assert clients[0].decision(1)  # the last step: both end their training normally
+    clients[0].close(finished=True)
+    clients[1].close(finished=True)
+    late = _client(address, 2)  # the restart, still starting when training ended
+    with pytest.raises(JobCompleted) as caught:
+        late.admitted()
+    assert caught.value.code == 0 and "completed" in str(caught.value) and "checkpoint" not in str(caught.value)
+    assert coord.state.completed and not coord.state.stopped
+    assert coord.state.finishers == {(0, 1), (1, 1)}
+
+
+def test_a_job_that_lost_every_replica_says_to_start_again_from_a_checkpoint(
+        coordinator: tuple[str, Coordinator]) -> None:
+    address, coord = coordinator
+    clients = {r: _client(address, r) for r in range(3)}
+    for c in clients.values():
+        c.admitted()
+    _vote_all(clients, 0)
+    assert clients[0].decision(0)
+    for c in clients.values():
+        c.close()  # every replica dies at once, none finished
+    late = _client(address, 2)
+    with pytest.raises(ValueError, match=r"no live replica holds the model state at step 1 .* start a new job from a "
+                                         r"checkpoint"):
+        late.admitted()
+    assert coord.state.stopped and not coord.state.completed
+
+
+class _Distant:
+    """A coordinator's store 30 ms away: every call costs a round trip."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> object:
+        call = getattr(self.store, name)
+
+        def slow(*args: object) -> object:
+            time.sleep(0.03)
+            return call(*args)
+
+        return slow
+
+
+def test_waiting_for_admission_measures_the_join_timeout() -> None:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    policy = ElasticPolicy(join_timeout=1.0)
+    client = CoordinatorClient(_Distant(master), f"127.0.0.1:{master.port}", "job", 0, 0, policy)  # type: ignore[arg-type]
+    client.incarnation = 1  # registered; no coordinator decides here
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"not admitted .* within 1 s"):
+        client.admitted()
+    assert time.monotonic() - start < 1.5  # the round trips count (counting only the pauses took 7 s)
+
+
+def _admission_without_a_leader(rank: int, world_size: int) -> tuple[str, float] | None:
+    """Rank 0, the replica's leader, never tells its admission (stuck before it asked); rank 1 waits for it."""
+    policy = ElasticPolicy(join_timeout=1.0, connect_timeout=0.5)
+    if rank == 0:
+        return None  # the file store outlives it: rank 1 waits on the leader's key alone
+    store = dist.distributed_c10d._get_default_store()
+    client = CoordinatorClient(store, "127.0.0.1:1", "job", 0, rank, policy)
+    start = time.monotonic()
+    try:
+        admit(client)
+    except ValueError as e:
+        return str(e), time.monotonic() - start
+    return "admitted", time.monotonic() - start
+
+
+def test_ranks_other_than_the_leader_wait_for_admission_as_long_as_the_join_timeout_says() -> None:
+    _, (message, waited) = run_distributed(_admission_without_a_leader, 2, timeout=60)
+    assert 1.9 < waited < 6.0, waited  # join_timeout + 2 x connect_timeout, not a fixed 5 minutes
+    assert message.startswith("replica 0 rank 1: its leader (local rank 0) did not tell its admission by the "
+                              "coordinator at 127.0.0.1:1 within 2 s (join_timeout 1 s"), message
+    assert "raise ElasticPolicy.join_timeout" in message
 
 
 def test_unreachable_or_wrong_coordinator_fails_fast_naming_the_fix() -> None:

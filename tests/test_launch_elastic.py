@@ -149,6 +149,7 @@ def test_in_namespaces_each_node_enters_its_own_and_the_coordinator_sits_on_node
     args = build_parser().parse_args(command[7:])
     assert (args.command, args.host, args.port, args.replicas, args.min_replicas, args.job, args.start_grace,
             args.heartbeat_timeout) == ("coordinator", "10.213.7.1", 0, 3, 1, "j", elastic.START_GRACE_S, 4.5)
+    assert args.linger == float("inf")  # a node restarted too late to train is told the job completed
     assert replica_command(2, 0, ["-m", "pkg"])[-2:] == ["-m", "pkg"]
 
 
@@ -187,9 +188,11 @@ def _inc(number: int, degree: int = 2) -> SimpleNamespace:
 
 
 def _state(step: int, epoch: int, members: dict, pending: dict | None = None, quorum: Quorum | None = None,
-           history: list | None = None, stopped: str = "", refusals: list | None = None) -> SimpleNamespace:
+           history: list | None = None, stopped: str = "", refusals: list | None = None, completed: str = "",
+           finishers: set | None = None) -> SimpleNamespace:
     return SimpleNamespace(step=step, epoch=epoch, members=members, pending=pending or {}, quorum=quorum,
-                           history=history or [], stopped=stopped, refusals=refusals or [])
+                           history=history or [], stopped=stopped, refusals=refusals or [], completed=completed,
+                           finishers=finishers or set())
 
 
 def test_membership_log_says_what_changed_and_nothing_else() -> None:
@@ -250,7 +253,7 @@ def test_serve_reports_a_replica_that_came_and_went_and_exits_once_none_is_left(
         where = next(line for line in lines if line.startswith("HSDP_COORDINATOR=")).split("=")[1]
         host, port = where.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)
-        client = CoordinatorClient(store, where, "t", 0, True, ElasticPolicy(heartbeat_interval=0.1,
+        client = CoordinatorClient(store, where, "t", 0, 0, ElasticPolicy(heartbeat_interval=0.1,
                                                                             heartbeat_timeout=2.0))
         client.register(1)
         client.ready()  # its model and optimizer are built

@@ -17,11 +17,23 @@ _PREFIX = "hsdp/exchange"
 
 
 def exchange(value: str, timeout: timedelta = timedelta(minutes=5)) -> list[str]:
-    """Every rank's ``value``, in rank order, on every rank of the default group."""
+    """Every rank's ``value``, in rank order, on every rank of the default group; ``TimeoutError`` naming the
+    ranks that gave none within ``timeout`` (the caller says what they were doing and which setting bounds it)."""
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     call = int(store.add(f"{_PREFIX}/calls/{rank}", 1))
     store.set(f"{_PREFIX}/{call}/{rank}", value)
     keys = [f"{_PREFIX}/{call}/{r}" for r in range(world)]
-    store.wait(keys, timeout)
+    try:
+        store.wait(keys, timeout)
+    except (RuntimeError, TimeoutError):  # the store's timeout (DistStoreError) names neither the ranks nor the call
+        raise TimeoutError(f"rank(s) {_missing(store, keys)} gave no value within {timeout.total_seconds():g} s"
+                           ) from None
     return [store.get(k).decode() for k in keys]
+
+
+def _missing(store: dist.Store, keys: list[str]) -> list[int] | str:
+    try:
+        return [r for r, k in enumerate(keys) if not store.check([k])]
+    except (RuntimeError, TimeoutError):  # the store's host is gone too
+        return "unknown (the store does not answer)"

@@ -21,7 +21,8 @@ Each replica group (typically a node) is its own torchrun job whose ranks read H
 HSDP_REPLICA_ID (0..replicas-1, unique per group) and HSDP_ELASTIC_JOB (the --job name). A replica that
 dies costs the others one discarded step; restarted (torchrun --max-restarts), it rejoins and is healed from
 a live replica. Below --min-replicas live replicas the job stops: the coordinator exits 5 s later, with
-status 3 if some replicas were still alive, 0 if none was left (the job is over). Prints the address to
+status 3 if some replicas were still alive, 0 if none was left. Once the last replicas finished training the
+job is complete: a replica arriving later is told so and exits 0; the coordinator exits 0 after --linger. Prints the address to
 export, one line per membership change (a replica left or joined, a discarded step) and a summary at exit
 (also on Ctrl-C or SIGTERM: status 0). The coordinator is a single point of failure: run it where it
 outlives the replicas.
@@ -51,6 +52,9 @@ def add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argument
                         "heartbeat interval, 0.25 s by default)")
     p.add_argument("--start-grace", type=float, default=10.0, metavar="S",
                    help="seconds to wait at the start for every replica before starting with the minimum")
+    p.add_argument("--linger", type=float, default=5.0, metavar="S",
+                   help="seconds to serve on once the job completed (its last replicas finished), telling a "
+                        "replica that arrives late that the job is over (inf: until stopped)")
     p.set_defaults(func=run_coordinator)
     return p
 
@@ -62,7 +66,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         config = CoordinatorConfig(port=args.port, replicas=args.replicas, host=args.host,
                                    min_replicas=args.min_replicas, job=args.job,
-                                   heartbeat_timeout=args.heartbeat_timeout, start_grace=args.start_grace)
+                                   heartbeat_timeout=args.heartbeat_timeout, start_grace=args.start_grace,
+                                   linger=args.linger)
     except ValueError as e:
         print(f"hsdp coordinator: error: {e}\nusage: hsdp coordinator --port PORT --replicas N [options]",
               file=sys.stderr)

@@ -3,21 +3,24 @@
 Each replica is its own torchrun job: its world is the replica (the shard group). The environment names the
 coordinator (``$HSDP_COORDINATOR``, ``host:port``), this replica's stable id (``$HSDP_REPLICA_ID``; ``hsdp launch
 --elastic`` sets the node index) and the job's prefix on the coordinator (``$HSDP_ELASTIC_JOB``, default
-``default``). Every check runs before any collective; the admission step is then told by the replica's
-leader (local rank 0 of its job), the one rank that registered and waited for it, through the replica's own
-rendezvous store.
+``default``). Every check runs before any collective; the incarnation and the admission step are then told by
+the replica's leader (local rank 0 of its job), the one rank that registered and waited for it, through the
+replica's own rendezvous store (its other ranks wait as long as the leader may: ``ElasticPolicy.leader_wait``).
+A replica that comes after the job completed is told so and ends cleanly (:class:`JobCompleted`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
-from hsdp.engine.elastic.client import CoordinatorClient, connect
+from hsdp.engine.elastic.client import CoordinatorClient, JobCompleted, connect
 from hsdp.engine.elastic.protocol import COORDINATOR_ENV, JOB_ENV, REPLICA_ID_ENV, ElasticPolicy, key
 from hsdp.engine.store_exchange import exchange
 
@@ -45,44 +48,83 @@ def elastic_env(coordinator: str | None, env: Mapping[str, str] | None = None) -
 
 
 def join(found: ElasticEnv, degree: int, policy: ElasticPolicy) -> tuple[CoordinatorClient, int]:
-    """Connect every rank and register this replica (its leader: the heartbeat starts); ``(client, configured
-    replica count)``. Admission waits until the replica is ready (:func:`admit`)."""
+    """Connect every rank and register this replica (its leader; every rank's heartbeat starts);
+    ``(client, configured replica count)``. Admission waits until the replica is ready (:func:`admit`).
+    :class:`JobCompleted` on every rank when the job is over already."""
     store = connect(found.address, found.job, policy)
-    leader = dist.get_rank() == 0
-    client = CoordinatorClient(store, found.address, found.job, found.replica_id, leader, policy)
+    client = CoordinatorClient(store, found.address, found.job, found.replica_id, dist.get_rank(), policy)
     answer: dict[str, object] = {}
-    if leader:
+    if client.leader:
         try:
+            client.raise_if_completed()  # a restart that was still starting when training ended
             answer["replicas"] = configured = _configured(store, found)
             if found.replica_id >= configured:
                 raise ValueError(f"{REPLICA_ID_ENV}={found.replica_id} is outside the coordinator's {configured} "
                                  f"replicas (ids 0..{configured - 1}): start it with more --replicas")
-            client.register(degree)
-        except (ValueError, TimeoutError) as e:
-            answer["error"] = str(e)
-    # The leader's answer to the replica's other ranks: through the replica's rendezvous store.
-    told = json.loads(exchange(json.dumps(answer) if leader else "{}")[0])
-    if "error" in told:
-        client.close()
-        raise ValueError(told["error"])
+            answer["incarnation"] = client.register(degree)
+        except (ValueError, TimeoutError, JobCompleted) as e:
+            answer.update(_failure(e))
+    told = _told(client, answer, "its registration")
+    if not client.leader:  # the leader beats since it registered
+        client.beat(int(told["incarnation"]))
     return client, int(told["replicas"])
 
 
 def admit(client: CoordinatorClient) -> int:
     """Tell the coordinator this replica is ready (its model and optimizer exist) and wait for admission; the
-    step it joins at, on every rank of the replica (the leader asks and tells the others through the store)."""
+    step it joins at, on every rank of the replica (the leader asks and tells the others through the store).
+    :class:`JobCompleted` on every rank when the job ended before this replica was admitted."""
     answer: dict[str, object] = {}
     if client.leader:
         try:
             client.ready()
             answer["step"] = client.admitted()
-        except (ValueError, TimeoutError) as e:
-            answer["error"] = str(e)
-    told = json.loads(exchange(json.dumps(answer) if client.leader else "{}")[0])
+        except (ValueError, TimeoutError, JobCompleted) as e:
+            answer.update(_failure(e))
+    return int(_told(client, answer, "its admission")["step"])
+
+
+def rejoin(client: CoordinatorClient, degree: int) -> int:
+    """A live replica the coordinator dropped (its heartbeat starved past the timeout): register a new
+    incarnation (every rank beats for it) and be admitted again like a restarted replica, without a restart;
+    the step it joins at, on every rank. The caller heals it from the quorum of that step."""
+    answer: dict[str, object] = {}
+    if client.leader:
+        try:
+            answer["incarnation"] = client.register(degree)
+        except (RuntimeError, TimeoutError) as e:
+            answer.update(_failure(e))
+    incarnation = int(_told(client, answer, "its new registration")["incarnation"])
+    if not client.leader:
+        client.beat(incarnation)
+    return admit(client)
+
+
+def _failure(error: BaseException) -> dict[str, object]:
+    return {"completed": str(error)} if isinstance(error, JobCompleted) else {"error": str(error)}
+
+
+def _told(client: CoordinatorClient, answer: dict[str, object], what: str) -> dict[str, object]:
+    """The leader's ``answer`` on every rank of the replica, through the replica's rendezvous store (the other
+    ranks wait at most ``ElasticPolicy.leader_wait``); the leader's error raised on every rank."""
+    wait = client.policy.leader_wait
+    try:
+        told = json.loads(exchange(json.dumps(answer) if client.leader else "{}", timedelta(seconds=wait))[0])
+    except TimeoutError as e:
+        client.close()
+        raise ValueError(f"replica {client.replica_id} rank {client.rank}: its leader (local rank 0) did not tell "
+                         f"{what} by the coordinator at {client.address} within {wait:g} s (join_timeout "
+                         f"{client.policy.join_timeout:g} s + 2 x connect_timeout; {e}): see rank 0's error, or "
+                         f"raise ElasticPolicy.join_timeout") from None
+    if "completed" in told:
+        client.close()
+        if client.leader:  # SystemExit(0) prints nothing: say once why this replica ends
+            print(f"hsdp elastic: {told['completed']}", file=sys.stderr, flush=True)
+        raise JobCompleted(str(told["completed"]))
     if "error" in told:
         client.close()
         raise ValueError(told["error"])
-    return int(told["step"])
+    return told
 
 
 def _configured(store: dist.Store, found: ElasticEnv) -> int:

@@ -1,14 +1,16 @@
 """A replica's side of the coordinator protocol (``protocol.py``): register, heartbeat, ask, vote, read.
 
 Every rank of a replica holds one client (a ``TCPStore`` connection to the coordinator). The replica's leader
-(its local rank 0) registers the incarnation, keeps the heartbeat and asks for each step's quorum; every rank
-reads the quorum, votes on its own inter-node reduction and reads the decision. Nothing here is a collective:
+(its local rank 0) registers the incarnation and asks for each step's quorum; every rank keeps a heartbeat of
+its own (a replica is alive while all its ranks beat), reads the quorum, votes on its own inter-node reduction
+and reads the decision. Nothing here is a collective:
 the ranks of one replica learn the leader's incarnation and admission step through the caller (one broadcast
 in the replica's own group).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -17,7 +19,21 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hsdp.engine.elastic.protocol import ABORT, COMMIT, STOP, ElasticPolicy, Quorum, key
+from hsdp.engine.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
+
+
+class JobCompleted(SystemExit):
+    """The elastic job this replica came to join is over: its last members finished training (e.g. a replica
+    torchrun restarted that was still starting when the others reached the last step). Nothing is wrong and
+    nothing is left to do: a ``SystemExit`` with status 0, so a training script that does not catch it ends
+    cleanly (and its launcher with it); catch it to do something else. ``str()`` says why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class QuorumLost(RuntimeError):
@@ -75,42 +91,96 @@ def _unreachable(host: str, port: int, timeout: float) -> str:
 
 
 class CoordinatorClient:
-    """One rank's connection to the coordinator for replica ``replica_id`` of ``job``."""
+    """One rank's connection to the coordinator for replica ``replica_id`` of ``job``; ``rank``: its rank in the
+    replica's own job (0 is the leader)."""
 
-    def __init__(self, store: dist.Store, address: str, job: str, replica_id: int, leader: bool,
+    def __init__(self, store: dist.Store, address: str, job: str, replica_id: int, rank: int,
                  policy: ElasticPolicy) -> None:
         self.store, self.address, self.job, self.replica_id = store, address, job, replica_id
-        self.leader, self.policy = leader, policy
-        self.incarnation = 0
+        self.rank, self.policy = rank, policy
+        self.incarnation = 0  # the leader's registration; the other ranks learn it from the leader (beat())
         self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
+        self._beat: tuple[threading.Thread, threading.Event] | None = None  # this incarnation's heartbeat
         self._watch: dist.Store | None = None  # down(): a connection of its own
         self._watch_lock = threading.Lock()
 
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
     # -- leader ------------------------------------------------------------------------------------------
     def register(self, degree: int) -> int:
-        """Leader: announce a new incarnation of this replica (``degree`` ranks) and start its heartbeat."""
+        """Leader: announce a new incarnation of this replica (``degree`` ranks) and start its own heartbeat."""
         self.incarnation = int(self.store.add(key(self.job, "inc", self.replica_id), 1))
         self.store.set(key(self.job, "reg", self.replica_id, self.incarnation), json.dumps({"degree": degree}))
-        self._beat = threading.Thread(target=self._heartbeat, name="hsdp-elastic-heartbeat", daemon=True)
-        self._beat.start()
+        self.beat(self.incarnation)
         return self.incarnation
-
-    def _heartbeat(self) -> None:
-        # Its own connection: a blocked wait on the main one must not stop the beat.
-        host, port = parse_address(self.address)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.policy.connect_timeout),
-                              wait_for_workers=False)
-        beat = key(self.job, "hb", self.replica_id, self.incarnation)
-        while not self._stop.wait(self.policy.heartbeat_interval):
-            try:
-                store.add(beat, 1)
-            except (RuntimeError, TimeoutError):
-                return  # the coordinator is gone: the next wait on the main connection reports it
 
     def ready(self) -> None:
         """Leader: the replica's model and optimizer exist; it may be admitted."""
         self.store.set(key(self.job, "ready", self.replica_id, self.incarnation), "1")
+
+    def admitted(self) -> int:
+        """Leader: block until the coordinator admits this incarnation; the step it joins at. ``ValueError``
+        with the coordinator's reason when it refuses, :class:`JobCompleted` when the job is over, and
+        ``TimeoutError`` after ``join_timeout`` seconds (measured: the store's round trips count too)."""
+        admit = key(self.job, "admit", self.replica_id, self.incarnation)
+        reject = key(self.job, "reject", self.replica_id, self.incarnation)
+        deadline = time.monotonic() + self.policy.join_timeout
+        while time.monotonic() < deadline:
+            if self.store.check([reject]):
+                self.raise_if_completed()
+                raise ValueError(self.store.get(reject).decode())
+            if self.store.check([admit]):
+                return int(self.store.get(admit).decode())
+            self._stop.wait(0.01)
+        raise TimeoutError(f"replica {self.replica_id} was not admitted by the coordinator at {self.address} within "
+                           f"{self.policy.join_timeout:g} s (ElasticPolicy.join_timeout)")
+
+    def raise_if_completed(self) -> None:
+        """:class:`JobCompleted` when the coordinator says the job is over (its last members finished)."""
+        done = key(self.job, COMPLETED)
+        if self.store.check([done]):
+            raise JobCompleted(f"replica {self.replica_id}: {self.store.get(done).decode()}")
+
+    def want(self, step: int) -> None:
+        """Leader: this replica reached ``step`` (the coordinator may publish its quorum)."""
+        self.store.set(key(self.job, "want", step, self.replica_id), str(self.incarnation))
+
+    # -- every rank --------------------------------------------------------------------------------------
+    def beat(self, incarnation: int) -> None:
+        """Prove this rank alive for ``incarnation`` (the leader's registration): a heartbeat thread of its own,
+        replacing the one of an earlier incarnation. Every rank beats, so a stopped rank that is not the leader
+        gets the replica dropped as fast as a stopped leader."""
+        self.incarnation = incarnation
+        self._stop_beat()
+        stop = threading.Event()
+        thread = threading.Thread(target=self._heartbeat, args=(incarnation, stop), daemon=True,
+                                  name=f"hsdp-elastic-heartbeat-{incarnation}")
+        self._beat = (thread, stop)
+        thread.start()
+
+    def _heartbeat(self, incarnation: int, stop: threading.Event) -> None:
+        # Its own connection: a blocked wait on the main one must not stop the beat.
+        try:
+            host, port = parse_address(self.address)
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=self.policy.connect_timeout))
+            beat = key(self.job, "hb", self.replica_id, incarnation, self.rank)
+            store.add(beat, 1)
+            while not stop.wait(self.policy.heartbeat_interval) and not self._stop.is_set():
+                store.add(beat, 1)
+        except (RuntimeError, TimeoutError):
+            return  # the coordinator is gone: the next wait on the main connection reports it
+
+    def _stop_beat(self) -> None:
+        beat, self._beat = self._beat, None
+        if beat is None:
+            return
+        thread, stop = beat
+        stop.set()
+        if thread is not threading.current_thread():
+            thread.join(timeout=2 * self.policy.heartbeat_interval + 1.0)
 
     def down(self, epoch: int) -> str:
         """Why the groups of ``epoch`` are given up ("" while they are not); on its own connection, since the hop
@@ -123,37 +193,20 @@ class CoordinatorClient:
             k = key(self.job, "down", epoch)
             return self._watch.get(k).decode() if self._watch.check([k]) else ""
 
-    def admitted(self) -> int:
-        """Leader: block until the coordinator admits this incarnation; the step it joins at."""
-        admit = key(self.job, "admit", self.replica_id, self.incarnation)
-        reject = key(self.job, "reject", self.replica_id, self.incarnation)
-        deadline = self.policy.join_timeout
-        waited = 0.0
-        while waited < deadline:
-            if self.store.check([reject]):
-                raise ValueError(self.store.get(reject).decode())
-            if self.store.check([admit]):
-                return int(self.store.get(admit).decode())
-            self._stop.wait(0.01)
-            waited += 0.01
-        raise TimeoutError(f"replica {self.replica_id} was not admitted by the coordinator at {self.address} within "
-                           f"{deadline:g} s")
-
-    def want(self, step: int) -> None:
-        """Leader: this replica reached ``step`` (the coordinator may publish its quorum)."""
-        self.store.set(key(self.job, "want", step, self.replica_id), str(self.incarnation))
-
     @property
     def closed(self) -> bool:
         return self._stop.is_set()
 
-    def close(self) -> None:
-        """Stop the heartbeat (the coordinator drops this replica after its timeout)."""
+    def close(self, finished: bool = False) -> None:
+        """Stop the heartbeat: the coordinator drops this replica after its timeout, or, ``finished`` (this rank
+        ended normally, its training done), without counting it a failure (``done/...``, before the beat stops,
+        so the silence is never judged first). Idempotent."""
+        if finished and self.incarnation and not self._stop.is_set():
+            with contextlib.suppress(RuntimeError, TimeoutError):  # the coordinator may be gone at exit
+                self.store.set(key(self.job, "done", self.replica_id, self.incarnation, self.rank), "1")
         self._stop.set()
-        if self._beat is not None and self._beat is not threading.current_thread():
-            self._beat.join(timeout=2 * self.policy.heartbeat_interval + 1.0)
+        self._stop_beat()
 
-    # -- every rank --------------------------------------------------------------------------------------
     def quorum(self, step: int) -> Quorum:
         """Block until the quorum of ``step`` is published; :class:`QuorumLost` when the job was stopped."""
         text = self._wait(key(self.job, "quorum", step), f"the quorum of step {step}")

@@ -11,12 +11,17 @@ the step; the first inter-node collective, or the commit, waits for the step's q
 overlapped with the forward and the backward's first units), rebuilding the group and healing joiners first
 when the members changed; :meth:`finish_step` votes and returns whether every member's reduction completed,
 in which case, and only then, the optimizer applies the step everywhere.
+
+A live replica can be dropped too (a rank's heartbeat starved past the coordinator's timeout): the quorum it
+reads lacks it, so its step runs alone and is discarded, and :meth:`finish_step` registers it again, waits for
+admission and heals it from a live member, like a replica torchrun restarted, within the same process.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import threading
 import time
 import weakref
@@ -26,8 +31,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.engine.elastic.bootstrap import admit
-from hsdp.engine.elastic.client import CoordinatorClient
+from hsdp.engine.elastic.bootstrap import admit, rejoin
+from hsdp.engine.elastic.client import CoordinatorClient, QuorumLost
 from hsdp.engine.elastic.groups import abort_group, build_group
 from hsdp.engine.elastic.protocol import ElasticPolicy, Quorum
 
@@ -65,6 +70,7 @@ class ElasticLayer:
         self._wanted = -1
         self._failure = ""  # why this step's inter-node reduction failed on this rank ("" = it did not)
         self._unhealed: Quorum | None = None  # a quorum with joiners read before any heal was registered
+        self._dropped = False  # the coordinator dropped this live replica: the current step runs alone
         self._retired: list[tuple[float, dist.ProcessGroup]] = []  # replaced groups, kept until safe to destroy
         self._lock = threading.RLock()
         # At exit, before the interpreter tears threads down: stop the heartbeat, shut the group down (a gloo
@@ -136,6 +142,8 @@ class ElasticLayer:
             self.begin_step()
             assert self.step is not None
             quorum = self.client.quorum(self.step)
+            if not self._member(quorum):
+                return self._evicted(quorum)
             if quorum.epoch != self._epoch:
                 self._retire(self._group)
                 self._group = build_group(self.client.store, self.client.job, quorum.epoch, self.shard_rank,
@@ -149,6 +157,43 @@ class ElasticLayer:
                 self._unhealed = quorum
                 self.heal()
             return quorum
+
+    def _member(self, quorum: Quorum) -> bool:
+        """Whether this incarnation of this replica is one of ``quorum``'s members."""
+        return self.replica_id in quorum.members and \
+            quorum.incarnations[quorum.index(self.replica_id)] == self.client.incarnation
+
+    def _evicted(self, quorum: Quorum) -> Quorum:
+        """The coordinator published this step's quorum without this replica, which is alive: it judged it dead,
+        its heartbeat silent past the timeout (a GIL-holding call, a paused host), and the others went on. This
+        step runs alone (a group of this replica only: its result is discarded at :meth:`finish_step`, which
+        registers the replica again and has it healed, as a restarted one would be, with no restart)."""
+        print(f"hsdp elastic: replica {self.replica_id} (incarnation {self.client.incarnation}, rank "
+              f"{self.client.rank}) is alive but the coordinator dropped it before step {quorum.step} (members "
+              f"{list(quorum.members)}): a rank's heartbeat was silent for more than the coordinator's heartbeat "
+              f"timeout (a long call holding the GIL, a paused or overloaded host?). Discarding this step here and "
+              f"registering again, to be healed from a live replica (no restart)", file=sys.stderr, flush=True)
+        self._retire(self._group)
+        alone = f"alone-{self.replica_id}-{self.client.incarnation}"  # a group name no quorum epoch takes
+        self._group = build_group(self.client.store, self.client.job, alone, self.shard_rank, 0, 1,
+                                  self.device_type, self.policy.hop_timeout)
+        self._epoch = -1  # no coordinator notice concerns a group of one
+        self.quorum = Quorum(quorum.step, -1, (self.replica_id,), (self.client.incarnation,))
+        self._dropped = True
+        return self.quorum
+
+    def _rejoin(self) -> None:
+        """After :meth:`_evicted`: a new incarnation, admitted at a later step and healed from a live member (the
+        optimizer's heal sets :attr:`last` to the step it was healed after). ``QuorumLost`` when the job stopped
+        meanwhile; :class:`~hsdp.engine.elastic.client.JobCompleted` when it ended."""
+        try:
+            step = rejoin(self.client, self.degree)
+        except ValueError as e:
+            raise QuorumLost(f"hsdp elastic: replica {self.replica_id}, dropped by the coordinator, could not "
+                             f"rejoin: {e}") from None
+        self._dropped = False
+        self.step, self.quorum = step, None
+        self.await_quorum()
 
     def heal(self) -> None:
         """Exchange state with the current quorum's joiners, once, when a heal is registered (the optimizer's:
@@ -188,9 +233,11 @@ class ElasticLayer:
 
         threading.Thread(target=run, name=f"hsdp-elastic-watch-{epoch}", daemon=True).start()
 
-    def close(self) -> None:
-        """Stop the heartbeat and shut the current group down (the replica leaves; idempotent)."""
-        self.client.close()
+    def close(self, finished: bool = False) -> None:
+        """Stop the heartbeat and shut the current group down (the replica leaves; idempotent); ``finished``: it
+        leaves because its training is done (the coordinator then tells a replica arriving after every member
+        finished that the job completed, instead of that it was lost)."""
+        self.client.close(finished)
         group, self._group = self._group, None
         if group is not None:
             with contextlib.suppress(RuntimeError):
@@ -211,6 +258,9 @@ class ElasticLayer:
         with self._lock:
             quorum = self.await_quorum()
             failure, self._failure = self._failure, ""
+            if self._dropped:  # alive but dropped: this step was this replica's alone
+                self._rejoin()
+                return False
             step = quorum.step
             self.client.vote(step, not failure, failure)
             committed = self.client.decision(step)
@@ -222,4 +272,6 @@ class ElasticLayer:
 def _close_at_exit(ref: weakref.ref[ElasticLayer]) -> None:
     layer = ref()
     if layer is not None:
-        layer.close()
+        # An uncaught exception leaves sys.last_value set before atexit runs: that replica failed. (A rank that a
+        # fault ends, or the watchdog, exits without atexit: it simply goes silent.)
+        layer.close(finished=getattr(sys, "last_value", None) is None)

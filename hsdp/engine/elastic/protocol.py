@@ -4,8 +4,12 @@ The coordinator (``hsdp coordinator``, ``hsdp/tools/coordinator/server.py``) hos
 only one that decides; replicas write requests and read decisions, all under one job prefix:
 
 * ``reg/<id>/<incarnation>``: a replica started (its leader, local rank 0); ``inc/<id>`` counts incarnations
-  (a torchrun restart is a new one). ``hb/<id>/<incarnation>``: its heartbeat counter, which the coordinator
-  watches with its own clock (no clock is compared across hosts);
+  (a torchrun restart, or a live replica the coordinator dropped registering again, is a new one).
+  ``hb/<id>/<incarnation>/<rank>``: the heartbeat counter of each of its ranks, which the coordinator watches
+  with its own clock (no clock is compared across hosts): a replica is alive while every rank beats, so a
+  stopped or starved rank of any position costs the job one step, not the watchdog's bound;
+  ``done/<id>/<incarnation>/<rank>``: that rank ended normally (training finished), so its silence is no
+  failure; a replica all of whose ranks did is *finished*;
 * ``ready/<id>/<incarnation>``: its model and optimizer exist (a replica is admitted only then, so a member's
   heal never waits for a joiner's start-up); ``admit/<id>/<incarnation>``: the step the coordinator admits it
   at, or ``reject/...``: why not (the id is used by a live replica, even one not yet admitted; the replica has
@@ -17,7 +21,9 @@ only one that decides; replicas write requests and read decisions, all under one
   voted ok, ``abort`` when one failed or a member died. Every rank applies the optimizer step only on commit,
   so no step is applied twice or by some replicas only;
 * ``down/<epoch>``: a member of that epoch died or a rank's reduction failed: ranks still waiting in that epoch's
-  groups give up at once (``handles.py``: gloo cannot abort a collective in flight).
+  groups give up at once (``handles.py``: gloo cannot abort a collective in flight);
+* ``completed``: the last members left finished (the job is over, not lost): a replica arriving later (a restart
+  still starting when training ended) is told so and ends cleanly (:class:`~hsdp.engine.elastic.client.JobCompleted`).
 
 Pure data; the timeouts live in :class:`ElasticPolicy`, chosen so that inner ones are shorter than outer ones.
 """
@@ -31,20 +37,23 @@ COORDINATOR_ENV = "HSDP_COORDINATOR"  # host:port of the coordinator's store
 REPLICA_ID_ENV = "HSDP_REPLICA_ID"  # this replica's stable id (hsdp launch: the node index)
 JOB_ENV = "HSDP_ELASTIC_JOB"  # the job's key prefix on the coordinator (two jobs may share one coordinator)
 COMMIT, ABORT, STOP = "commit", "abort", "stop"
+COMPLETED = "completed"  # the job-level key the coordinator sets once the job is over (see the module docstring)
 
 
 @dataclass(frozen=True)
 class ElasticPolicy:
     """Timeouts of elastic training, in seconds, from the innermost out.
 
-    ``heartbeat_interval``: how often a replica's leader bumps its heartbeat; ``heartbeat_timeout``: silence
-    after which the coordinator drops a replica (a SIGSTOPped one too), and the others' collectives still
-    waiting for it give up; ``hop_timeout``: the replicate groups' own timeout, the last resort when the
-    coordinator itself is gone (below the watchdog's stuck-transport bound, twice ``FaultPolicy.timeout``, so
-    the collective fails before the watchdog ends the replica);
-    ``connect_timeout``: how long a
-    rank tries to reach the coordinator before it raises naming the address; ``join_timeout``: how long a
-    replica waits to be admitted. The watchdog's own timeout (``FaultPolicy.timeout``, 45 s) stays above all
+    ``heartbeat_interval``: how often each rank of a replica bumps its heartbeat; ``heartbeat_timeout``: silence
+    of any of a replica's ranks after which the coordinator drops the replica (a SIGSTOPped rank too, whatever
+    its position), and the others' collectives still waiting for it give up (a live replica dropped so, its
+    heartbeat starved, registers again and is healed); ``hop_timeout``: the replicate groups' own timeout, the
+    last resort when the coordinator itself is gone (below the watchdog's stuck-transport bound, twice
+    ``FaultPolicy.timeout``, so the collective fails before the watchdog ends the replica); ``connect_timeout``:
+    how long a rank tries to reach the coordinator before it raises naming the address; ``join_timeout``: how
+    long a replica waits to be admitted (its ranks but the leader wait for the leader's answer that long, plus
+    twice ``connect_timeout`` for the leader's own round trips: :attr:`leader_wait`). The watchdog's own timeout
+    (``FaultPolicy.timeout``, 45 s) stays above all
     of them, so a dead peer replica costs a step, never the job.
     """
 
@@ -60,6 +69,12 @@ class ElasticPolicy:
                              f"{self.heartbeat_timeout}")
         if self.hop_timeout <= 0 or self.connect_timeout <= 0 or self.join_timeout <= 0:
             raise ValueError("elastic timeouts must be positive")
+
+    @property
+    def leader_wait(self) -> float:
+        """How long a replica's other ranks wait for what its leader learns from the coordinator (registration,
+        admission): the leader's own bound, ``join_timeout``, and its round trips to the coordinator."""
+        return self.join_timeout + 2 * self.connect_timeout
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,13 @@ def check_replicas(replicas: int, min_replicas: int | None, flag: str = "--repli
 class CoordinatorConfig:
     """One coordinator: the store on ``port`` (0: a free one, printed), printed as reachable at ``host``,
     deciding for ``replicas`` replica ids of ``job`` with at least ``min_replicas`` alive (default: a
-    majority); ``start_grace`` seconds at step 0 to wait for every replica before starting with the minimum.
+    majority); ``start_grace`` seconds at step 0 to wait for every replica before starting with the minimum;
+    ``linger`` seconds to serve on once the job completed (its last members finished), telling replicas that
+    arrive late (a restart still starting) that the job is over, so they end cleanly; ``inf``: until stopped
+    (``hsdp launch --elastic`` stops it once every node ended).
 
     ``ValueError`` naming the fix for a port outside 0..65535, a bad count or minimum, an empty job name or
-    one with ``/``, a timeout that is not positive."""
+    one with ``/``, a timeout that is not positive, a negative linger."""
 
     port: int
     replicas: int
@@ -49,6 +52,7 @@ class CoordinatorConfig:
     job: str = DEFAULT_JOB
     heartbeat_timeout: float = ElasticPolicy.heartbeat_timeout
     start_grace: float = 10.0
+    linger: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -60,6 +64,8 @@ class CoordinatorConfig:
             raise ValueError(f"--heartbeat-timeout {self.heartbeat_timeout}: give a positive number of seconds")
         if not self.start_grace >= 0:
             raise ValueError(f"--start-grace {self.start_grace}: give a number of seconds, at least 0")
+        if not self.linger >= 0:
+            raise ValueError(f"--linger {self.linger}: give a number of seconds, at least 0 (inf: until stopped)")
 
     def policy(self) -> ElasticPolicy:
         """The coordinator's policy: only ``heartbeat_timeout`` matters to it (the interval is the replicas')."""

@@ -31,6 +31,8 @@ class _State(Protocol):
     pending: Mapping[int, Any]
     quorum: Any
     stopped: str
+    completed: str
+    finishers: set[tuple[int, int]]
     history: list[tuple[int, str, tuple[int, ...]]]
     refusals: list[tuple[int, int, str]]
 
@@ -59,6 +61,7 @@ class MembershipLog:
     _decided: int = 0  # history entries already reported
     _refused: int = 0  # refusals already reported
     _stopped: str = ""
+    _completed: str = ""
     _started: bool = False
     _ever: set[int] = field(default_factory=set)  # ids that were members once: their next admission is a rejoin
 
@@ -76,6 +79,9 @@ class MembershipLog:
         if state.stopped and not self._stopped:
             self._stopped = state.stopped
             lines.append(f"job stopped at step {state.step}: {state.stopped}")
+        if state.completed and not self._completed:
+            self._completed = state.completed
+            lines.append(f"job completed after step {state.step - 1}: every replica left finished training")
         stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
         return [f"{stamp} {line}" for line in lines]
 
@@ -100,7 +106,9 @@ class MembershipLog:
         parts = []
         for r in sorted(set(self._members) | set(members)):
             old, new = self._members.get(r), members.get(r)
-            if old is not None and old != new:
+            if old is not None and old != new and (r, old) in state.finishers:
+                parts.append(f"replica {r} finished")  # its training is done: not a departure
+            elif old is not None and old != new:
                 # Only a silent member is dropped (a restart's new incarnation waits until the old one is).
                 self.counts.left += 1
                 parts.append(f"replica {r} left (no heartbeat for {self.heartbeat_timeout:g} s)")
@@ -132,4 +140,6 @@ class MembershipLog:
                  f"  replicas at the end: {sorted(state.members)}"]
         if state.stopped:
             lines.append(f"  stopped at step {state.step}: {state.stopped}")
+        if state.completed:
+            lines.append(f"  completed after step {state.step - 1}: every replica left finished training")
         return "\n".join(lines)

@@ -2,14 +2,16 @@
 
 It hosts the store the replicas meet on and runs one small state machine per job (keys and meanings:
 ``hsdp/engine/elastic/protocol.py``). Per step: wait until every live member asked for the step (``want``),
-drop members whose heartbeat went silent, admit registered replicas as joiners (healed from a live member),
-publish the quorum; then wait for every rank's vote and publish ``commit`` or ``abort``. Liveness is judged by
-heartbeat counters read with the coordinator's own clock, so hosts' clocks never need to agree.
+drop members one of whose ranks went silent and let those that finished leave, admit registered replicas as
+joiners (healed from a live member), publish the quorum; then wait for every rank's vote and publish ``commit``
+or ``abort``. Liveness is judged by every rank's heartbeat counter, read with the coordinator's own clock, so
+hosts' clocks never need to agree.
 
 Refused, each told why (``reject/...``): an id used twice (a second incarnation while the first still beats past
 the heartbeat timeout, admitted or not; a torchrun restart is told from it by the old one going silent), a
 replica whose rank count is not the job's (fixed by the first quorum: the most common count among the ready
-replicas), and any replica once the job stopped.
+replicas), and any replica once the job stopped (below the minimum, or every replica died) or completed (its
+last members finished training: ``completed`` tells a late replica it has nothing to join).
 
 State is tiny (members, step, epoch) and lives in this process: like torchft's lighthouse the coordinator is a
 single point of failure. It is reached through the ``Store`` interface only, so a replicated store (etcd, which
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from hsdp.engine.elastic.protocol import ABORT, COMMIT, STOP, ElasticPolicy, Quorum, key
+from hsdp.engine.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
 
 
 @dataclass
@@ -36,9 +38,17 @@ class _Incarnation:
     degree: int
     registered: float
     ready: bool = False
-    beats: int = -1
-    seen: float = 0.0  # coordinator clock when the heartbeat last moved (or when registered)
     refused: bool = False  # told why it cannot join (``reject/...``); never admitted
+    # Per rank of the replica (every rank beats): its heartbeat counter as last read (-1: never), the
+    # coordinator's clock when it last moved (or the registration), and whether the rank ended normally.
+    beats: list[int] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.beats = self.beats or [-1] * self.degree
+        self.seen = self.seen or [self.registered] * self.degree
+        self.done = self.done or [False] * self.degree
 
 
 @dataclass
@@ -57,6 +67,9 @@ class JobState:
     quorum: Quorum | None = None  # published for ``step``, awaiting votes
     last: dict[int, int] = field(default_factory=dict)  # the previous quorum's members: id -> incarnation
     stopped: str = ""
+    completed: str = ""  # why the job is over: its last members finished (not lost: late replicas end cleanly)
+    finished: set[int] = field(default_factory=set)  # members that left finished since the last quorum
+    finishers: set[tuple[int, int]] = field(default_factory=set)  # (id, incarnation) of every member that finished
     history: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)  # (step, decision, members)
     refusals: list[tuple[int, int, str]] = field(default_factory=list)  # (replica, incarnation, why), in order
 
@@ -89,9 +102,9 @@ class Coordinator:
 
     # -- one round ---------------------------------------------------------------------------------------
     def poll(self) -> None:
-        if self.state.stopped:
+        if self.state.stopped or self.state.completed:
             self._discover()
-            self._refuse_pending(self.state.stopped)  # a replica torchrun restarts after the end
+            self._refuse_pending()  # a replica torchrun restarts after the end
             return
         self._discover()
         self._beat()
@@ -120,8 +133,7 @@ class Coordinator:
                 reg = self._get("reg", replica, number)
                 if reg is None:
                     return  # registered its number but not yet its details: next round
-                now = self.clock()
-                inc = _Incarnation(replica, number, json.loads(reg)["degree"], now, seen=now)
+                inc = _Incarnation(replica, number, json.loads(reg)["degree"], self.clock())
                 held = s.pending.get(replica)
                 if held is not None and not held.refused and self._alive(held):
                     s.claims.append(inc)  # judged by _settle_claims once the older one had time to go silent
@@ -130,21 +142,35 @@ class Coordinator:
                 s.known[replica] = number
 
     def _beat(self) -> None:
+        """Read every rank's heartbeat; a rank silent for half the timeout is asked whether it ended normally
+        (read only then: a finished rank's silence must never be judged first, and live ones cost no read)."""
         now = self.clock()
         for inc in [*self.state.members.values(), *self.state.pending.values()]:
-            beats = self._counter("hb", inc.replica, inc.number)
-            if beats != inc.beats:
-                inc.beats, inc.seen = beats, now
+            for rank in range(inc.degree):
+                if inc.done[rank]:
+                    continue
+                beats = self._counter("hb", inc.replica, inc.number, rank)
+                if beats != inc.beats[rank]:
+                    inc.beats[rank], inc.seen[rank] = beats, now
+                elif now - inc.seen[rank] > self.policy.heartbeat_timeout / 2:
+                    inc.done[rank] = self._get("done", inc.replica, inc.number, rank) is not None
 
     def _alive(self, inc: _Incarnation) -> bool:
-        return self.clock() - inc.seen <= self.policy.heartbeat_timeout
+        """Every rank beats (or ended normally): one stopped or starved rank of any position is enough to drop
+        the replica, which cannot finish its step without it."""
+        now = self.clock()
+        return all(done or now - seen <= self.policy.heartbeat_timeout for done, seen in zip(inc.done, inc.seen))
+
+    def _finished(self, inc: _Incarnation) -> bool:
+        """Every rank ended normally: the replica left because its training is done."""
+        return all(inc.done)
 
     def _ready(self, inc: _Incarnation) -> bool:
-        """Beating, and its model and optimizer are built (``ready/<id>/<incarnation>``): admitting it then
-        keeps the members' heal from waiting on the joiner's start-up."""
+        """Every rank beating, and its model and optimizer are built (``ready/<id>/<incarnation>``): admitting
+        it then keeps the members' heal from waiting on the joiner's start-up."""
         if not inc.ready:
             inc.ready = self._get("ready", inc.replica, inc.number) is not None
-        return inc.ready and not inc.refused and self._alive(inc) and inc.beats >= 0
+        return inc.ready and not inc.refused and self._alive(inc) and min(inc.beats) >= 0
 
     def _reject_duplicates(self) -> None:
         """A new incarnation of an id whose member still beats, past the timeout: a second replica using the id
@@ -202,12 +228,22 @@ class Coordinator:
         return max((d for _, d in ready), key=lambda d: counts[d])  # max keeps the first (lowest id) of a tie
 
     # -- quorum ------------------------------------------------------------------------------------------
-    def _maybe_decide_quorum(self) -> None:
+    def _drop_gone_members(self) -> None:
+        """Members that finished leave (no failure: nobody waits in a group for them); silent ones are dropped
+        and the ranks still waiting in their epoch's groups told to give up."""
         s = self.state
         for replica, inc in list(s.members.items()):
-            if not self._alive(inc):
+            if self._finished(inc):
+                del s.members[replica]
+                s.finished.add(replica)
+                s.finishers.add((replica, inc.number))
+            elif not self._alive(inc):
                 del s.members[replica]
                 self._down(f"replica {replica} stopped beating")
+
+    def _maybe_decide_quorum(self) -> None:
+        s = self.state
+        self._drop_gone_members()
         if s.step == 0 and not s.members:
             if not self._start_ready():
                 return
@@ -215,10 +251,13 @@ class Coordinator:
                 s.degree = self._first_degree()
                 if self._refuse_other_degrees(s.degree):
                     return  # decide again without them (they no longer count as ready)
+        elif not s.members and s.finished:
+            self._complete()  # the last members finished training: a late replica has nothing to join
+            return
         elif not s.members:
-            # Every replica that held the state is gone (the job ended, or all died): nothing to heal from.
-            self._stop(f"no live replica holds the model state at step {s.step} (the job ended or every replica "
-                       f"died): start a new job from a checkpoint")
+            # Every replica that held the state died (none finished): nothing to heal from.
+            self._stop(f"no live replica holds the model state at step {s.step} (every replica died): start a new "
+                       f"job from a checkpoint")
             return
         elif any(self._get("want", s.step, r) is None for r in s.members):
             return  # a live member is still computing the previous step
@@ -241,6 +280,7 @@ class Coordinator:
                 del s.pending[r]
                 self.store.set(key(self.job, "admit", r, inc.number), str(s.step))
         s.members = merged
+        s.finished = set()  # those that finished before this quorum did not end the job: its members go on
         ids = tuple(sorted(merged))
         s.quorum = Quorum(s.step, s.epoch, ids, tuple(merged[r].number for r in ids), tuple(sorted(joiners)),
                           source if joiners else None)
@@ -264,14 +304,24 @@ class Coordinator:
         s = self.state
         s.stopped = reason
         self.store.set(key(self.job, "quorum", s.step), json.dumps({STOP: reason}))
-        self._refuse_pending(reason)
+        self._refuse_pending()
 
-    def _refuse_pending(self, reason: str) -> None:
+    def _complete(self) -> None:
+        """The job is over: its last members finished. Said on ``completed`` first, so a replica refused now
+        (or arriving later) reads that it has nothing to join, not that the job was lost."""
+        s = self.state
+        s.completed = (f"the elastic job {self.job!r} completed: replica(s) {sorted(s.finished)} finished training "
+                       f"after step {s.step - 1} and none is left to join; nothing to do (this is not a failure)")
+        self.store.set(key(self.job, COMPLETED), s.completed)
+        self._refuse_pending()
+
+    def _refuse_pending(self) -> None:
         """Registered replicas waiting for admission learn the job is over (instead of waiting it out)."""
         s = self.state
+        why = s.completed or f"the elastic job {self.job!r} stopped: {s.stopped}"
         for inc in [*s.pending.values(), *s.claims]:
             if not inc.refused:  # one already refused keeps its own reason
-                self._reject(inc, f"the elastic job {self.job!r} stopped: {reason}")
+                self._reject(inc, why)
         s.pending.clear()
         s.claims.clear()
 
@@ -280,7 +330,8 @@ class Coordinator:
         s = self.state
         q = s.quorum
         assert q is not None
-        dead = [r for r in q.members if not self._alive(s.members[r])]
+        # A member that finished mid-step (its loop ended between forward and step) cannot vote either.
+        dead = [r for r in q.members if not self._alive(s.members[r]) or self._finished(s.members[r])]
         if self._counter("fail", q.step) > 0 or dead:
             decision = ABORT
             self._down(f"replica(s) {dead} stopped beating" if dead else f"a rank's reduction of step {q.step} failed")

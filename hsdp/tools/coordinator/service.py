@@ -10,9 +10,11 @@ this machine), runs :class:`~hsdp.tools.coordinator.server.Coordinator` on it an
 * a summary when it is stopped (Ctrl-C, SIGTERM, SIGHUP), after which it exits 0.
 
 When the job stops by itself (fewer live replicas than the minimum), it serves :data:`STOP_LINGER_S` more
-seconds, so that every replica reads why, prints the summary and exits: 0 when no replica was left (the job
-ended, or every replica failed at once), :data:`BELOW_MINIMUM` when some were (a launcher then stops the
-rest instead of restarting replicas that cannot be admitted any more).
+seconds, so that every replica reads why, prints the summary and exits: 0 when no replica was left (every
+replica failed at once), :data:`BELOW_MINIMUM` when some were (a launcher then stops the rest instead of
+restarting replicas that cannot be admitted any more). When the job completed (its last members finished), it
+serves ``config.linger`` more seconds (``hsdp launch --elastic``: until it is stopped), telling any replica that
+arrives late that the job is over, then exits 0.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def advertised_host(host: str) -> str:
 def serve(config: CoordinatorConfig, *, out: IO[str] | None = None, err: IO[str] | None = None,
           stop: Callable[[], bool] | None = None, period: float = POLL_S, linger: float = STOP_LINGER_S) -> int:
     """Run the coordinator of ``config`` until ``stop()`` is true, a stop signal arrives or ``linger`` seconds
-    after the job stopped itself; the exit status (see the module docstring; 1 when the port cannot be
-    opened)."""
+    after the job stopped itself (``config.linger`` after it completed); the exit status (see the module
+    docstring; 1 when the port cannot be opened)."""
     import torch.distributed as dist
 
     from hsdp.tools.coordinator.server import Coordinator
@@ -76,14 +78,15 @@ def serve(config: CoordinatorConfig, *, out: IO[str] | None = None, err: IO[str]
             coordinator.poll()
             for line in log.observe(coordinator.state):
                 _say(out, line)
-            if coordinator.state.stopped:
+            state = coordinator.state
+            if state.stopped or state.completed:
                 stopped_at = stopped_at or time.monotonic()
-                if time.monotonic() - stopped_at >= linger:
+                if time.monotonic() - stopped_at >= (config.linger if state.completed else linger):
                     break
             stopping.wait(period)
     _say(out, log.summary(coordinator.state, config.job, time.monotonic() - started))
     if stopping.is_set() or not coordinator.state.stopped:
-        return 0
+        return 0  # stopped by a signal, or the job completed
     return BELOW_MINIMUM if coordinator.state.members else 0
 
 

@@ -117,12 +117,14 @@ def replica_env(address: str, node: int, job: str) -> dict[str, str]:
 def coordinator_command(place: NodePlace, replicas: int, options: ElasticOptions) -> list[str]:
     """``hsdp coordinator`` on node ``place`` (node 0), on a free port it prints (so nothing can take it first);
     the first step waits up to :data:`START_GRACE_S` for every node (they all start now, but not equally fast
-    on a busy machine: one that misses the start joins later and is healed, a step's cost)."""
+    on a busy machine: one that misses the start joins later and is healed, a step's cost). Once the job
+    completed it serves on until this launch stops it after the last node: a node that torchrun restarted and
+    that was still starting when the others finished is told the job is over and ends with status 0."""
     minimum = [] if options.min_replicas is None else ["--min-replicas", str(options.min_replicas)]
     timeout = [] if options.heartbeat_timeout is None else ["--heartbeat-timeout", f"{options.heartbeat_timeout:g}"]
     return [*place.prefix, sys.executable, "-m", "hsdp", "coordinator", "--host", place.address, "--port", "0",
             "--replicas", str(replicas), *minimum, *timeout, "--job", options.job, "--start-grace",
-            f"{START_GRACE_S:g}"]
+            f"{START_GRACE_S:g}", "--linger", "inf"]
 
 
 def coordinator_spec(place: NodePlace, replicas: int, options: ElasticOptions,
