@@ -77,10 +77,15 @@ def main() -> None:
         accelerator.save_state(os.path.join(args.out, "state"))  # hsdp checkpoint in state/hsdp_model
     accelerator.load_state(os.path.join(args.out, "state"))      # any mesh shape could read it back
     folder = hsdp_accelerate.save_pretrained(model, os.path.join(args.out, "hf"))  # every rank calls it
+    batch = counting_tokens(8)
+    with torch.no_grad():  # every rank: the sharded model's forward gathers its units
+        on_device = batch.to(accelerator.device)
+        trained = model(input_ids=on_device, labels=on_device).loss.item()
     if accelerator.is_main_process:
-        reloaded = LlamaForCausalLM.from_pretrained(folder)
-        batch = counting_tokens(8)
-        accelerator.print(f"reloaded from {folder}: loss {reloaded(input_ids=batch, labels=batch).loss:.4f}")
+        reloaded = LlamaForCausalLM.from_pretrained(folder)  # a plain model from the folder: the same weights
+        with torch.no_grad():
+            again = reloaded(input_ids=batch, labels=batch).loss.item()
+        accelerator.print(f"8 sequences: trained model loss {trained:.4f}, reloaded from {folder} {again:.4f}")
     accelerator.wait_for_everyone()
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ preset so the example runs in seconds on CPU; the same lines scale to models tha
     torchrun --nproc-per-node 4 examples/big_model.py                          # materialize, 2 x 2 mesh
     torchrun --nproc-per-node 4 examples/big_model.py --export /tmp/gpt.safetensors
     torchrun --nproc-per-node 4 examples/big_model.py --pretrained /tmp/gpt.safetensors
+    torchrun --nproc-per-node 4 examples/big_model.py --pretrained /tmp/gpt.safetensors --epochs 0 \
+        --export /tmp/again.safetensors                                         # load and write back: equal files
 """
 
 from __future__ import annotations
@@ -94,8 +96,9 @@ def main() -> None:
             losses.append(loss.item())
     model.check_replicas()  # replicas hold the same bits after training
     if mesh.rank == 0:
+        trained = f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""  # --epochs 0: load, export
         print(f"{'loaded' if args.pretrained else 'materialized'} {sum(p.numel() for p in model.parameters()):,} "
-              f"parameters; {len(losses)} steps on a {mesh}; loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+              f"parameters; {len(losses)} steps on a {mesh}{trained}", flush=True)
     if args.export:
         export(model, args.export)
     dist.destroy_process_group()

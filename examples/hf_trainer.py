@@ -61,11 +61,16 @@ def main() -> None:
     metrics = trainer.evaluate()  # every rank: each evaluates its part of the eval set
     final = os.path.join(args.out, "final")
     trainer.save_model(final)  # every rank: a Hugging Face folder, rank 0 writes
+    batch = Counting(8, seed=1).tokens
+    with torch.no_grad():  # every rank: the sharded model's forward gathers its units
+        on_device = batch.to(training.device)
+        trained = trainer.model(input_ids=on_device, labels=on_device).loss.item()
     if trainer.is_world_process_zero():
-        reloaded = LlamaForCausalLM.from_pretrained(final)
-        batch = Counting(8, seed=1).tokens
-        print(f"eval loss {metrics['eval_loss']:.4f}; reloaded {final}: loss "
-              f"{reloaded(input_ids=batch, labels=batch).loss:.4f}")
+        reloaded = LlamaForCausalLM.from_pretrained(final)  # a plain model from the folder: the same weights
+        with torch.no_grad():
+            again = reloaded(input_ids=batch, labels=batch).loss.item()
+        print(f"eval loss {metrics['eval_loss']:.4f}; 8 held-out sequences: trained model loss {trained:.4f}, "
+              f"reloaded from {final} {again:.4f}")
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,12 @@ def train(fabric: L.Fabric, model: torch.nn.Module, opt: torch.optim.Optimizer, 
                      f"inter-node collectives {crossed}")
 
 
+def probe_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The loss on ``batch``, every rank (the sharded model's forward gathers its units)."""
+    with torch.no_grad():
+        return model(*batch)[1].item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard", type=int, default=2, help="sharding degree (default 2: 2 replicas of 2 on 4 ranks)")
@@ -66,7 +72,10 @@ def main() -> None:
                       precision=args.precision)
     fabric.launch()
     fabric.print(f"mesh: {fabric.strategy.mesh}")
-    ids = torch.randint(0, VOCAB, (64 * fabric.world_size, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    # Sequences that count up modulo the vocabulary from a random start: learnable, so the loss falls.
+    starts = torch.randint(0, VOCAB, (64 * fabric.world_size, 1), generator=torch.Generator().manual_seed(0))
+    ids = (starts + torch.arange(SEQ + 1)) % VOCAB
+    probe = (ids[:8, :-1].to(fabric.device), ids[:8, 1:].to(fabric.device))  # a fixed batch to compare weights on
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=2))
 
     model, opt = fabric.setup(*build(seed=0))
@@ -74,12 +83,12 @@ def main() -> None:
     train(fabric, model, opt, loader, 0, half)
     path = fabric.broadcast(args.out or tempfile.mkdtemp(prefix="hsdp-fabric-"))
     fabric.save(path, {"model": model, "optimizer": opt, "step": half})
-    fabric.print(f"saved {path} (an hsdp run directory)")
+    fabric.print(f"saved {path} (an hsdp run directory): loss on a fixed batch {probe_loss(model, probe):.6f}")
 
     model, opt = fabric.setup(*build(seed=1))  # fresh weights: the checkpoint must bring them back
     state = {"model": model, "optimizer": opt, "step": 0}
     fabric.load(path, state)
-    fabric.print(f"loaded step {state['step']}; training on")
+    fabric.print(f"loaded step {state['step']}: loss on a fixed batch {probe_loss(model, probe):.6f}; training on")
     train(fabric, model, opt, loader, state["step"], args.steps)
     fabric.barrier()
     if args.out is None and fabric.is_global_zero:

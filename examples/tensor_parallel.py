@@ -1,8 +1,9 @@
 """HSDP + tensor parallelism: hsdp's GPT on a (replicate, shard, tp) mesh, the recipe end to end.
 
-One node, 4 ranks (R=1, S=2, T=2)::
+One node, 4 ranks (R=1, S=2, T=2), or two replicas of one tensor-parallel pair each (R=2, S=1, T=2)::
 
     torchrun --nproc-per-node 4 examples/tensor_parallel.py --steps 20
+    torchrun --nproc-per-node 4 examples/tensor_parallel.py --shard 1 --preset tiny --lr 3e-3
 
 Two emulated nodes of 4 ranks (R=2, S=2, T=2), the inter-node bytes measured on the links::
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree T (divides the ranks per node)")
     parser.add_argument("--shard", type=int, default=None, help="sharding degree S (default: ranks per node / T)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
+    parser.add_argument("--lr", type=float, default=3e-4)
     args = parser.parse_args()
 
     mesh = hsdp.init_mesh(args.shard, tensor_parallel_degree=args.tp)
@@ -38,7 +40,7 @@ def main() -> None:
     model = GPT(cfg)
     hsdp.tp_plans.gpt_plan(model, mesh.tp_mesh)  # torch's parallelize_module on each block
     model = hsdp.ShardedModel(model, mesh=mesh)
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
     n_params = sum(p.numel() for p in model.parameters())  # global sizes: DTensors
     if mesh.rank == 0:
         print(f"{mesh}: GPT {args.preset}, {n_params / 1e6:.1f}M parameters")
@@ -47,7 +49,9 @@ def main() -> None:
     for step in range(args.steps):
         # Data-parallel rank, not global rank: the T ranks of a tensor-parallel group read the same rows.
         g = torch.Generator().manual_seed(1000 * step + hsdp.data_parallel_rank(mesh))
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=g)
+        # Sequences that count up modulo the vocabulary from a random start: learnable, so the loss falls.
+        start = torch.randint(0, cfg.vocab_size, (args.batch, 1), generator=g)
+        ids = (start + torch.arange(cfg.block_size + 1)) % cfg.vocab_size
         model.reset_comm_stats()
         _, loss = model(ids[:, :-1].to(mesh.device), ids[:, 1:].to(mesh.device))
         loss.backward()

@@ -50,8 +50,13 @@ def _rewrite(target: str, page_src: Path, page_uri: str, docs_dir: Path, root: P
         return target  # a URL, an anchor in this page, or an absolute path (MkDocs warns about those)
     path, _, anchor = target.partition("#")
     resolved = Path(os.path.normpath(page_src.parent / path))
-    if resolved.is_relative_to(docs_dir) or not resolved.is_relative_to(root):
+    if resolved.is_relative_to(docs_dir):
+        if path and not resolved.exists():  # MkDocs may find it among the served files: GitHub would not
+            log.warning("%s links to %s, which does not exist in the repository (write links as GitHub resolves "
+                        "them, from the page's own folder)", page_uri, resolved.relative_to(root).as_posix())
         return target  # MkDocs checks links inside docs/ itself
+    if not resolved.is_relative_to(root):
+        return target
     rel = resolved.relative_to(root).as_posix()
     if not resolved.exists():
         log.warning("%s links to %s, which does not exist in the repository", page_uri, rel)
