@@ -5,8 +5,9 @@ statistics differ), then evaluates once, under hsdp with ``broadcast_buffers=Tru
 (automatic: on, since the model tracks running statistics), with ``False``, and under
 ``DistributedDataParallel`` (gloo, its default ``broadcast_buffers=True``). Synced runs must hold the same
 running statistics on every rank and equal to DDP's, and the same parameters; ``False`` must drift (that
-is what the option prevents). A model without running statistics broadcasts nothing by default, and a
-bad value raises before any collective.
+is what the option prevents). ``check_replicas`` passes on the synced buffers and names one changed on a
+single rank. A model without running statistics broadcasts nothing by default, and a bad value raises before
+any collective.
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def _check(model: hsdp.ShardedModel, rank: int) -> str:
+    """``check_replicas`` passes on synced buffers and names one changed on a single rank."""
+    model.check_replicas()
+    if rank == 1:
+        model.bn.running_mean.add_(1.0)
+    try:
+        model.check_replicas()
+        return "passed"
+    except hsdp.ReplicaDivergence as e:
+        return str(e)
+
+
 def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     ddp = DistributedDataParallel(BNNet())
@@ -80,7 +93,8 @@ def _worker(rank: int, world: int) -> dict:
         gathered = _all_ranks(buffers)
         on_rank0 = {k: v[0] for k, v in gathered.items()}
         full = hsdp.full_state_dict(model)
-        out[str(option)] = {
+        out[str(option)] = {"check": _check(model, rank)} if option is not False else {}
+        out[str(option)] |= {
             "across_ranks": max(_max_diff(on_rank0, {k: v[i] for k, v in gathered.items()}) for i in range(world)),
             "vs_ddp": _max_diff(buffers, ddp_buffers),
             "params_vs_ddp": _max_diff({k: full[k] for k in ddp_params}, ddp_params) if rank == 0 else 0.0,
@@ -101,6 +115,8 @@ def test_buffers_stay_identical_across_ranks_as_under_ddp() -> None:
     results = run_distributed(_worker, 2)
     for rank, r in enumerate(results):
         for option in ("True", "None"):
+            assert "1 buffer(s) differ across the ranks of a replica" in r[option]["check"], (rank, option, r)
+            assert "bn.running_mean" in r[option]["check"], (rank, option, r)
             assert r[option]["across_ranks"] == 0.0, (rank, option, r)
             assert r[option]["vs_ddp"] < 1e-6, (rank, option, r)
             assert r[option]["params_vs_ddp"] < 1e-5, (rank, option, r)

@@ -8,8 +8,11 @@ One 4-rank spawn:
 - inter-node bytes: nothing on the 3 inner steps, one all-reduce of the model's flat shards per sync, in fp32 or
   in the wire dtype (bf16: half);
 - refused with a ValueError before any collective: every < 1, a replica_hop next to DiLoCo,
-  the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step;
-  ``hsdp.save_checkpoint`` of a DiLoCo model is accepted (its resume: ``tests/test_diloco_checkpoint.py``).
+  the replica-sharded optimizer, batch weights (the sync would average the replicas unweighted); a plain torch
+  optimizer stepping a DiLoCo model is refused at its step;
+  ``hsdp.save_checkpoint`` of a DiLoCo model is accepted (its resume: ``tests/test_diloco_checkpoint.py``);
+- ``check_replicas`` (``check_replicas_every=1`` under Streaming DiLoCo, whose replicas never all agree) compares
+  the global copy: it passes at every step and names a global copy changed on one replica.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_distributed
-from models import ParityNet, batch, loss_fn
+from models import ParityNet, batch, loss_fn, train_steps
 
 import hsdp
 
@@ -70,6 +73,11 @@ def _refusals(rank: int, tmp: str) -> dict[str, str]:
         out["checkpoint"] = "accepted"
     except ValueError as e:
         out["checkpoint"] = str(e)
+    try:  # the sync would average the replicas' pseudo-gradients unweighted: refused, not silently wrong
+        model.set_batch_weight(3.0)
+        out["weights"] = "accepted"
+    except ValueError as e:
+        out["weights"] = str(e)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch(0, rank)
     loss_fn(model(x), y).backward()
@@ -81,6 +89,29 @@ def _refusals(rank: int, tmp: str) -> dict[str, str]:
     return out
 
 
+def _checked(rank: int) -> dict[str, str]:
+    """Streaming DiLoCo with ``check_replicas_every=1``: the replicas' weights never all agree, the global copy
+    always does, and a global copy changed on one replica is caught."""
+    torch.manual_seed(0)
+    sync = hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9, fragments=2, delay=1)
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=sync)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), check_replicas_every=1)
+    out = {}
+    try:
+        train_steps(model, opt, rank, range(6))
+        out["every_step"] = "passed"
+    except hsdp.ReplicaDivergence as e:
+        out["every_step"] = str(e)
+    if rank >= 2:  # replica 1's copy of the first unit's global weights
+        opt._hsdp_outer.global_copy[0].add_(1.0)
+    try:
+        model.check_replicas()
+        out["corrupted"] = "passed"
+    except hsdp.ReplicaDivergence as e:
+        out["corrupted"] = str(e)
+    return out
+
+
 def _worker(rank: int, world: int, tmp: str) -> dict:
     flat = sum(u.sharded_flat.numel() for u in hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2)).units)
     return {"flat": flat, "plain": _train(rank, None, "sgd")[0],
@@ -89,7 +120,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
             "h4_bf16": _train(rank, hsdp.DiLoCo(every=4, wire_dtype=torch.bfloat16), "adamw")[1],
             "h4_final": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw", steps=6,
                                finish=True),
-            "refusals": _refusals(rank, tmp)}
+            "refusals": _refusals(rank, tmp), "checked": _checked(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +186,17 @@ def test_inter_node_bytes_are_one_all_reduce_of_the_model_per_sync(results: list
         assert r["h4_bf16"] == [0, 0, 0, r["flat"] * 2] * 2
 
 
+def test_check_replicas_compares_the_global_copy_under_streaming_diloco(results: list[dict]) -> None:
+    for r in results:
+        assert r["checked"]["every_step"] == "passed", r["checked"]
+        assert "DiLoCo global copy shard(s) differ across replicas" in r["checked"]["corrupted"], r["checked"]
+
+
 def test_refusals_name_the_fix(results: list[dict]) -> None:
     got = results[0]["refusals"]
     assert "the inner steps between syncs must be an int >= 1" in got["every"]
     assert "drop replica_hop" in got["hop"]
     assert "turn shard_optimizer_across_replicas off" in got["sliced"]
     assert got["checkpoint"] == "accepted"
+    assert "DiLoCo averages the replicas' pseudo-gradients unweighted" in got["weights"]
     assert "syncs replicas with DiLoCo" in got["plain"] and "hsdp.ShardedOptimizer(model, optimizer)" in got["plain"]

@@ -6,10 +6,10 @@ copy DiLoCo syncs toward must be the loaded weights then, not the weights the op
 first sync pulls every replica back toward its initial weights (``(1 - outer_lr) x initial + outer_lr x loaded``
 at inner lr 0).
 
-One 4-rank spawn on 2 x 2: for each load path (``load_state_dict``, ``hsdp.load_pretrained``,
-``hsdp.materialize`` of a meta-built model, a model-only ``hsdp.load_checkpoint``, a user's own in-place write) and for plain and Streaming
-DiLoCo (outer lr 0.7, so a stale copy shows), the optimizer is built first, the weights loaded, then enough
-inner steps at lr 0 for every fragment to sync and land: the weights must still be the loaded ones (1e-6).
+One 4-rank spawn on 2 x 2: for each load path (``load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``
+of a meta-built model, a model-only ``hsdp.load_checkpoint``, a user's own in-place write) and for plain and
+Streaming DiLoCo (outer lr 0.7, so a stale copy shows), the optimizer is built first, the weights loaded, then
+enough inner steps at lr 0 for every fragment to sync and land: the weights must still be the loaded ones (1e-6).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _job(out: Path, *extra: str) -> tuple[dict, list[bool]]:
 
     from hsdp.apps.train import run_job
     from hsdp.apps.train.trainer import Trainer
-    from hsdp.engine.replicas import ReplicaDivergence
+    from hsdp.engine.replicas import ReplicaDivergence, check_replica_shards
 
     same: list[bool] = []
     original = Trainer.after_step
@@ -51,7 +51,8 @@ def _job(out: Path, *extra: str) -> tuple[dict, list[bool]]:
     def after_step(self: Trainer, record: dict) -> None:
         original(self, record)
         try:  # a collective in the replicate group, after the step's record: its bytes are not counted
-            self.model.check_replicas()
+            # The weights themselves (model.check_replicas compares DiLoCo's global copy, equal at every step).
+            check_replica_shards(self.model.sharded_params(), self.model.comm)
             same.append(True)
         except ReplicaDivergence:
             same.append(False)

@@ -18,6 +18,7 @@ from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
 from hsdp.engine.replica_sync import DiLoCo, check_replica_sync
 from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.runtime import batch_weight
+from hsdp.engine.runtime.buffers import comparable_buffers
 from hsdp.engine.runtime.dtensor import as_sharded
 from hsdp.engine.runtime.origin import check_origin, stamp
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -163,7 +164,15 @@ class ShardedModel(nn.Module):
 
         Every rank must set a weight before its backwards, or none: a mix (or a tensor weight that is zero,
         negative or non-finite) raises ``ValueError`` at the step's host read, before ``optimizer.step()``
-        applies the gradient. See ``hsdp/engine/runtime/batch_weight.py`` for how the weights travel."""
+        applies the gradient. See ``hsdp/engine/runtime/batch_weight.py`` for how the weights travel.
+
+        Refused under ``replica_sync=DiLoCo``: its sync averages the replicas' pseudo-gradients unweighted, so the
+        weights would count inside each replica only, not across them."""
+        if weight is not None and self._hsdp_state.replica_sync is not None:
+            raise ValueError("set_batch_weight on a model with replica_sync=DiLoCo: DiLoCo averages the replicas' "
+                             "pseudo-gradients unweighted, so batch weights would count inside each replica only. "
+                             "Give every replica the same batch size (drop set_batch_weight), or sync every step "
+                             "(no replica_sync)")
         self._hsdp_state.batch_weight = batch_weight.checked(weight, self.mesh.device)
 
     @contextlib.contextmanager
@@ -237,10 +246,18 @@ class ShardedModel(nn.Module):
 
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across
-        replicas (a collective in the replicate group; call it on every rank)."""
+        replicas, or buffers that differ between any two ranks (collectives in the replicate and shard groups;
+        call it on every rank). Under DiLoCo, once a ``ShardedOptimizer`` exists, it compares the global copy
+        instead of the weights: mid-phase the replicas' weights differ by design (and under Streaming DiLoCo
+        they never all agree), the global copy never does."""
         self._hsdp_state.settle_slices()
         with self.comm.phase("ShardedModel.check_replicas"):
-            check_replica_shards(self.sharded_params(), self.comm)
+            params, outer = self.sharded_params(), self._hsdp_state.outer
+            if outer is None:
+                check_replica_shards(params, self.comm, buffers=comparable_buffers(self))
+            else:  # DiLoCo: the weights differ mid-phase, the global copy never does
+                check_replica_shards(params, self.comm, shards=outer.compared_shards(params),
+                                     what="DiLoCo global copy shard(s)", buffers=comparable_buffers(self))
 
     def reshard(self) -> None:
         """Free every unsharded parameter (e.g. after a forward whose backward never ran)."""

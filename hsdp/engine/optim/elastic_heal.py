@@ -1,10 +1,10 @@
 """Healing a replica that joins an elastic job from a live peer, and the optimizer step as a transaction.
 
 A joining replica's rank receives, from the same shard rank of the quorum's ``source`` replica, over the new
-epoch's replicate group: every unit's flat shard (the parameters), the optimizer's state of its shards and its
-param groups' hyperparameters (a scheduled learning rate included), and hsdp's step counters. No checkpoint is
-read. The other members take part in the same broadcasts (their values are already equal). The heal runs where
-the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
+epoch's replicate group: every unit's flat shard (the parameters), the buffers, the optimizer's state of its
+shards and its param groups' hyperparameters (a scheduled learning rate included), and hsdp's step counters. No
+checkpoint is read. The other members take part in the same broadcasts (their values are already equal). The heal
+runs where the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
 inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's
 LR scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
 
@@ -42,6 +42,7 @@ def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
             for unit in model._hsdp_state.units:
                 if unit.params:
                     comm.broadcast(unit.sharded_flat, source, "replicate")
+            model._hsdp_state.buffers.broadcast(lambda flat: comm.broadcast(flat, source, "replicate"))
             payload = _optimizer_payload(optimizer) if layer.replica_id == quorum.source else None
             data = comm.broadcast_bytes(payload, source, "replicate")
         if joining:

@@ -33,25 +33,14 @@ mid-phase and, for the optimizer, always) is the checkpoint layer's business: ``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from hsdp.engine.optim.outer_step import OuterState, PendingSync
+from hsdp.engine.optim.outer_step import OuterState, PendingSync, chunks
 from hsdp.engine.runtime.origin import stamp
-from hsdp.engine.runtime.sharded_param import ShardedParam
 
 PENDING, LEFT = "pending_pseudo_gradient", "pending_steps_left"  # see [Note: syncs in flight]
-
-
-def chunks(outer: OuterState, unit_index: int, flat: torch.Tensor) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
-    """Each parameter of unit ``unit_index`` with its chunk of ``flat`` (a view, shaped like the parameter's
-    local chunk): ``flat`` is laid out like the unit's flat shard, padding between the chunks."""
-    offset = 0
-    for p in outer.units[unit_index].params:
-        yield p, flat[offset: offset + p.layout.local_numel].view(p.layout.local_shape)
-        offset += p.layout.padded_numel
 
 
 def global_weights(outer: OuterState) -> dict[str, torch.Tensor]:

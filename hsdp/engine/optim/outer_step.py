@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ from hsdp.engine.replica_sync import DiLoCo
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
+    from hsdp.engine.runtime.sharded_param import ShardedParam
     from hsdp.engine.runtime.unit import ShardUnit
 
 
@@ -59,6 +61,15 @@ def split_fragments(sizes: list[int], count: int) -> list[range]:
         cuts.append(min(candidates, key=lambda i: abs(running[i - 1] - k * total / count)))
     cuts.append(len(sizes))
     return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def chunks(outer: OuterState, unit_index: int, flat: torch.Tensor) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
+    """Each parameter of unit ``unit_index`` with its chunk of ``flat`` (a view, shaped like the parameter's
+    local chunk): ``flat`` is laid out like the unit's flat shard, padding between the chunks."""
+    offset = 0
+    for p in outer.units[unit_index].params:
+        yield p, flat[offset: offset + p.layout.local_numel].view(p.layout.local_shape)
+        offset += p.layout.padded_numel
 
 
 def _numel(unit: ShardUnit) -> int:
@@ -112,6 +123,7 @@ class OuterState:
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
         self.last: SyncStep | None = None  # what the last inner step did (None before the first)
         self._seen = self._versions()  # see [Note: loads after the optimizer]
+        model._hsdp_state.outer = self  # ShardedModel.check_replicas compares the global copy (compared_shards)
 
     def _versions(self) -> tuple[int, list[int]]:
         """The model's load count and its parameters' version counters ([Note: loads after the optimizer])."""
@@ -143,6 +155,13 @@ class OuterState:
         """Forget the syncs in flight (waiting for their all-reduces first: every rank started them)."""
         self.settle()
         self.pending = []
+
+    def compared_shards(self, params: list[ShardedParam]) -> list[torch.Tensor]:
+        """Each of ``params``' chunk of the global copy, shaped like its local shard: what every replica holds
+        equal at every step (mid-phase their weights differ, and under Streaming DiLoCo they never all agree),
+        so what ``check_replicas`` compares."""
+        found = {id(p): chunk for i in range(len(self.units)) for p, chunk in chunks(self, i, self.global_copy[i])}
+        return [found[id(p)] for p in params]
 
     def fragment_units(self, fragment: int) -> list[ShardUnit]:
         return [self.units[i] for i in self.fragments[fragment]]

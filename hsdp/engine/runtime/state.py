@@ -102,6 +102,7 @@ class HSDPState:
         if mesh.elastic is not None:
             self.step_read.sharded_optimizer_only = "is elastic (a step the coordinator discards must not be applied)"
         self.replica_sync: Any = None  # ShardedModel(replica_sync=hsdp.DiLoCo(...)), stepped by ShardedOptimizer
+        self.outer: Any = None  # DiLoCo's OuterState once a ShardedOptimizer exists (check_replicas compares it)
         self.loads = 0  # weights written from outside training (load_state_dict, load_pretrained, materialize)
         # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
         # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
@@ -312,6 +313,7 @@ class HSDPState:
                 raise
             self._drop_failed_hops(e)  # a member left mid-step: the step is discarded at the optimizer
             return
+        self._sync_buffers()  # the step's gradients are synced: so are the buffers (buffers.py)
         try:
             self.step_read.after_backward(self._pending, self.batch_weight)  # may raise a deferred check
         finally:
@@ -324,6 +326,16 @@ class HSDPState:
             reduction.start_replica_hop()
         for reduction in self._pending:
             reduction.finish()
+
+    def _sync_buffers(self) -> None:
+        """Broadcast the buffers at the end of a backward (``buffers.py``); on an elastic mesh a member lost
+        meanwhile fails the step instead, as a failed hop does, and the buffers stay due."""
+        try:
+            self.buffers.after_backward()
+        except RuntimeError as e:
+            if self.mesh.elastic is None:
+                raise
+            self.mesh.elastic.fail(f"buffer broadcast: {type(e).__name__}: {e}")
 
     def _drop_failed_hops(self, error: RuntimeError) -> None:
         """Elastic: an inter-node collective of this step failed (a peer replica died or stopped). Every
