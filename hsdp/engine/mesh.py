@@ -40,6 +40,7 @@ from hsdp.engine.mesh_layout import SHARDING_DEGREE_ENV, device_type_for, mesh_s
 from hsdp.engine.replica_degrees import check_degrees, default_degrees, is_regular
 from hsdp.engine.replica_layer import ReplicaLayer, gather_node_sizes, grid_layer, heterogeneous_layer
 from hsdp.engine.replica_pieces import validate_degrees
+from hsdp.engine.replicate.combinations import Feature, refused
 
 MESH_DIM_NAMES = ("replicate", "shard")
 TP_MESH_DIM_NAMES = ("replicate", "shard", "tp")
@@ -319,7 +320,8 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
                   policy: ElasticPolicy) -> HSDPMesh:
     """One replica of an elastic job (see :func:`init_mesh`): checks first, then the process group of this
     torchrun job, the coordinator's admission, and the replica's 1-D shard mesh."""
-    if device_mesh is not None or tp_degree not in (None, 1) or isinstance(sharding_degree, list | tuple):
+    if device_mesh is not None or (tp_degree not in (None, 1) and refused(Feature.ELASTIC, Feature.TENSOR_PARALLEL)) \
+            or (isinstance(sharding_degree, list | tuple) and refused(Feature.ELASTIC, Feature.HETEROGENEOUS)):
         raise ValueError("init_mesh(elastic=True) builds one replica per torchrun job, sharded over its ranks: drop "
                          "device_mesh, tensor_parallel_degree and per-replica degree lists")
     found = elastic_env(coordinator)
@@ -365,7 +367,7 @@ def check_degree_list(sharding_degree: ShardingDegree | None, tp_degree: int | N
     validate_degrees(degrees)
     if is_regular(degrees):
         return degrees
-    if tp_degree not in (None, 1):
+    if tp_degree not in (None, 1) and refused(Feature.HETEROGENEOUS, Feature.TENSOR_PARALLEL):
         raise ValueError(f"tensor_parallel_degree={tp_degree} with replicas of different shard degrees "
                          f"(sharding_degree={list(degrees)}) is not supported: give every replica the same degree, "
                          f"or drop tensor parallelism")

@@ -17,6 +17,7 @@ from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
 from hsdp.engine.replica_sync import DiLoCo, check_replica_sync
 from hsdp.engine.replicas import check_replica_shards
+from hsdp.engine.replicate.combinations import Feature, refused
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.buffers import comparable_buffers
 from hsdp.engine.runtime.dtensor import as_sharded
@@ -168,7 +169,11 @@ class ShardedModel(nn.Module):
 
         Refused under ``replica_sync=DiLoCo``: its sync averages the replicas' pseudo-gradients unweighted, so the
         weights would count inside each replica only, not across them."""
-        if weight is not None and self._hsdp_state.replica_sync is not None:
+        if weight is not None and self.mesh.elastic is not None and refused(Feature.ELASTIC, Feature.BATCH_WEIGHTS):
+            raise ValueError("set_batch_weight on an elastic mesh: a split of the global batch by fixed weights does "
+                             "not follow replicas that come and go; give every rank the same batch size")
+        if weight is not None and self._hsdp_state.replica_sync is not None and \
+                refused(Feature.DILOCO, Feature.BATCH_WEIGHTS):
             raise ValueError("set_batch_weight on a model with replica_sync=DiLoCo: DiLoCo averages the replicas' "
                              "pseudo-gradients unweighted, so batch weights would count inside each replica only. "
                              "Give every replica the same batch size (drop set_batch_weight), or sync every step "

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hsdp.engine.hops import NoHop
+from hsdp.engine.replicate.combinations import Feature, refused
 
 
 @dataclass(frozen=True)
@@ -106,15 +107,15 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object) ->
     if hop is not None:
         raise ValueError("replica_sync=DiLoCo sends no per-step inter-node hop, so replica_hop has nothing to do: "
                          "drop replica_hop (DiLoCo(wire_dtype=torch.bfloat16) halves the sync's bytes)")
-    if sliced:
+    if sliced and refused(Feature.DILOCO, Feature.SLICED_OPTIMIZER):
         raise ValueError("replica_sync=DiLoCo keeps a whole optimizer state per replica (each replica steps on its "
                          "own): turn shard_optimizer_across_replicas off")
-    if getattr(mesh, "heterogeneous", False):
+    if getattr(mesh, "heterogeneous", False) and refused(Feature.DILOCO, Feature.HETEROGENEOUS):
         # The replicas' flat shards are laid out by their own shard degrees: a position-wise all-reduce of the
         # pseudo-gradients would add unrelated elements.
         raise ValueError("replica_sync=DiLoCo on replicas of different shard degrees (sharding_degree=[...]) is not "
                          "supported yet: give every replica the same degree (init_mesh(sharding_degree=S)), or "
                          "drop replica_sync")
-    if getattr(mesh, "elastic", None) is not None:
+    if getattr(mesh, "elastic", None) is not None and refused(Feature.DILOCO, Feature.ELASTIC):
         raise ValueError("replica_sync=DiLoCo on an elastic mesh is not supported yet: use one or the other")
     return NoHop()

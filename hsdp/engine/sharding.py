@@ -29,6 +29,7 @@ from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import ReplicaHop, can_scatter
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.policy import MixedPrecision
+from hsdp.engine.replicate.combinations import Feature, refused
 from hsdp.engine.runtime.buffers import move_buffers
 from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.piece_plan import holder_tuples
@@ -180,7 +181,7 @@ def _check_tp_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     """What tensor parallelism does not compose with yet, refused before any collective."""
     if mesh.tp_degree == 1:
         return
-    if options.shard_optimizer_across_replicas:
+    if options.shard_optimizer_across_replicas and refused(Feature.TENSOR_PARALLEL, Feature.SLICED_OPTIMIZER):
         raise ValueError("shard_optimizer_across_replicas is not supported with tensor parallelism yet: turn it "
                          "off, or use tensor_parallel_degree=1")
 
@@ -189,7 +190,8 @@ def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     """What replicas of different shard degrees, or elastic ones, do not compose with yet, refused before any
     collective."""
     if mesh.elastic is not None:
-        if options.shard_optimizer_across_replicas or options.replica_hop.state_dict() is not None:
+        if (options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER)) or \
+                (options.replica_hop.state_dict() is not None and refused(Feature.ELASTIC, Feature.INT8_HOP)):
             raise ValueError("an elastic mesh's replicas come and go, so state split or kept per replica does not "
                              "carry over: turn shard_optimizer_across_replicas off and use replica_hop="
                              "hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16)")
@@ -197,10 +199,10 @@ def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     if not mesh.heterogeneous:
         return
     degrees = list(mesh.replicas.degrees)
-    if options.shard_optimizer_across_replicas:
+    if options.shard_optimizer_across_replicas and refused(Feature.HETEROGENEOUS, Feature.SLICED_OPTIMIZER):
         raise ValueError(f"shard_optimizer_across_replicas is not supported on replicas of different shard degrees "
                          f"(sharding_degree={degrees}): turn it off, or give every replica the same degree")
-    if options.replica_hop.state_dict() is not None:
+    if options.replica_hop.state_dict() is not None and refused(Feature.HETEROGENEOUS, Feature.INT8_HOP):
         raise ValueError(f"{type(options.replica_hop).__name__} keeps per-replica state laid out like a grid's slot, "
                          f"which replicas of different shard degrees (sharding_degree={degrees}) do not share: use "
                          f"replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes)")

@@ -18,6 +18,7 @@ from hsdp.apps.train.config_replica_sync import check_parallel
 from hsdp.apps.train.config_rules import at_least as _at_least
 from hsdp.apps.train.config_rules import fail as _fail
 from hsdp.apps.train.config_rules import one_of as _one_of
+from hsdp.engine.replicate.combinations import Feature, problem
 
 if TYPE_CHECKING:
     from hsdp.models import GPTConfig
@@ -256,11 +257,24 @@ class ParallelConfig:
         if self.shard_optimizer_across_replicas and not can_scatter(named_hop(self.replica_hop)):
             _fail(self.SECTION, "shard_optimizer_across_replicas", True,
                   f"needs a hop that can reduce-scatter across replicas, and parallel.replica_hop = "
-                  f"{self.replica_hop!r} cannot: set parallel.replica_hop to 'bf16' or 'fp32', or turn "
-                  f"parallel.shard_optimizer_across_replicas off")
+                  f"{self.replica_hop!r} cannot (it does not combine with it): set parallel.replica_hop to 'bf16' "
+                  f"or 'fp32', or turn parallel.shard_optimizer_across_replicas off")
         if self.tensor_parallel > 1:
             self._check_tensor_parallel_options()
         check_parallel(self)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        # The one table of what combines (hsdp/engine/replicate/combinations.py); the checks above name their own
+        # fixes for the pairs users meet most, this one refuses any other pair the library would refuse later.
+        on = {Feature.HETEROGENEOUS: self.degree_list is not None, Feature.ELASTIC: self.elastic,
+              Feature.DILOCO: self.replica_sync == "diloco", Feature.TENSOR_PARALLEL: self.tensor_parallel > 1,
+              Feature.SLICED_OPTIMIZER: self.shard_optimizer_across_replicas,
+              Feature.INT8_HOP: self.replica_hop == "int8", Feature.BF16_HOP: self.replica_hop == "bf16",
+              Feature.BATCH_WEIGHTS: self.batch_weights != "even"}
+        found = problem({f for f, enabled in on.items() if enabled}, config=True)
+        if found:
+            _fail(self.SECTION, "replica features", sorted(f.value for f, enabled in on.items() if enabled), found)
 
     @property
     def degree_list(self) -> tuple[int, ...] | None:

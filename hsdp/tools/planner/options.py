@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hsdp.engine.replicate.combinations import Feature, refused
+
 SYNC_MODES = ("deferred", "every", "local")
 REPLICATE_DTYPES = ("same", "fp32", "bf16", "int8")
 INT8_BLOCK = 256  # Int8ErrorFeedbackHop's default block: one fp32 scale per 256 int8 values
@@ -101,10 +103,13 @@ class TrainOptions:
             raise ValueError(f"sync={self.sync!r}: choose one of {SYNC_MODES}")
         if self.replicate_dtype not in REPLICATE_DTYPES:
             raise ValueError(f"replicate_dtype={self.replicate_dtype!r}: choose one of {REPLICATE_DTYPES}")
-        if self.shard_optimizer_across_replicas and not self.hop_can_scatter:
+        # The pairs refused by the one table of combinations (hsdp/engine/replicate/combinations.py).
+        if self.shard_optimizer_across_replicas and not self.hop_can_scatter \
+                and refused(Feature.SLICED_OPTIMIZER, Feature.INT8_HOP):
             raise ValueError("shard_optimizer_across_replicas reduce-scatters gradients across replicas, which the "
                              "int8 hop cannot do: use replicate_dtype 'bf16' or 'fp32', or turn the option off")
-        if self.shard_optimizer_across_replicas and not self.inter_node_hop:
+        if self.shard_optimizer_across_replicas and not self.inter_node_hop \
+                and refused(Feature.SLICED_OPTIMIZER, Feature.DILOCO):
             raise ValueError("without an inter-node hop (DiLoCo) each replica steps its own whole optimizer state: "
                              "turn shard_optimizer_across_replicas off")
 

@@ -1,0 +1,1 @@
+"""The replicate layer: what crosses replicas, and which of its modes combine (``combinations.py``)."""

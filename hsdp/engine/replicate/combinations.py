@@ -1,0 +1,197 @@
+"""Which replicate-layer features combine: one table that the library, ``hsdp train`` and ``hsdp plan`` consult.
+
+A feature is a mode of the replicate layer or of what it carries (:class:`Feature`). Every pair of features has
+one :class:`Rule`: supported (with the tests that show it exact against a one-process simulation), refused (with
+the reason, and whether the reason is the math or the failure model, or only that it is not built yet), or
+exclusive (two choices of one setting, e.g. two hops). Checks elsewhere ask :func:`rule` instead of carrying
+their own list, so they cannot disagree; the documentation's matrix is :func:`markdown_matrix`
+(``tests/test_combinations.py`` fails when the docs drift from it, or a named test does not exist).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+
+class Feature(enum.Enum):
+    """A replicate-layer feature; the value is its name in the matrix."""
+
+    HETEROGENEOUS = "heterogeneous degrees"
+    ELASTIC = "elastic"
+    DILOCO = "DiLoCo"
+    TENSOR_PARALLEL = "tensor parallel"
+    SLICED_OPTIMIZER = "optimizer across replicas"
+    INT8_HOP = "int8 hop"
+    BF16_HOP = "bf16 hop"
+    BATCH_WEIGHTS = "batch weights"
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a user turns a feature on: in the library and in ``hsdp train``'s config."""
+
+    api: str
+    config: str
+
+
+SPELLINGS = {
+    Feature.HETEROGENEOUS: Spelling("init_mesh(sharding_degree=[...])", "parallel.sharding_degree = [...]"),
+    Feature.ELASTIC: Spelling("init_mesh(elastic=True)", "parallel.elastic = true"),
+    Feature.DILOCO: Spelling("replica_sync=hsdp.DiLoCo(...)", "parallel.replica_sync = 'diloco'"),
+    Feature.TENSOR_PARALLEL: Spelling("tensor_parallel_degree > 1", "parallel.tensor_parallel > 1"),
+    Feature.SLICED_OPTIMIZER: Spelling("shard_optimizer_across_replicas=True",
+                                       "parallel.shard_optimizer_across_replicas = true"),
+    Feature.INT8_HOP: Spelling("replica_hop=hsdp.Int8ErrorFeedbackHop()", "parallel.replica_hop = 'int8'"),
+    Feature.BF16_HOP: Spelling("replica_hop=hsdp.AllReduceHop(torch.bfloat16)", "parallel.replica_hop = 'bf16'"),
+    Feature.BATCH_WEIGHTS: Spelling("model.set_batch_weight(n)", "parallel.batch_weights != 'even'"),
+}
+
+
+class Status(enum.Enum):
+    SUPPORTED = "supported"
+    REFUSED = "refused"
+    EXCLUSIVE = "exclusive"  # two values of one setting: not a combination
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One pair's verdict. ``why``: for a refusal the reason (``permanent``: the math or the failure model rules
+    the pair out; otherwise it is not built yet); ``tests``: ``file::test`` of the parity or simulation test of
+    a supported pair, or of the test that shows the refusal."""
+
+    status: Status
+    why: str = ""
+    tests: tuple[str, ...] = ()
+    permanent: bool = False
+    untested: bool = False  # supported (nothing refuses it) but no test shows it exact yet
+
+
+F = Feature
+_HETERO_TEST = "tests/test_hetero_mesh.py::test_refusals_name_the_fix"
+_ELASTIC_TEST = "tests/test_elastic_bad_input.py::test_an_elastic_replica_refuses_what_it_cannot_do_naming_the_fix"
+_ELASTIC_CONFIG_TEST = "tests/test_train_elastic.py::test_elastic_refusals_before_anything_starts"
+_WEIGHTS_TEST = "tests/test_batch_weights.py::test_weighted_backwards_equal_one_process_over_the_concatenated_batches"
+_DILOCO_TEST = "tests/test_diloco.py::test_refusals_name_the_fix"
+
+
+def _refused(why: str, test: str, permanent: bool = False) -> Rule:
+    return Rule(Status.REFUSED, why, (test,), permanent)
+
+
+def _supported(*tests: str) -> Rule:
+    return Rule(Status.SUPPORTED, "", tests)
+
+
+_UNTESTED = Rule(Status.SUPPORTED, "accepted, but no parity test covers the pair yet", untested=True)
+
+
+TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in {
+    (F.HETEROGENEOUS, F.ELASTIC): _refused("an elastic replica is one torchrun job sharded over all its ranks; "
+                                           "joiners of another degree are not healed yet", _ELASTIC_CONFIG_TEST),
+    (F.HETEROGENEOUS, F.DILOCO): _refused("the replicas' flat shards are laid out by their own degrees: the "
+                                          "pseudo-gradients are not reduced piece by piece yet", _HETERO_TEST),
+    (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _refused("the piece reduction does not cut tensor-parallel shards yet",
+                                                   "tests/test_hetero_mesh.py::test_lists_refused_before_any_process"),
+    (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _refused("the replicas' slices of a shard are cut by one degree",
+                                                    _HETERO_TEST),
+    (F.HETEROGENEOUS, F.INT8_HOP): _refused("the int8 hop's residuals are laid out like a grid's slot",
+                                            _HETERO_TEST),
+    (F.HETEROGENEOUS, F.BF16_HOP): _UNTESTED,
+    (F.HETEROGENEOUS, F.BATCH_WEIGHTS): _supported("tests/test_hetero_mesh.py::test_training_matches_one_process"),
+    (F.ELASTIC, F.DILOCO): _refused("a sync is not a transaction over the replicas present yet", _DILOCO_TEST),
+    (F.ELASTIC, F.TENSOR_PARALLEL): _refused("an elastic replica is one torchrun job sharded over its ranks",
+                                             _ELASTIC_CONFIG_TEST),
+    (F.ELASTIC, F.SLICED_OPTIMIZER): _refused("a dead replica would take its slice of the optimizer state with it",
+                                              _ELASTIC_TEST, permanent=True),
+    (F.ELASTIC, F.INT8_HOP): _refused("the int8 hop's residuals are kept per replica and are not healed yet",
+                                      _ELASTIC_TEST),
+    (F.ELASTIC, F.BF16_HOP): _supported("tests/test_train_elastic.py::test_below_the_minimum_every_rank_stops_and_the_"
+                                        "survivor_checkpoints_its_last_step"),
+    (F.ELASTIC, F.BATCH_WEIGHTS): _refused("a fixed split of the global batch does not follow replicas that come "
+                                           "and go", _ELASTIC_CONFIG_TEST),
+    (F.DILOCO, F.TENSOR_PARALLEL): _UNTESTED,
+    (F.DILOCO, F.SLICED_OPTIMIZER): _refused("DiLoCo's inner optimizer state is per replica by definition",
+                                             _DILOCO_TEST, permanent=True),
+    (F.DILOCO, F.INT8_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (its wire dtype is DiLoCo's own)"),
+    (F.DILOCO, F.BF16_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (DiLoCo(wire_dtype=bf16) halves "
+                                                   "its syncs)"),
+    (F.DILOCO, F.BATCH_WEIGHTS): _refused("DiLoCo averages the replicas' pseudo-gradients unweighted",
+                                          _DILOCO_TEST),
+    (F.TENSOR_PARALLEL, F.SLICED_OPTIMIZER): _refused(
+        "the replica slices are not cut on the tensor-parallel mesh yet",
+        "tests/test_tensor_parallel.py::test_what_tensor_parallelism_does_not_support_yet_is_refused_naming_the_fix"),
+    (F.TENSOR_PARALLEL, F.INT8_HOP): _supported(
+        "tests/test_tensor_parallel.py::test_compressed_hops_under_tensor_parallel_stay_consistent_and_int8_residuals_"
+        "checkpoint"),
+    (F.TENSOR_PARALLEL, F.BF16_HOP): _supported(
+        "tests/test_tensor_parallel.py::test_compressed_hops_under_tensor_parallel_stay_consistent_and_int8_residuals_"
+        "checkpoint"),
+    (F.TENSOR_PARALLEL, F.BATCH_WEIGHTS): _UNTESTED,
+    (F.SLICED_OPTIMIZER, F.INT8_HOP): _refused("the int8 hop cannot reduce-scatter across replicas",
+                                               "tests/test_replica_sharded_optimizer.py::test_refusals_name_the_fix",
+                                               permanent=True),
+    (F.SLICED_OPTIMIZER, F.BF16_HOP): _supported(
+        "tests/test_replica_sharded_optimizer.py::test_parity_and_the_bf16_hop"),
+    (F.SLICED_OPTIMIZER, F.BATCH_WEIGHTS): _supported(_WEIGHTS_TEST),
+    (F.INT8_HOP, F.BF16_HOP): Rule(Status.EXCLUSIVE, "one replica_hop at a time"),
+    (F.INT8_HOP, F.BATCH_WEIGHTS): _UNTESTED,
+    (F.BF16_HOP, F.BATCH_WEIGHTS): _supported(_WEIGHTS_TEST),
+}.items()}
+
+
+def rule(a: Feature, b: Feature) -> Rule:
+    """The verdict on features ``a`` and ``b`` together."""
+    return TABLE[frozenset((a, b))]
+
+
+def refused(a: Feature, b: Feature) -> bool:
+    return rule(a, b).status is Status.REFUSED
+
+
+def problem(features: set[Feature], config: bool = False) -> str | None:
+    """The first refused pair among ``features`` as a sentence naming both and the reason (in ``hsdp train``'s
+    spelling with ``config``); ``None`` when they all combine."""
+    for a, b in itertools.combinations([f for f in Feature if f in features], 2):
+        r = rule(a, b)
+        if r.status is Status.REFUSED:
+            spell = (lambda f: SPELLINGS[f].config) if config else (lambda f: SPELLINGS[f].api)
+            return f"{spell(a)} does not combine with {spell(b)}: {r.why}" + ("" if r.permanent else " (not yet)")
+    return None
+
+
+def markdown_matrix() -> str:
+    """The table as Markdown: one row and column per feature, then the reasons of the refusals."""
+    features = list(Feature)
+    mark = {Status.SUPPORTED: "yes", Status.REFUSED: "no", Status.EXCLUSIVE: "-"}
+
+    def cell(r: Rule) -> str:
+        return "yes, untested" if r.untested else mark[r.status]
+
+    lines = ["| | " + " | ".join(f.value for f in features) + " |", "|---" * (len(features) + 1) + "|"]
+    for a in features:
+        cells = ["" if a is b else cell(rule(a, b)) for b in features]
+        lines.append(f"| **{a.value}** | " + " | ".join(cells) + " |")
+    lines += ["", "| pair | verdict | why, or the test that shows it |", "|---|---|---|"]
+    for (a, b) in itertools.combinations(features, 2):
+        r = rule(a, b)
+        detail = r.why + (" (by the math or the failure model)" if r.permanent else "") if r.why else ""
+        tests = ", ".join(f"`{t}`" for t in r.tests)
+        lines.append(f"| {a.value} + {b.value} | {cell(r)} | {'; '.join(x for x in (detail, tests) if x)} |")
+    return "\n".join(lines) + "\n"
+
+
+def counts() -> dict[Status, int]:
+    """How many pairs have each verdict."""
+    out = dict.fromkeys(Status, 0)
+    for r in TABLE.values():
+        out[r.status] += 1
+    return out
+
+
+if __name__ == "__main__":
+    print("# Which replicate-layer features combine\n")
+    print("Generated from `hsdp/engine/replicate/combinations.py` (the one table the library, `hsdp train` and "
+          "`hsdp plan` consult): `python -m hsdp.engine.replicate.combinations > docs/combinations.md`.\n")
+    print(markdown_matrix(), end="")
