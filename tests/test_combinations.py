@@ -3,8 +3,8 @@
 - every pair of features has one verdict; every test a verdict names exists;
 - ``hsdp train``'s config refuses a pair exactly when the table does (a drift between the two fails here), and
   its message names the table's reason;
-- the matrix in the docs is the table's (``docs/combinations.md``; regenerate it with
-  ``python -m hsdp.engine.replicate.combinations > docs/combinations.md``).
+- the matrix in the docs is the table's (``docs/concepts/combinations.md``; regenerate it with
+  ``python -m hsdp.engine.replicate.combinations > docs/concepts/combinations.md``).
 """
 
 from __future__ import annotations
@@ -50,5 +50,5 @@ def test_hsdp_train_refuses_a_pair_exactly_when_the_table_does(pair: tuple[Featu
 
 
 def test_the_docs_matrix_is_the_tables() -> None:
-    text = (ROOT / "docs" / "combinations.md").read_text()
+    text = (ROOT / "docs" / "concepts" / "combinations.md").read_text()
     assert markdown_matrix() in text, "regenerate: python -m hsdp.engine.replicate.combinations"

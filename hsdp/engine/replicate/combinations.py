@@ -193,5 +193,5 @@ def counts() -> dict[Status, int]:
 if __name__ == "__main__":
     print("# Which replicate-layer features combine\n")
     print("Generated from `hsdp/engine/replicate/combinations.py` (the one table the library, `hsdp train` and "
-          "`hsdp plan` consult): `python -m hsdp.engine.replicate.combinations > docs/combinations.md`.\n")
+          "`hsdp plan` consult): `python -m hsdp.engine.replicate.combinations > docs/concepts/combinations.md`.\n")
     print(markdown_matrix(), end="")
