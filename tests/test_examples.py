@@ -176,7 +176,7 @@ def test_slurm_script_trains_with_the_example_config_and_a_requeue_resumes(tmp_p
     run_dir = tmp_path / "run"
     env = _env(PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node1",
                SLURM_NNODES="1", SLURM_JOB_NAME="hsdp-test", SLURM_CPUS_PER_TASK="2", GPUS_PER_NODE="2",
-               RDZV_PORT=str(_free_port()), RUN_DIR=str(run_dir))
+               RDZV_PORT=str(_free_port()), RUN_DIR=str(run_dir), COLUMNS="400")  # rich: one line per message
     tiny = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=0", "train.sample_tokens=0",
             "train.log_every=1", "data.max_bytes=100000"]
     script = str(EXAMPLES / "slurm_hsdp.sbatch")
@@ -184,7 +184,7 @@ def test_slurm_script_trains_with_the_example_config_and_a_requeue_resumes(tmp_p
     first = _run(["bash", script, *tiny, "train.stop_after=2"], ROOT, {**env, "SLURM_JOB_ID": "1"})
     assert "1 nodes x 2 GPUs" in first and "resumed from" not in first, first
     second = _run(["bash", script, *tiny], ROOT, {**env, "SLURM_JOB_ID": "2", "RDZV_PORT": str(_free_port())})
-    assert re.search(r"resumed from \S+step_0+2 \(step 2\)", second), second
+    assert re.search(r"resumed from\s+\S+step_0+2 \(step 2\)", second), second
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4], steps
     assert (run_dir / "checkpoints" / "step_000004").is_dir()
