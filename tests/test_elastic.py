@@ -36,19 +36,24 @@ from hsdp.tools.launch.netns import find_tools, list_namespaces
 PROGRAM = Path(__file__).parent / "programs" / "elastic_worker.py"
 REPLICAS, RANKS, VICTIM, FAULT_STEP = 3, 2, 2, 10
 HEARTBEAT_TIMEOUT_S = 4  # the coordinator's: above its default 3 s, which a busy 2-core machine can miss
-ACCUM = {"kill": 1, "stop": 2}  # the stopped-replica case also accumulates two micro-batches per step
+# Each case's fault and worker settings: the stopped rank 0 also accumulates two micro-batches per step; a
+# stopped rank 1 leaves its replica's rank 0 beating while it waits in the reduce-scatter inside the node, and
+# the watchdog's bound (what ended that replica and so the survivors' wait before every rank beat) is 15 s there.
+CASES = {"kill": {"ELASTIC_FAULT": "kill"},
+         "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2"},
+         "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15"}}
 RUN_TIMEOUT_S = 300
 
 
-def _run(out: Path, fault: str) -> str:
+def _run(out: Path, case: dict[str, str]) -> str:
     """The launch, checked to end well: status 0, nothing left behind; its output."""
     tools = find_tools() if os.geteuid() == 0 else None
     before = set(list_namespaces(tools)) if tools is not None else set()
     flags = ["--elastic", "--nodes", str(REPLICAS), "--nproc-per-node", str(RANKS), "--max-restarts", "1",
              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
              "--require-emulation" if tools is not None else "--no-emulation"]
-    env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_FAULT": fault, "ELASTIC_VICTIM": str(VICTIM),
-           "ELASTIC_FAULT_STEP": str(FAULT_STEP), "ELASTIC_ACCUM": str(ACCUM[fault])}
+    env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_VICTIM": str(VICTIM),
+           "ELASTIC_FAULT_STEP": str(FAULT_STEP), **case}
     code, output, left = run_launch(flags, [str(PROGRAM)], env, RUN_TIMEOUT_S)
     assert code == 0, output[-6000:]
     assert left == [], f"processes left behind: {left}"
@@ -91,9 +96,9 @@ def _replay(steps: list[dict], accum: int) -> tuple[dict[str, torch.Tensor], dic
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.parametrize("fault", list(CASES))
 def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, fault: str) -> None:
-    output = _run(tmp_path, fault)
+    output = _run(tmp_path, CASES[fault])
     assert re.search(rf"\[coordinator\] .*replica {VICTIM} left", output), output[-6000:]
     assert re.search(rf"\[coordinator\] .*replica {VICTIM} rejoined \(incarnation 2, healed from replica 0\)",
                      output), output[-6000:]
@@ -101,25 +106,80 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
     if fault == "stop":  # the stopped rank 0 hosts its replica's store: rank 1's watchdog ends the replica
         assert "the job's store has not answered for" in output, output[-6000:]
     logs = _records(tmp_path)
-    survivor = [r for r in logs[(0, 0)][0] if "step" in r]
-    by_step = {r["step"]: r for r in survivor}
-    assert by_step[FAULT_STEP]["committed"] is False  # the interrupted step is discarded
+    survivor = _survivor(logs)
     fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
-    after = [r for r in survivor if r["step"] > FAULT_STEP and r["committed"]]
-    # Without the victim, or with it already back (a restart can beat the heartbeat timeout).
-    assert after[0]["replicas"] in ([0, 1], [0, 1, 2]) and after[0]["t"] - fault_at < 10, (after[0], fault_at)
+    _check_one_step_lost(survivor, fault_at)
     assert "an elastic mesh's replicas come and go" in logs[(0, 0)][0][0]["refused"]
     joined = logs[(VICTIM, 0)][1][0]["joined"]
-    assert joined > FAULT_STEP and by_step[joined]["replicas"] == [0, 1, 2]
+    assert joined > FAULT_STEP and {r["step"]: r for r in survivor}[joined]["replicas"] == [0, 1, 2]
     for replica in range(REPLICAS):  # every replica agrees on the committed history it took part in
         for rank in range(RANKS):
             mine = [r for r in logs[(replica, rank)][-1] if "step" in r]
             assert [(r["step"], r["committed"], r["replicas"]) for r in mine] == [
                 (r["step"], r["committed"], r["replicas"]) for r in survivor if r["step"] >= mine[0]["step"]]
-    params, losses = _replay(survivor, ACCUM[fault])
+    _check_replay(tmp_path, logs, survivor, int(CASES[fault].get("ELASTIC_ACCUM", "1")), range(REPLICAS))
+
+
+def test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart(tmp_path: Path) -> None:
+    output = _run(tmp_path, {"ELASTIC_FAULT": "starve"})  # its ranks hold the GIL 6 s after step 10
+    assert f"hsdp elastic: replica {VICTIM} (incarnation 1) is alive but the coordinator dropped it" in output
+    assert re.search(rf"\[coordinator\] .*replica {VICTIM} left", output), output[-6000:]
+    assert re.search(rf"\[coordinator\] .*replica {VICTIM} rejoined \(incarnation 2, healed from replica 0\)",
+                     output), output[-6000:]
+    logs = _records(tmp_path)
+    assert all(len(logs[(VICTIM, rank)]) == 1 for rank in range(RANKS))  # one process each: no restart
+    survivor = _survivor(logs, lost=None)  # it starved before asking for step 11: the others only waited for it
+    fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
+    _check_one_step_lost(survivor, fault_at, bound=HEARTBEAT_TIMEOUT_S + 6)
+    by_step = {r["step"]: r for r in survivor}
+    for rank in range(RANKS):
+        lines = logs[(VICTIM, rank)][0]
+        healed = next(r["healed"] for r in lines if "healed" in r)  # its step 11 ran alone, then it rejoined
+        assert healed > FAULT_STEP + 1 and by_step[healed]["replicas"] == [0, 1, 2]
+        mine = [(r["step"], r["committed"], r["replicas"]) for r in lines if "step" in r]
+        # What it took part in, as everyone saw it: every step up to the fault, then every one from the heal.
+        assert [step for step, _, _ in mine] == [*range(FAULT_STEP + 1), *range(healed, mine[-1][0] + 1)]
+        assert mine == [(step, by_step[step]["committed"], by_step[step]["replicas"]) for step, _, _ in mine]
+    _check_replay(tmp_path, logs, survivor, 1, range(REPLICAS))
+
+
+def test_a_replica_restarted_after_the_job_completed_ends_cleanly(tmp_path: Path) -> None:
+    last = FAULT_STEP + 4  # the survivors finish while the killed replica's restart waits to start
+    output = _run(tmp_path, {"ELASTIC_FAULT": "kill", "ELASTIC_LAST_STEP": str(last)})
+    assert "[coordinator] " in output and f"job completed after step {last}" in output, output[-6000:]
+    assert f"hsdp elastic: replica {VICTIM}: the elastic job 'default' completed" in output, output[-6000:]
+    assert "start a new job from a checkpoint" not in output and "exited with status" not in output, output[-6000:]
+    logs = _records(tmp_path)
+    assert len(logs[(VICTIM, 0)]) == 1  # the restart ended before it logged anything: nothing to train
+    survivor = _survivor(logs)
+    assert survivor[-1]["step"] == last
+    _check_replay(tmp_path, logs, survivor, 1, range(VICTIM))
+
+
+def _survivor(logs: dict[tuple[int, int], list[list[dict]]], lost: int | None = FAULT_STEP) -> list[dict]:
+    """Replica 0's rank 0's step records, the step ``lost`` discarded (the victim died or stopped in it)."""
+    survivor = [r for r in logs[(0, 0)][0] if "step" in r]
+    assert lost is None or {r["step"]: r for r in survivor}[lost]["committed"] is False
+    return survivor
+
+
+def _check_one_step_lost(survivor: list[dict], fault_at: float, lost: int = FAULT_STEP, bound: float = 10) -> None:
+    """The survivors' next committed step after ``lost`` came within ``bound`` seconds of the fault, without the
+    victim, or with it already back (a restart can beat the heartbeat timeout)."""
+    after = [r for r in survivor if r["step"] > lost and r["committed"]]
+    assert after[0]["replicas"] in ([0, 1], [0, 1, 2]) and after[0]["t"] - fault_at < bound, (after[0], fault_at)
+
+
+def _check_replay(out: Path, logs: dict[tuple[int, int], list[list[dict]]], survivor: list[dict], accum: int,
+                  replicas: range) -> None:
+    """No step applied twice or partially: every rank's losses and the saved parameters of ``replicas`` equal one
+    process replaying exactly the committed steps."""
+    params, losses = _replay(survivor, accum)
     for (replica, rank), incarnations in logs.items():
         for record in (r for lines in incarnations for r in lines if "step" in r):
             assert record["losses"] == pytest.approx(losses[(record["step"], replica, rank)], abs=1e-5), (replica, rank)
-        saved = torch.load(tmp_path / f"params_r{replica}_s{rank}.pt")
+        if replica not in replicas:
+            continue
+        saved = torch.load(out / f"params_r{replica}_s{rank}.pt")
         for name, value in params.items():
             torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-5, msg=f"{replica}/{rank} {name}")

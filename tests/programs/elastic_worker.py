@@ -2,19 +2,26 @@
 
 Environment: what torchrun and ``hsdp launch --elastic`` give a rank (RANK, WORLD_SIZE, ..., HSDP_COORDINATOR,
 HSDP_REPLICA_ID, HSDP_ELASTIC_JOB, TORCHELASTIC_RESTART_COUNT); ``ELASTIC_OUT`` (a folder), ``ELASTIC_FAULT``
-(``kill`` or ``stop`` with ``ELASTIC_VICTIM`` and ``ELASTIC_FAULT_STEP``: in its first incarnation, that
-replica's ranks SIGKILL, or its rank 0 SIGSTOPs, itself in the backward of that step; restarted, it runs
-without the fault).
+with ``ELASTIC_VICTIM`` and ``ELASTIC_FAULT_STEP``: in its first incarnation, that replica's ranks SIGKILL
+(``kill``), or its rank ``ELASTIC_STOP_RANK`` (default 0) SIGSTOPs (``stop``), itself in the backward of that
+step; restarted, it runs without the fault. ``starve``: after that step's optimizer step, every rank of the
+victim holds the GIL for ``STARVE_S`` (as a C extension's long call can), its heartbeats silent past the
+coordinator's timeout: the coordinator drops it although it lives on, and it must rejoin without a restart.
+``ELASTIC_WATCHDOG_S``: the watchdog's bound (default 8 s).
 
 Every replica trains the same tiny model with AdamW; at step k, replica r's rank s reads batch ``(k, r, s)``
 (``ELASTIC_ACCUM`` micro-batches of it, the inter-node hop deferred to the last).
 Each rank appends what ``model.last_step`` says after every optimizer step, with the loss of the step, to
-``<out>/r<replica>_s<rank>_i<incarnation>.jsonl``; the run stops after two consecutive committed steps of every
-replica past the fault step, then checks replicas and saves the full parameters.
+``<out>/r<replica>_s<rank>_i<incarnation>.jsonl`` (``{"healed": k}`` instead when the step ended with this
+replica healed to go on at step k, after the coordinator had dropped it); the run stops after two consecutive
+committed steps of every replica past the fault step, or after step ``ELASTIC_LAST_STEP`` when set (then a
+restarted replica waits, before it starts, until the others saved their parameters: it comes too late to train),
+then checks replicas and saves the full parameters.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -32,6 +39,7 @@ REPLICAS = 3
 MAX_STEPS = 2000  # a safety bound: the run ends once the restarted replica trained with the others
 PACE_S = 0.05  # a pause per step: survivors waiting for the restart leave the CPUs to it (2 cores in CI)
 ACCUM = int(os.environ.get("ELASTIC_ACCUM", "1"))  # micro-batches per step
+STARVE_S = 6.0  # above the coordinator's heartbeat timeout (4 s in tests/test_elastic.py), below the watchdog's
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
 
@@ -42,8 +50,12 @@ def main() -> None:
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     fault = os.environ.get("ELASTIC_FAULT", "") if first else ""
     victim, fault_step = int(os.environ.get("ELASTIC_VICTIM", "-1")), int(os.environ.get("ELASTIC_FAULT_STEP", "-1"))
-    # The watchdog's bound (a stopped rank of the own replica ends it) above the hop timeout.
-    mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8.0, interval=0.5))
+    last_step = int(os.environ.get("ELASTIC_LAST_STEP", str(MAX_STEPS)))
+    if not first and last_step < MAX_STEPS:
+        _wait_for_the_others(out, replica)
+    # The watchdog's bound: a stopped rank of the own replica ends it.
+    watchdog = float(os.environ.get("ELASTIC_WATCHDOG_S", "8"))
+    mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=watchdog, interval=0.5))
     try:  # refused before any collective: replica-split state does not survive membership changes
         hsdp.ShardedModel(ParityNet(), mesh=mesh, shard_optimizer_across_replicas=True)
         refused = ""
@@ -64,7 +76,7 @@ def main() -> None:
             log.flush()
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            elif rank == 0:
+            elif fault == "stop" and rank == int(os.environ.get("ELASTIC_STOP_RANK", "0")):
                 os.kill(os.getpid(), signal.SIGSTOP)
 
     model.blocks[1].register_full_backward_pre_hook(die)
@@ -79,20 +91,35 @@ def main() -> None:
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+        if fault == "starve" and replica == victim and step == fault_step:
+            log.write(json.dumps({"fault": fault, "t": time.time()}) + "\n")
+            log.flush()
+            ctypes.PyDLL(None).usleep(int(STARVE_S * 1e6))  # holds the GIL: no thread of this process runs
         time.sleep(PACE_S)
         last = model.last_step
-        log.write(json.dumps({"step": last.step, "committed": last.committed, "replicas": list(last.replicas),
-                              "losses": losses, "t": time.time()}) + "\n")
+        if replica not in last.replicas:  # dropped while alive: healed to the others' last step, go on after it
+            log.write(json.dumps({"healed": last.step + 1, "t": time.time()}) + "\n")
+        else:
+            log.write(json.dumps({"step": last.step, "committed": last.committed, "replicas": list(last.replicas),
+                                  "losses": losses, "t": time.time()}) + "\n")
         log.flush()
         together = together + 1 if last.committed and len(last.replicas) == REPLICAS else 0
         step = last.step + 1
-        if together >= 2 and last.step > fault_step:
+        if (together >= 2 and last.step > fault_step) or last.step >= last_step:
             break
     model.check_replicas()
     torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},
                os.path.join(out, f"params_r{replica}_s{rank}.pt"))
     log.write(json.dumps({"done": step}) + "\n")
     log.close()
+
+
+def _wait_for_the_others(out: str, replica: int) -> None:
+    """Until every other replica saved its parameters (bounded: the test fails on what follows instead)."""
+    others = [os.path.join(out, f"params_r{r}_s{s}.pt") for r in range(REPLICAS) if r != replica for s in range(2)]
+    deadline = time.monotonic() + 120
+    while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

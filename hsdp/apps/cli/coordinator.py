@@ -22,10 +22,10 @@ HSDP_REPLICA_ID (0..replicas-1, unique per group) and HSDP_ELASTIC_JOB (the --jo
 dies costs the others one discarded step; restarted (torchrun --max-restarts), it rejoins and is healed from
 a live replica. Below --min-replicas live replicas the job stops: the coordinator exits 5 s later, with
 status 3 if some replicas were still alive, 0 if none was left. Once the last replicas finished training the
-job is complete: a replica arriving later is told so and exits 0; the coordinator exits 0 after --linger. Prints the address to
-export, one line per membership change (a replica left or joined, a discarded step) and a summary at exit
-(also on Ctrl-C or SIGTERM: status 0). The coordinator is a single point of failure: run it where it
-outlives the replicas.
+job is complete: a replica arriving later is told so and exits 0; the coordinator exits 0 after --linger.
+Prints the address to export, one line per membership change (a replica left or joined, a discarded step)
+and a summary at exit (also on Ctrl-C or SIGTERM: status 0). The coordinator is a single point of failure:
+run it where it outlives the replicas.
 """
 
 

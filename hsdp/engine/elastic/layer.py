@@ -168,11 +168,12 @@ class ElasticLayer:
         its heartbeat silent past the timeout (a GIL-holding call, a paused host), and the others went on. This
         step runs alone (a group of this replica only: its result is discarded at :meth:`finish_step`, which
         registers the replica again and has it healed, as a restarted one would be, with no restart)."""
-        print(f"hsdp elastic: replica {self.replica_id} (incarnation {self.client.incarnation}, rank "
-              f"{self.client.rank}) is alive but the coordinator dropped it before step {quorum.step} (members "
-              f"{list(quorum.members)}): a rank's heartbeat was silent for more than the coordinator's heartbeat "
-              f"timeout (a long call holding the GIL, a paused or overloaded host?). Discarding this step here and "
-              f"registering again, to be healed from a live replica (no restart)", file=sys.stderr, flush=True)
+        if self.client.leader:  # every rank reads the same quorum: one line says it for the replica
+            print(f"hsdp elastic: replica {self.replica_id} (incarnation {self.client.incarnation}) is alive but "
+                  f"the coordinator dropped it before step {quorum.step} (members {list(quorum.members)}): a rank's "
+                  f"heartbeat was silent for more than the coordinator's heartbeat timeout (a long call holding "
+                  f"the GIL, a paused or overloaded host?). Discarding this step here and registering again, to be "
+                  f"healed from a live replica (no restart)", file=sys.stderr, flush=True)
         self._retire(self._group)
         alone = f"alone-{self.replica_id}-{self.client.incarnation}"  # a group name no quorum epoch takes
         self._group = build_group(self.client.store, self.client.job, alone, self.shard_rank, 0, 1,

@@ -330,8 +330,17 @@ class Coordinator:
         s = self.state
         q = s.quorum
         assert q is not None
+        finished = [r for r in q.members if self._finished(s.members[r])]
+        if len(finished) == len(q.members):
+            # Asked for by the members' checks after their last step (check_replicas): no step was trained.
+            self.store.set(key(self.job, "decision", q.step), ABORT)
+            s.quorum = None
+            return
+        votes = any(self._counter("ok", q.step, r) for r in q.members) or self._counter("fail", q.step) > 0
+        if finished and not votes:
+            return  # members ending one after another (their last checks): wait for the rest to finish or vote
         # A member that finished mid-step (its loop ended between forward and step) cannot vote either.
-        dead = [r for r in q.members if not self._alive(s.members[r]) or self._finished(s.members[r])]
+        dead = [r for r in q.members if not self._alive(s.members[r]) or r in finished]
         if self._counter("fail", q.step) > 0 or dead:
             decision = ABORT
             self._down(f"replica(s) {dead} stopped beating" if dead else f"a rank's reduction of step {q.step} failed")
