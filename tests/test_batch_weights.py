@@ -7,9 +7,10 @@ different padding mask per rank (the weight a token count on the device); accumu
 of different sizes, deferring the inter-node hop (``no_sync``) or all communication
 (``set_requires_gradient_sync(False)``); the replica-sharded optimizer and a bf16 inter-node hop (with SGD, to
 bf16 tolerance); the int8 hop with error feedback (SGD, uneven batches: within the hop's error of the weighted
-reference and far from the unweighted one). ``check_replicas`` passes after every case. Refused: zero, negative, non-finite or multi-element weights at once, and a weight set on some
-ranks only, or a bad tensor weight, at the step's host read on every rank, before the optimizer applies
-anything. All cases run in one spawn.
+reference and far from the unweighted one). ``check_replicas`` passes after every case. Refused: zero,
+negative, non-finite or multi-element weights at once, and a weight set on some ranks only, or a bad tensor
+weight, at the step's host read on every rank, before the optimizer applies anything. All cases run in one
+spawn.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def test_an_int8_hop_applies_the_weights_and_keeps_the_replicas_identical(result
     """int8 blocks with error feedback cannot be exact: every replica applies the same dequantised average (the
     spawn's ``check_replicas`` passed), within the hop's error of one process over the concatenated batches, and
     much closer to it than to the unweighted average of the ranks' mean losses (the weights really applied)."""
-    plan, kwargs = INT8_CASE
+    plan = INT8_CASE[0]
     weighted = _plain(plan, optimizer="sgd")
     unweighted = _plain(plan, optimizer="sgd", weighted=False)
 

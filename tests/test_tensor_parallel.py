@@ -1,11 +1,14 @@
 """HSDP + tensor parallelism on a 3-D mesh (2 replicas x 2 shards x 2 TP, gloo): parity with one plain process
-for hsdp's GPT and a Hugging Face Llama, and checkpoints across layouts and into FSDP2 + TP. One spawn of 8
-ranks runs every case (spawning is the slow part on 2 cores); the references run in the test process."""
+for hsdp's GPT and a Hugging Face Llama, batch weights (uneven rows per data-parallel rank) and DiLoCo across the
+replicas (against a one-process simulation of the two workers), and checkpoints across layouts and into FSDP2 +
+TP. One spawn of 8 ranks runs every case (spawning is the slow part on 2 cores); the references run in the test
+process."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import warnings
 from typing import Any
@@ -273,6 +276,107 @@ def _bf16_hop(mesh: hsdp.HSDPMesh) -> list[float]:
     return losses
 
 
+UNEVEN = (1, 2, 3, 4)  # rows of each data-parallel rank's batch: weighted by set_batch_weight
+
+
+def _uneven_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(70 + step)
+    ids = torch.randint(0, 64, (sum(UNEVEN), SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _uneven_reference(weighted: bool) -> dict[str, torch.Tensor]:
+    """One process: the mean loss over the concatenated uneven batches (not ``weighted``: the mean over the
+    data-parallel ranks of each one's mean loss, what an unweighted average gives)."""
+    model = _build("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        x, y = _uneven_batch(step)
+        if weighted:
+            loss = _loss(model(x)[0], y)
+        else:
+            ends = [sum(UNEVEN[:d]) for d in range(len(UNEVEN) + 1)]
+            loss = sum(_loss(model(x[a:b])[0], y[a:b]) for a, b in itertools.pairwise(ends)) / len(UNEVEN)
+        loss.backward()
+        _plain_clip(model)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _batch_weights(mesh: hsdp.HSDPMesh) -> dict[str, torch.Tensor]:
+    """Batch weights under TP: data-parallel rank d reads UNEVEN[d] rows and weighs its backward by them (its
+    two tp ranks the same rows and weight)."""
+    model, opt = _tp_model("gpt", mesh)
+    d = mesh.data_parallel_rank
+    rows = slice(sum(UNEVEN[:d]), sum(UNEVEN[: d + 1]))
+    for step in range(STEPS):
+        x, y = _uneven_batch(step)
+        model.set_batch_weight(UNEVEN[d])
+        _loss(_logits("gpt", model, x[rows]), y[rows]).backward()
+        hsdp.clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+    model.check_replicas()
+    return {k: full(v) for k, v in model.state_dict().items()}
+
+
+DILOCO = {"every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+DILOCO_STEPS = 4  # two syncs
+
+
+def _inner(params: object) -> torch.optim.Optimizer:
+    # SGD with momentum (per-replica state, as AdamW's): AdamW's normalised step turns a near-zero gradient's
+    # rounding noise into ~LR, which the outer Nesterov step then multiplies (one element of tok_emb came out
+    # 1e-5 off with AdamW; SGD's step is linear in the gradient, so noise stays noise).
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _diloco(mesh: hsdp.HSDPMesh) -> dict[str, torch.Tensor]:
+    """DiLoCo across the two replicas of a TP model: inner SGD with momentum and hsdp's clip (the replica's own norm),
+    every data-parallel rank its 2 rows of each batch; the weights after the last sync."""
+    model = hsdp.ShardedModel(hsdp.tp_plans.gpt_plan(_build("gpt"), mesh.tp_mesh), mesh=mesh,
+                              replica_sync=hsdp.DiLoCo(**DILOCO))
+    opt = hsdp.ShardedOptimizer(model, _inner(model.parameters()))
+    rows = slice(2 * mesh.data_parallel_rank, 2 * mesh.data_parallel_rank + 2)
+    for step in range(DILOCO_STEPS):
+        x, y = _batch(step)
+        _loss(_logits("gpt", model, x[rows]), y[rows]).backward()
+        hsdp.clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+    model.check_replicas()  # the global copy, across replicas and tp ranks
+    return {k: full(v) for k, v in model.state_dict().items()}
+
+
+def _simulate_diloco() -> dict[str, torch.Tensor]:
+    """Two DiLoCo workers in one process: replica q trains on rows 4q..4q+3 of each batch (its two data-parallel
+    ranks' rows), inner SGD with momentum and torch's clip on its own gradients; every DILOCO["every"] steps the outer
+    Nesterov SGD steps the global model with the mean pseudo-gradient, which both workers then load."""
+    global_model = _build("gpt")
+    workers = [_build("gpt") for _ in range(R)]
+    inner = [_inner(w.parameters()) for w in workers]
+    outer = torch.optim.SGD(global_model.parameters(), lr=DILOCO["outer_lr"], momentum=DILOCO["outer_momentum"],
+                            nesterov=True)
+    for step in range(DILOCO_STEPS):
+        x, y = _batch(step)
+        for q, (w, opt) in enumerate(zip(workers, inner, strict=True)):
+            rows = slice(q * ROWS // R, (q + 1) * ROWS // R)
+            _loss(w(x[rows])[0], y[rows]).backward()
+            _plain_clip(w)
+            opt.step()
+            opt.zero_grad()
+        if (step + 1) % DILOCO["every"] == 0:
+            with torch.no_grad():
+                for name, g in global_model.named_parameters():
+                    g.grad = torch.stack([g - dict(w.named_parameters())[name] for w in workers]).mean(0)
+            outer.step()
+            outer.zero_grad()
+            for w in workers:
+                w.load_state_dict(global_model.state_dict())
+    return {k: v.detach().clone() for k, v in global_model.state_dict().items()}
+
+
 def _pretrained(mesh: hsdp.HSDPMesh, rank: int, work: str) -> list[str]:
     """A plain model's safetensors loaded into a meta-built tensor-parallel one (each rank reads its TP piece's
     rows; a row-parallel piece its columns of them). Returns the names whose full tensors differ."""
@@ -304,6 +408,8 @@ def _world8(rank: int, world: int, work: str) -> dict:
     out["bf16_hop"] = _bf16_hop(mesh)
     out["meta"] = _meta(mesh)
     out["pretrained"] = _pretrained(mesh, rank, work)
+    out["batch_weights"] = _batch_weights(mesh)
+    out["diloco"] = _diloco(mesh)
     from torch.distributed.device_mesh import init_device_mesh
 
     own = hsdp.init_mesh(device_mesh=init_device_mesh("cpu", (R, S, T), mesh_dim_names=("replicate", "shard", "tp")),
@@ -412,3 +518,33 @@ def test_a_meta_device_tensor_parallel_model_materializes_like_one_process(world
 
 def test_load_pretrained_into_a_tensor_parallel_model_gives_the_plain_weights(world8: list[dict]) -> None:
     assert all(r["pretrained"] == [] for r in world8), world8[0]["pretrained"]
+
+
+def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
+                         adamw: bool) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if adamw and name.endswith("attn.k.bias"):
+            continue  # a zero true gradient: AdamW turns layout-dependent rounding noise into steps (above)
+        torch.testing.assert_close(got[name], value, atol=TOL, rtol=TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+def test_batch_weights_under_tensor_parallel_equal_one_process_over_the_concatenated_batches(
+        world8: list[dict]) -> None:
+    """Data-parallel ranks of 1, 2, 3 and 4 rows, each weighing its backward by its rows: the mean loss over the
+    10 rows in one process (1e-5), which the unweighted mean of the ranks' losses is not."""
+    want = _uneven_reference(weighted=True)
+    unweighted = _uneven_reference(weighted=False)
+    assert max((want[k] - unweighted[k]).abs().max().item() for k in want) > 100 * TOL  # the test can fail
+    for r in world8:
+        _assert_params_close(r["batch_weights"], want, "batch weights", adamw=True)  # measured: 6e-7
+
+
+def test_diloco_under_tensor_parallel_equals_two_simulated_workers(world8: list[dict]) -> None:
+    """DiLoCo (H = 2, outer Nesterov SGD, two syncs) across replicas of a TP model: every rank's weights are the
+    one-process simulation's global model (1e-5), and the training moved them."""
+    want = _simulate_diloco()
+    plain = _build("gpt")
+    assert any((plain.state_dict()[k] - v).abs().max().item() > 100 * TOL for k, v in want.items())  # it trained
+    for r in world8:
+        _assert_params_close(r["diloco"], want, "DiLoCo", adamw=False)  # measured: 1.1e-8

@@ -98,7 +98,9 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
                                                     _HETERO_TEST),
     (F.HETEROGENEOUS, F.INT8_HOP): _refused("the int8 hop's residuals are laid out like a grid's slot",
                                             _HETERO_TEST),
-    (F.HETEROGENEOUS, F.BF16_HOP): _UNTESTED,
+    (F.HETEROGENEOUS, F.BF16_HOP): _supported(
+        "tests/test_hetero_mesh.py::test_a_bf16_hop_keeps_the_replicas_identical_and_the_training_within_bf16_of_one_"
+        "process"),
     (F.HETEROGENEOUS, F.BATCH_WEIGHTS): _supported("tests/test_hetero_mesh.py::test_training_matches_one_process"),
     (F.ELASTIC, F.DILOCO): _refused("a sync is not a transaction over the replicas present yet", _DILOCO_TEST),
     (F.ELASTIC, F.TENSOR_PARALLEL): _refused("an elastic replica is one torchrun job sharded over its ranks",
@@ -111,7 +113,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
                                         "survivor_checkpoints_its_last_step"),
     (F.ELASTIC, F.BATCH_WEIGHTS): _refused("a fixed split of the global batch does not follow replicas that come "
                                            "and go", _ELASTIC_CONFIG_TEST),
-    (F.DILOCO, F.TENSOR_PARALLEL): _UNTESTED,
+    (F.DILOCO, F.TENSOR_PARALLEL): _supported(
+        "tests/test_tensor_parallel.py::test_diloco_under_tensor_parallel_equals_two_simulated_workers"),
     (F.DILOCO, F.SLICED_OPTIMIZER): _refused("DiLoCo's inner optimizer state is per replica by definition",
                                              _DILOCO_TEST, permanent=True),
     (F.DILOCO, F.INT8_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (its wire dtype is DiLoCo's own)"),
@@ -128,7 +131,9 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.TENSOR_PARALLEL, F.BF16_HOP): _supported(
         "tests/test_tensor_parallel.py::test_compressed_hops_under_tensor_parallel_stay_consistent_and_int8_residuals_"
         "checkpoint"),
-    (F.TENSOR_PARALLEL, F.BATCH_WEIGHTS): _UNTESTED,
+    (F.TENSOR_PARALLEL, F.BATCH_WEIGHTS): _supported(
+        "tests/test_tensor_parallel.py::test_batch_weights_under_tensor_parallel_equal_one_process_over_the_"
+        "concatenated_batches"),
     (F.SLICED_OPTIMIZER, F.INT8_HOP): _refused("the int8 hop cannot reduce-scatter across replicas",
                                                "tests/test_replica_sharded_optimizer.py::test_refusals_name_the_fix",
                                                permanent=True),
@@ -136,7 +141,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
         "tests/test_replica_sharded_optimizer.py::test_parity_and_the_bf16_hop"),
     (F.SLICED_OPTIMIZER, F.BATCH_WEIGHTS): _supported(_WEIGHTS_TEST),
     (F.INT8_HOP, F.BF16_HOP): Rule(Status.EXCLUSIVE, "one replica_hop at a time"),
-    (F.INT8_HOP, F.BATCH_WEIGHTS): _UNTESTED,
+    (F.INT8_HOP, F.BATCH_WEIGHTS): _supported(
+        "tests/test_batch_weights.py::test_an_int8_hop_applies_the_weights_and_keeps_the_replicas_identical"),
     (F.BF16_HOP, F.BATCH_WEIGHTS): _supported(_WEIGHTS_TEST),
 }.items()}
 
