@@ -7,11 +7,13 @@ and the errors name addresses, never ranks. The watchdog closes both gaps with t
 * every rank bumps a heartbeat counter ``hsdp/hb/<rank>`` every ``interval`` seconds;
 * every rank watches one neighbour (``rank + 1`` on a ring) and the shared key ``hsdp/failed``;
 * a neighbour whose counter has not moved for ``timeout`` seconds, or an uncaught exception in this
-  rank, is published in ``hsdp/failed``; every rank that sees it prints the message, naming the failed
-  rank, and exits with :data:`EXIT_CODE` at once, even from inside a blocked collective.
+  rank, is published in ``hsdp/failed`` (the job's verdict, ``verdict.py``); every rank that sees it prints
+  the message, naming the failed rank, and exits with :data:`EXIT_CODE`, even from inside a blocked
+  collective, once every rank has read it.
 
-So a failure anywhere ends every rank within about ``timeout + interval`` seconds, with O(1) store traffic
-per rank. A rank that finishes normally marks ``hsdp/done/<rank>`` and is no longer watched.
+So a failure anywhere ends every rank within about ``timeout + interval`` seconds (and the hold while the
+others read the verdict, a few beats at most), with O(1) store traffic per rank. A rank that finishes
+normally marks ``hsdp/done/<rank>`` and is no longer watched.
 
 The store work runs on a thread of its own: a store call whose host is stopped rather than dead (rank 0
 under SIGSTOP or hung: its sockets stay open, nothing answers) never returns, so the watchdog thread times
@@ -36,11 +38,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from types import TracebackType
 
@@ -51,9 +51,8 @@ from hsdp.engine.faults.hang import judge, report, stuck_transport
 from hsdp.engine.faults.ledger import CollectiveLedger, Entry
 from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.faults.stacks import MainThreadSampler, describe_record, main_thread_stack, raised_in_collective
-from hsdp.engine.faults.status import EXIT_CODE
+from hsdp.engine.faults.verdict import FAILED_KEY, Verdict, chain_excepthook
 
-FAILED_KEY = "hsdp/failed"
 # One watchdog per rendezvous store and process: a heartbeat thread is process-wide by nature, so this
 # registry is the one module-level state in hsdp (keyed by the store, never read for ranks or groups).
 _BY_STORE: dict[int, Watchdog] = {}
@@ -79,7 +78,7 @@ class Watchdog:
         self.sampler = MainThreadSampler()  # where the main thread is, once per beat (foreign collectives)
         self._next_foreign_check = 0.0
         self._noticed = -1  # Where.moves of the foreign wait already given a "presumed working" notice
-        self._reporter = False  # this rank diagnosed the hang and prints the full report
+        self.verdict = Verdict(store, rank, world_size, policy.interval)  # how this rank ends on a fault
         self._arrivals: dict[str, int] = {}  # calls of each collective helper so far (see arrive)
 
     def add_check(self, check: Callable[[], str | None]) -> None:
@@ -93,7 +92,7 @@ class Watchdog:
         self.store.add(f"hsdp/hb/{self.rank}", 1)
         self._publish()
         self._thread.start()
-        _chain_excepthook(self)
+        chain_excepthook(self.verdict, self.peer_cause, self._stop.set)
         atexit.register(self.mark_done)
 
     def mark_done(self) -> None:
@@ -109,19 +108,32 @@ class Watchdog:
                 thread.join(timeout=2 * self.policy.interval)
         with contextlib.suppress(Exception):  # the store's host may be gone already at shutdown
             self.store.add(f"hsdp/done/{self.rank}", 1)
+        self.verdict.settle(self.rank)  # a failure published later is none of this rank's: nobody waits for it
 
     def silent_ranks(self) -> list[int]:
-        """Ranks (not done) whose heartbeat does not move over two intervals: the likely dead ones.
-        Reads every rank's counter, so it is only called once a failure has happened."""
+        """Ranks (not done) whose heartbeat does not move over two intervals: the likely dead ones, settled for
+        (they will not read the verdict, see ``verdict.py``). Reads every rank's counter, so it is only called
+        once a failure has happened."""
         keys = [r for r in range(self.world_size) if r != self.rank]
         try:
             first = [self.store.add(f"hsdp/hb/{r}", 0) for r in keys]
-            time.sleep(2 * self.policy.interval)
+            self._pause(2 * self.policy.interval)
             second = [self.store.add(f"hsdp/hb/{r}", 0) for r in keys]
-            return [r for r, a, b in zip(keys, first, second, strict=True)
-                    if a == b and not self.store.add(f"hsdp/done/{r}", 0)]
+            silent = [r for r, a, b in zip(keys, first, second, strict=True)
+                      if a == b and not self.store.add(f"hsdp/done/{r}", 0)]
         except Exception:
             return []
+        for r in silent:
+            self.verdict.settle(r)
+        return silent
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep while beating: a rank busy judging the others (this thread holds up its beats) must not look
+        dead to them."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, self.policy.interval / 2))
+            self.store.add(f"hsdp/hb/{self.rank}", 1)
 
     def peer_cause(self, tb: TracebackType | None = None) -> str:
         """Why a collective of this rank failed, when a peer is to blame: dead ranks (silent heartbeat) or
@@ -151,18 +163,6 @@ class Watchdog:
         what = entry.describe() if entry is not None else foreign
         return f" while rank {self.rank} was in {what}" if what else ""
 
-    def linger(self) -> None:
-        """Stay two beats after a failure: this process may host the store (rank 0 without torchrun),
-        and the other ranks must still read ``hsdp/failed`` from it."""
-        time.sleep(2 * self.policy.interval)
-
-    def publish_failure(self, message: str) -> bool:
-        """Publish the job's failure unless one is published already; whether this rank's was."""
-        with contextlib.suppress(Exception):
-            # compare_set: only the first failure is kept, even when several ranks publish at once.
-            return self.store.compare_set(FAILED_KEY, "", message).decode() == message
-        return False
-
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
         """The local checks and the store's answers, every beat; the store work on a thread of its own, since a
@@ -178,7 +178,7 @@ class Watchdog:
         # Above the longest store work of a beat: a hang diagnosis reads every rank and waits for stacks.
         if waited > self.policy.timeout + 6 * self.policy.interval:
             self._exit(f"the job's store has not answered for {waited:.0f} s: the process hosting it (rank 0, or "
-                       f"the launcher's agent) is stopped or hung, so no rank can go on")
+                       f"the launcher's agent) is stopped or hung, so no rank can go on", store=False)
 
     def _beat_store(self) -> None:
         peer = (self.rank + 1) % self.world_size
@@ -198,8 +198,9 @@ class Watchdog:
                 last_value, last_change = value, now
             elif now - last_change > self.policy.timeout:
                 message = f"rank {peer} stopped responding (no heartbeat for {now - last_change:.0f} s)"
-                self.publish_failure(message)
-                self._exit(message)
+                self.verdict.settle(peer)
+                self.verdict.publish(message)
+                self._exit(self.verdict.read() or message)
 
     def _store_beat(self, peer: int) -> int | None:
         """One beat's store work: this rank's heartbeat, the job's failure, hang detection; the watched peer's
@@ -251,8 +252,8 @@ class Watchdog:
     def _end_with(self, message: str | None) -> None:
         """Publish a hang report (``None``: none yet) and exit, printing the first one published."""
         if message:
-            self._reporter = self.publish_failure(message)
-            self._exit(message if self._reporter else self.store.get(FAILED_KEY).decode())
+            self.verdict.reporter = self.verdict.publish(message)
+            self._exit(message if self.verdict.reporter else self.verdict.read() or message)
 
     def _check_foreign(self) -> None:
         """The main thread blocked in a collective hsdp does not issue, unchanged for ``timeout``: judge it."""
@@ -324,7 +325,7 @@ class Watchdog:
                 key = f"hsdp/stack/{r}/{n}"
                 if r not in stacks and self.store.check([key]):
                     stacks[r] = self.store.get(key).decode()
-            time.sleep(self.policy.interval / 4)
+            self._pause(self.policy.interval / 4)
         return stacks
 
     def arrive(self, helper: str) -> None:
@@ -365,39 +366,14 @@ class Watchdog:
                 return
             if message:
                 message = f"rank {self.rank}: {message}"
-                self.publish_failure(message)
-                self._exit(message)
+                self.verdict.publish(message)
+                self._exit(self.verdict.read() or message)
 
-    def _exit(self, message: str) -> None:
-        if self._stop.is_set():
-            return
-        if "\n" in message and not self._reporter:  # one full report per job, from the rank that made it
-            message = message.splitlines()[0] + " (full report in the output of the rank that detected it)"
-        print(f"[hsdp rank {self.rank}] aborting: {message}", file=sys.stderr, flush=True)
-        self.linger()
-        os._exit(EXIT_CODE)  # the main thread may be blocked inside a collective: no clean unwinding
-
-
-def _chain_excepthook(watchdog: Watchdog) -> None:
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        last = traceback.extract_tb(tb)[-1] if tb else None
-        where = f" at {last.filename}:{last.lineno}" if last else ""
-        raised = f"rank {watchdog.rank} raised {kind.__name__}: {str(value)[:300]}{where}"
-        # A collective that fails because a peer died or left names an address, not the peer: name the rank,
-        # and the collective this rank was in.
-        cause = watchdog.peer_cause(tb) if isinstance(value, RuntimeError) else ""
-        if cause:
-            raised = f"{cause}; {raised}"
-        watchdog.publish_failure(raised)
-        if cause:
-            print(f"[hsdp rank {watchdog.rank}] aborting: {raised}", file=sys.stderr, flush=True)
-        watchdog._stop.set()
-        watchdog.linger()
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
+    def _exit(self, message: str, store: bool = True) -> None:
+        """End this rank with ``message`` (the job's verdict), unless it is finishing normally or another of its
+        threads is ending it already (see ``verdict.py``)."""
+        if not self._stop.is_set() and self.verdict.claim():
+            self.verdict.end(message, store=store)
 
 
 def start_watchdog(policy: FaultPolicy) -> Watchdog | None:
