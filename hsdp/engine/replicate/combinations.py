@@ -65,7 +65,6 @@ class Rule:
     why: str = ""
     tests: tuple[str, ...] = ()
     permanent: bool = False
-    untested: bool = False  # supported (nothing refuses it) but no test shows it exact yet
 
 
 F = Feature
@@ -83,8 +82,6 @@ def _refused(why: str, test: str, permanent: bool = False) -> Rule:
 def _supported(*tests: str) -> Rule:
     return Rule(Status.SUPPORTED, "", tests)
 
-
-_UNTESTED = Rule(Status.SUPPORTED, "accepted, but no parity test covers the pair yet", untested=True)
 
 
 TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in {
@@ -172,19 +169,16 @@ def markdown_matrix() -> str:
     features = list(Feature)
     mark = {Status.SUPPORTED: "yes", Status.REFUSED: "no", Status.EXCLUSIVE: "-"}
 
-    def cell(r: Rule) -> str:
-        return "yes, untested" if r.untested else mark[r.status]
-
     lines = ["| | " + " | ".join(f.value for f in features) + " |", "|---" * (len(features) + 1) + "|"]
     for a in features:
-        cells = ["" if a is b else cell(rule(a, b)) for b in features]
+        cells = ["" if a is b else mark[rule(a, b).status] for b in features]
         lines.append(f"| **{a.value}** | " + " | ".join(cells) + " |")
     lines += ["", "| pair | verdict | why, or the test that shows it |", "|---|---|---|"]
     for (a, b) in itertools.combinations(features, 2):
         r = rule(a, b)
         detail = r.why + (" (by the math or the failure model)" if r.permanent else "") if r.why else ""
         tests = ", ".join(f"`{t}`" for t in r.tests)
-        lines.append(f"| {a.value} + {b.value} | {cell(r)} | {'; '.join(x for x in (detail, tests) if x)} |")
+        lines.append(f"| {a.value} + {b.value} | {mark[r.status]} | {'; '.join(x for x in (detail, tests) if x)} |")
     return "\n".join(lines) + "\n"
 
 
