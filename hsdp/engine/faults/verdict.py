@@ -90,9 +90,13 @@ class Verdict:
         that stopped answering): see [Note: no rank leaves before every rank has the verdict]."""
         self.settle(self.rank)
         deadline = time.monotonic() + SETTLE_BEATS * self.interval
-        with contextlib.suppress(Exception):  # the store's host is gone: nobody can read it any more
+        try:
             while self.store.add(SETTLED_KEY, 0) < self.world_size and time.monotonic() < deadline:
                 time.sleep(self.interval / 4)
+        except Exception:
+            # The store's host is gone (the launcher's agent died): nobody can read the verdict any more. Two beats
+            # still, so that the main thread's own ending (the launcher's parent-death signal) is not cut short.
+            time.sleep(min(2 * self.interval, max(0.0, deadline - time.monotonic())))
 
     def end(self, message: str, *, store: bool = True) -> NoReturn:
         """Print ``message``, hold (``store=False``: the store does not answer), and exit with ``EXIT_CODE``
