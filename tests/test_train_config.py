@@ -70,10 +70,12 @@ def test_overrides_are_typed_and_applied_in_order() -> None:
     (["train.stop_after=500"], r"train\.stop_after = 500: exceeds train\.steps"),
     (["parallel.replica_hop=fp8"], r"parallel\.replica_hop = 'fp8'"),
     (["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"],
-     r"parallel\.shard_optimizer_across_replicas = True: needs a hop that can reduce-scatter.*'bf16' or 'fp32'"),
+     r"parallel\.replica_hop = 'int8': does not combine with parallel\.shard_optimizer_across_replicas = true: "
+     r"the int8 hop cannot reduce-scatter.*'fp32' or 'bf16'"),
     (["parallel.tensor_parallel=0"], r"parallel\.tensor_parallel = 0: must be at least 1"),
     (["parallel.tensor_parallel=2", "parallel.shard_optimizer_across_replicas=true"],
-     r"parallel\.tensor_parallel = 2: does not combine with parallel\.shard_optimizer_across_replicas.*turn that off"),
+     r"parallel\.shard_optimizer_across_replicas = True: does not combine with parallel\.tensor_parallel > 1.*"
+     r"set parallel\.shard_optimizer_across_replicas = false, or set parallel\.tensor_parallel = 1"),
     (["parallel.tensor_parallel=2", "model.kind=hf-gpt2"],
      r"parallel\.tensor_parallel = 2: Hugging Face GPT-2 has no tensor-parallel plan.*set model\.kind = 'gpt'"),
     (["parallel.tensor_parallel=3"], r"parallel\.tensor_parallel = 3: .*must divide n_head=4.*model\.preset = 'tiny'"),
@@ -99,7 +101,7 @@ def test_shard_optimizer_across_replicas_is_read_and_refused_with_int8_before_sp
     monkeypatch.setattr("hsdp.tools.launch.launch_local", spawn)
     bad = ["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"]
     assert main([*bad, f"train.out_dir={tmp_path / 'run'}"]) == 2
-    assert "parallel.replica_hop to 'bf16' or 'fp32'" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert "parallel.replica_hop to 'fp32' or 'bf16'" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 def test_toml_file_then_overrides_and_file_errors(tmp_path: Path) -> None:

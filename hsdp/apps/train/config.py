@@ -18,7 +18,7 @@ from hsdp.apps.train.config_replica_sync import check_parallel
 from hsdp.apps.train.config_rules import at_least as _at_least
 from hsdp.apps.train.config_rules import fail as _fail
 from hsdp.apps.train.config_rules import one_of as _one_of
-from hsdp.engine.replicate.combinations import Feature, problem
+from hsdp.engine.replicate.combinations import SPELLINGS, Feature, first_refused, reason
 
 if TYPE_CHECKING:
     from hsdp.models import GPTConfig
@@ -244,37 +244,36 @@ class ParallelConfig:
     diloco_mix: float = 0.0
 
     def __post_init__(self) -> None:
-        from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop  # torch import deferred, as above
+        from hsdp.engine.hops import HOP_NAMES  # torch import deferred, as above
 
         _at_least(self.SECTION, self, ("nodes", "nproc_per_node", "tensor_parallel"), 1)
-        if self.elastic:
-            self._check_elastic()
         self._check_degrees()
         self._check_batch_weights()
         _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
         _one_of(self.SECTION, "replica_hop", self.replica_hop, HOP_NAMES)
-        # Refused here, before any rank starts: every rank's ShardedModel would refuse it alike.
-        if self.shard_optimizer_across_replicas and not can_scatter(named_hop(self.replica_hop)):
-            _fail(self.SECTION, "shard_optimizer_across_replicas", True,
-                  f"needs a hop that can reduce-scatter across replicas, and parallel.replica_hop = "
-                  f"{self.replica_hop!r} cannot (it does not combine with it): set parallel.replica_hop to 'bf16' "
-                  f"or 'fp32', or turn parallel.shard_optimizer_across_replicas off")
-        if self.tensor_parallel > 1:
-            self._check_tensor_parallel_options()
-        check_parallel(self)
         self._check_combinations()
+        check_parallel(self)
 
     def _check_combinations(self) -> None:
-        # The one table of what combines (hsdp/engine/replicate/combinations.py); the checks above name their own
-        # fixes for the pairs users meet most, this one refuses any other pair the library would refuse later.
-        on = {Feature.HETEROGENEOUS: self.degree_list is not None, Feature.ELASTIC: self.elastic,
-              Feature.DILOCO: self.replica_sync == "diloco", Feature.TENSOR_PARALLEL: self.tensor_parallel > 1,
-              Feature.SLICED_OPTIMIZER: self.shard_optimizer_across_replicas,
-              Feature.INT8_HOP: self.replica_hop == "int8", Feature.BF16_HOP: self.replica_hop == "bf16",
-              Feature.BATCH_WEIGHTS: self.batch_weights != "even"}
-        found = problem({f for f, enabled in on.items() if enabled}, config=True)
-        if found:
-            _fail(self.SECTION, "replica features", sorted(f.value for f, enabled in on.items() if enabled), found)
+        # The one table of what combines (hsdp/engine/replicate/combinations.py), here before any rank starts:
+        # every rank's init_mesh or ShardedModel would refuse the pair alike, later.
+        fields = {Feature.HETEROGENEOUS: ("sharding_degree", self.degree_list is not None),
+                  Feature.ELASTIC: ("elastic", self.elastic),
+                  Feature.DILOCO: ("replica_sync", self.replica_sync == "diloco"),
+                  Feature.TENSOR_PARALLEL: ("tensor_parallel", self.tensor_parallel > 1),
+                  Feature.SLICED_OPTIMIZER: ("shard_optimizer_across_replicas", self.shard_optimizer_across_replicas),
+                  Feature.INT8_HOP: ("replica_hop", self.replica_hop == "int8"),
+                  Feature.BF16_HOP: ("replica_hop", self.replica_hop == "bf16"),
+                  Feature.BATCH_WEIGHTS: ("batch_weights", self.batch_weights != "even")}
+        found = first_refused({f for f, (_, on) in fields.items() if on})
+        if found is None:
+            return
+        option, mode, rule = found
+        name = fields[option][0]
+        value = getattr(self, name)
+        _fail(self.SECTION, name, list(value) if isinstance(value, tuple) else value,
+              f"does not combine with {SPELLINGS[mode].config}: {reason(rule)}: {SPELLINGS[option].config_off}, "
+              f"or {SPELLINGS[mode].config_off}")
 
     @property
     def degree_list(self) -> tuple[int, ...] | None:
@@ -290,10 +289,6 @@ class ParallelConfig:
             _fail(self.SECTION, "sharding_degree", list(degrees),
                   "give one degree >= 1 per replica in rank order, e.g. [4, 2, 2], or one integer (0: the ranks "
                   "per node)")
-        if self.tensor_parallel > 1:
-            _fail(self.SECTION, "sharding_degree", list(degrees),
-                  "a list of degrees (replicas of different sizes) does not combine with parallel.tensor_parallel "
-                  "> 1: give one integer, or set parallel.tensor_parallel = 1")
 
     def _check_batch_weights(self) -> None:
         weights = self.batch_weights
@@ -306,32 +301,6 @@ class ParallelConfig:
             _fail(self.SECTION, "batch_weights", list(weights),
                   "give one finite positive weight per data-parallel rank or per replica, e.g. [1, 2], or 'even' "
                   "or 'auto'")
-
-    def _check_elastic(self) -> None:
-        # What hsdp refuses on an elastic mesh (init_mesh, ShardedModel), here before any rank starts. Batch weights
-        # are a fixed split of a global batch that shrinks while a replica is out.
-        refused = (("tensor_parallel", self.tensor_parallel, self.tensor_parallel > 1,
-                    "set parallel.tensor_parallel = 1"),
-                   ("sharding_degree", self.sharding_degree, self.degree_list is not None,
-                    "give one integer (0: the ranks of each replica's job)"),
-                   ("shard_optimizer_across_replicas", True, self.shard_optimizer_across_replicas,
-                    "set parallel.shard_optimizer_across_replicas = false"),
-                   ("replica_hop", self.replica_hop, self.replica_hop == "int8", "set parallel.replica_hop to 'fp32' "
-                                                                                 "or 'bf16'"),
-                   ("batch_weights", self.batch_weights, self.batch_weights != "even",
-                    "set parallel.batch_weights = 'even'"))
-        for name, value, bad, fix in refused:
-            if bad:
-                _fail(self.SECTION, name, list(value) if isinstance(value, tuple) else value,
-                      f"does not combine with parallel.elastic = true (replicas of one shard degree that come and go "
-                      f"between steps): {fix}, or parallel.elastic = false")
-
-    def _check_tensor_parallel_options(self) -> None:
-        # What the engine does not compose with tensor parallelism yet (ShardedModel refuses it alike).
-        if self.shard_optimizer_across_replicas:
-            _fail(self.SECTION, "tensor_parallel", self.tensor_parallel,
-                  "does not combine with parallel.shard_optimizer_across_replicas = true yet: turn that off, "
-                  "or set parallel.tensor_parallel = 1")
 
 
 @dataclass(frozen=True)

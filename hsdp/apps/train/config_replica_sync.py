@@ -95,23 +95,11 @@ def _streaming_problem(par: SyncFields) -> Problem | None:
 
 
 def _combination_problem(par: SyncFields) -> Problem | None:
-    """What DiLoCo does not combine with (ShardedModel refuses the first three alike, on every rank)."""
-    refused: tuple[tuple[str, Any, bool, str], ...] = (
-        ("replica_hop", par.replica_hop, par.replica_hop != "fp32",
-         "DiLoCo sends no per-step inter-node hop to compress: set parallel.replica_hop = 'fp32' "
-         "(parallel.diloco_wire_dtype = 'bf16' halves the sync's bytes)"),
-        ("shard_optimizer_across_replicas", True, par.shard_optimizer_across_replicas,
-         "DiLoCo keeps a whole optimizer state per replica: set parallel.shard_optimizer_across_replicas = false"),
-        ("elastic", True, par.elastic, "DiLoCo on an elastic job is not supported yet: set parallel.elastic = false"),
-        ("sharding_degree", list(par.degree_list or ()), par.degree_list is not None,
-         "DiLoCo all-reduces each rank's shards with the same shard of every replica, which replicas of different "
-         "degrees do not have: give one integer"),
-        ("batch_weights", par.batch_weights, par.batch_weights != "even",
-         "a weighted rank's gradient counts its share of the global batch, but DiLoCo averages inside each "
-         "replica: set parallel.batch_weights = 'even'"))
-    for name, value, bad, why in refused:
-        if bad:
-            return name, list(value) if isinstance(value, tuple) else value, \
-                f"does not combine with parallel.replica_sync = 'diloco': {why}, or parallel.replica_sync = " \
-                f"'every_step'"
+    """DiLoCo next to a per-step hop setting: two choices of one thing (the pairs that do not combine are the
+    one table's: ``ParallelConfig._check_combinations``)."""
+    if par.replica_hop != "fp32":
+        return "replica_hop", par.replica_hop, (
+            "does not combine with parallel.replica_sync = 'diloco': DiLoCo sends no per-step inter-node hop to "
+            "compress: set parallel.replica_hop = 'fp32' (parallel.diloco_wire_dtype = 'bf16' halves the sync's "
+            "bytes), or parallel.replica_sync = 'every_step'")
     return None

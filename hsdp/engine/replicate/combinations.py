@@ -30,23 +30,36 @@ class Feature(enum.Enum):
 
 @dataclass(frozen=True)
 class Spelling:
-    """How a user turns a feature on: in the library and in ``hsdp train``'s config."""
+    """How a user turns a feature on, in the library and in ``hsdp train``'s config, and how the config turns it
+    off (the fix a refusal names)."""
 
     api: str
     config: str
+    config_off: str
 
 
 SPELLINGS = {
-    Feature.HETEROGENEOUS: Spelling("init_mesh(sharding_degree=[...])", "parallel.sharding_degree = [...]"),
-    Feature.ELASTIC: Spelling("init_mesh(elastic=True)", "parallel.elastic = true"),
-    Feature.DILOCO: Spelling("replica_sync=hsdp.DiLoCo(...)", "parallel.replica_sync = 'diloco'"),
-    Feature.TENSOR_PARALLEL: Spelling("tensor_parallel_degree > 1", "parallel.tensor_parallel > 1"),
+    Feature.HETEROGENEOUS: Spelling("init_mesh(sharding_degree=[...])", "parallel.sharding_degree = [...]",
+                                    "give one integer to parallel.sharding_degree"),
+    Feature.ELASTIC: Spelling("init_mesh(elastic=True)", "parallel.elastic = true", "parallel.elastic = false"),
+    Feature.DILOCO: Spelling("replica_sync=hsdp.DiLoCo(...)", "parallel.replica_sync = 'diloco'",
+                             "parallel.replica_sync = 'every_step'"),
+    Feature.TENSOR_PARALLEL: Spelling("tensor_parallel_degree > 1", "parallel.tensor_parallel > 1",
+                                      "set parallel.tensor_parallel = 1"),
     Feature.SLICED_OPTIMIZER: Spelling("shard_optimizer_across_replicas=True",
-                                       "parallel.shard_optimizer_across_replicas = true"),
-    Feature.INT8_HOP: Spelling("replica_hop=hsdp.Int8ErrorFeedbackHop()", "parallel.replica_hop = 'int8'"),
-    Feature.BF16_HOP: Spelling("replica_hop=hsdp.AllReduceHop(torch.bfloat16)", "parallel.replica_hop = 'bf16'"),
-    Feature.BATCH_WEIGHTS: Spelling("model.set_batch_weight(n)", "parallel.batch_weights != 'even'"),
+                                       "parallel.shard_optimizer_across_replicas = true",
+                                       "set parallel.shard_optimizer_across_replicas = false"),
+    Feature.INT8_HOP: Spelling("replica_hop=hsdp.Int8ErrorFeedbackHop()", "parallel.replica_hop = 'int8'",
+                               "set parallel.replica_hop to 'fp32' or 'bf16'"),
+    Feature.BF16_HOP: Spelling("replica_hop=hsdp.AllReduceHop(torch.bfloat16)", "parallel.replica_hop = 'bf16'",
+                               "set parallel.replica_hop = 'fp32'"),
+    Feature.BATCH_WEIGHTS: Spelling("model.set_batch_weight(n)", "parallel.batch_weights != 'even'",
+                                    "set parallel.batch_weights = 'even'"),
 }
+# The order in which a refusal names a pair: the second is the mode (DiLoCo, elastic, ...) the first option does
+# not combine with, as users think of it ("tensor parallelism does not combine with an elastic job").
+MODE_ORDER = (Feature.DILOCO, Feature.ELASTIC, Feature.TENSOR_PARALLEL, Feature.HETEROGENEOUS,
+              Feature.SLICED_OPTIMIZER, Feature.INT8_HOP, Feature.BF16_HOP, Feature.BATCH_WEIGHTS)
 
 
 class Status(enum.Enum):
@@ -153,15 +166,21 @@ def refused(a: Feature, b: Feature) -> bool:
     return rule(a, b).status is Status.REFUSED
 
 
-def problem(features: set[Feature], config: bool = False) -> str | None:
-    """The first refused pair among ``features`` as a sentence naming both and the reason (in ``hsdp train``'s
-    spelling with ``config``); ``None`` when they all combine."""
-    for a, b in itertools.combinations([f for f in Feature if f in features], 2):
-        r = rule(a, b)
-        if r.status is Status.REFUSED:
-            spell = (lambda f: SPELLINGS[f].config) if config else (lambda f: SPELLINGS[f].api)
-            return f"{spell(a)} does not combine with {spell(b)}: {r.why}" + ("" if r.permanent else " (not yet)")
+def first_refused(features: set[Feature]) -> tuple[Feature, Feature, Rule] | None:
+    """The first refused pair among ``features`` as ``(option, mode, rule)``: ``mode`` the one earlier in
+    :data:`MODE_ORDER`; ``None`` when they all combine."""
+    ordered = [f for f in MODE_ORDER if f in features]
+    for i, mode in enumerate(ordered):
+        for option in ordered[i + 1:]:
+            r = rule(option, mode)
+            if r.status is Status.REFUSED:
+                return option, mode, r
     return None
+
+
+def reason(r: Rule) -> str:
+    """A refusal's reason, saying whether it is for good or not built yet."""
+    return r.why + (" (ruled out by the math or the failure model)" if r.permanent else " (not supported yet)")
 
 
 def markdown_matrix() -> str:
@@ -173,6 +192,8 @@ def markdown_matrix() -> str:
     for a in features:
         cells = ["" if a is b else mark[rule(a, b).status] for b in features]
         lines.append(f"| **{a.value}** | " + " | ".join(cells) + " |")
+    lines += ["", "| feature | in the library | in `hsdp train` |", "|---|---|---|"]
+    lines += [f"| {f.value} | `{SPELLINGS[f].api}` | `{SPELLINGS[f].config}` |" for f in features]
     lines += ["", "| pair | verdict | why, or the test that shows it |", "|---|---|---|"]
     for (a, b) in itertools.combinations(features, 2):
         r = rule(a, b)
