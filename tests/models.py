@@ -44,6 +44,19 @@ class ParityNet(nn.Module):
         return self.head(self.norm(x) * self.scale)
 
 
+class BNNet(nn.Module):
+    """BatchNorm between two linear layers: running statistics that each rank's batches move differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.inp(x))))
+
+
 def batch(step: int, rank: int, per_rank: int = 4, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     ids = torch.randint(0, VOCAB, (per_rank, seq + 1), generator=g)

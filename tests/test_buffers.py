@@ -15,23 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_distributed
+from models import BNNet
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hsdp
 
 STEPS = 3
-
-
-class BNNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.bn = nn.BatchNorm1d(8)
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.bn(self.inp(x))))
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -22,22 +23,14 @@ from torch import nn
 
 import hsdp
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import BNNet
+
 REPLICAS = 2
 MAX_STEPS = 2000
 PACE_S = 0.05
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
-
-
-class BNNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.bn = nn.BatchNorm1d(8)
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.bn(self.inp(x))))
 
 
 def batch(step: int, replica: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
