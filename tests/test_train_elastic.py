@@ -70,7 +70,7 @@ class GatedCoordinator(Coordinator):
     def joining(self, replica: int, probe: dist.Store) -> bool:
         """A new incarnation of ``replica`` is ready to be admitted (registered, beating, its optimizer built)."""
         inc = self.state.pending.get(replica)
-        return (inc is not None and inc.beats >= 0 and self._alive(inc)
+        return (inc is not None and min(inc.beats) >= 0 and self._alive(inc)
                 and probe.check([key(JOB, "ready", replica, inc.number)]))
 
 

@@ -179,6 +179,13 @@ class ElasticWriter:
         """``record`` of train step ``step`` with what the coordinator decided (``model.last_step``): committed,
         members, the batch really averaged; decides :attr:`writing` for the step."""
         last = self.layer.last
+        if last is not None and self.replica_id not in last.replicas and last.step > step - 1:
+            # The library rejoined a live replica the coordinator dropped, healed to step last.step; this loop
+            # counts train steps itself and cannot skip ahead yet: end, so torchrun restarts it (it rejoins).
+            raise RuntimeError(f"hsdp train: replica {self.replica_id} was dropped by the coordinator during train "
+                               f"step {step} (a rank's heartbeat silent past the timeout) and healed to go on after "
+                               f"step {last.step + 1}; hsdp train does not skip ahead in-process yet: ending this "
+                               f"replica, which torchrun restarts (--max-restarts) to rejoin")
         if last is None or last.step != step - 1:
             raise RuntimeError(f"hsdp train: train step {step} ended elastic step {None if last is None else last.step}"
                                f": the loop and the coordinator disagree on the step (an hsdp bug)")
