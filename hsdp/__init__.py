@@ -57,9 +57,9 @@ _EXPORTS = {
     "check_replicas": "hsdp.engine.model",
     "full_state_dict": "hsdp.engine.state_dict",
     "FaultPolicy": "hsdp.engine.faults.watchdog",
-    "ElasticPolicy": "hsdp.engine.elastic.protocol",
+    "ElasticPolicy": "hsdp.engine.replicate.elastic.protocol",
     "DiLoCo": "hsdp.engine.replica_sync",
-    "QuorumLost": "hsdp.engine.elastic.client",
+    "QuorumLost": "hsdp.engine.replicate.elastic.client",
     "PreemptionGuard": "hsdp.engine.preemption",
     "load_pretrained": "hsdp.engine.init",
     "materialize": "hsdp.engine.init",
@@ -84,8 +84,6 @@ if TYPE_CHECKING:
     from hsdp.data.sampler import data_parallel_rank, data_parallel_size, distributed_sampler
     from hsdp.data.weighted_sampler import WeightedBatchSampler
     from hsdp.engine.clip import clip_grad_norm_
-    from hsdp.engine.elastic.client import QuorumLost
-    from hsdp.engine.elastic.protocol import ElasticPolicy
     from hsdp.engine.faults.policy import FaultPolicy
     from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop, ReplicaHop
     from hsdp.engine.init import load_pretrained, materialize
@@ -99,6 +97,8 @@ if TYPE_CHECKING:
     from hsdp.engine.preemption import PreemptionGuard
     from hsdp.engine.replica_sync import DiLoCo
     from hsdp.engine.replicas import ReplicaDivergence
+    from hsdp.engine.replicate.elastic.client import QuorumLost
+    from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
     from hsdp.engine.state_dict import full_state_dict
     from hsdp.models import tp_plans as tp_plans
 

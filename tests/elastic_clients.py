@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from hsdp.engine.elastic.client import CoordinatorClient
-from hsdp.engine.elastic.protocol import key
+from hsdp.engine.replicate.elastic.client import CoordinatorClient
+from hsdp.engine.replicate.elastic.protocol import key
 
 
 class ReplicaClient(CoordinatorClient):

@@ -38,8 +38,8 @@ from elastic_clients import ReplicaClient
 
 from hsdp.apps.train.config_io import resolve_config
 from hsdp.apps.train.elastic_run import prepare_elastic_run_dir
-from hsdp.engine.elastic.client import QuorumLost, connect
-from hsdp.engine.elastic.protocol import ElasticPolicy
+from hsdp.engine.replicate.elastic.client import QuorumLost, connect
+from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
 from hsdp.tools.coordinator.server import Coordinator
 
 POLICY = ElasticPolicy(heartbeat_interval=0.05, heartbeat_timeout=0.5, connect_timeout=2.0, join_timeout=20.0)

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from elastic_clients import ReplicaClient
 from harness import run_distributed
 
-from hsdp.engine.elastic.bootstrap import admit
-from hsdp.engine.elastic.client import CoordinatorClient, JobCompleted, QuorumLost, connect, parse_address
-from hsdp.engine.elastic.protocol import ElasticPolicy
+from hsdp.engine.replicate.elastic.bootstrap import admit
+from hsdp.engine.replicate.elastic.client import CoordinatorClient, JobCompleted, QuorumLost, connect, parse_address
+from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
 from hsdp.tools.coordinator.server import Coordinator
 
 POLICY = ElasticPolicy(heartbeat_interval=0.05, heartbeat_timeout=0.4, connect_timeout=2.0, join_timeout=20.0)
@@ -231,8 +231,8 @@ def test_unreachable_or_wrong_coordinator_fails_fast_naming_the_fix() -> None:
 
 
 def test_elastic_mesh_refusals_before_any_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsdp.engine.elastic.bootstrap import elastic_env
     from hsdp.engine.mesh import init_mesh
+    from hsdp.engine.replicate.elastic.bootstrap import elastic_env
 
     with pytest.raises(ValueError, match="drop device_mesh, tensor_parallel_degree and per-replica degree lists"):
         init_mesh(elastic=True, tensor_parallel_degree=2)

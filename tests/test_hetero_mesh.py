@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hsdp
 from hsdp.engine.mesh import check_degree_list, init_mesh
-from hsdp.engine.replica_pieces import pieces
+from hsdp.engine.replicate.pieces import pieces
 
 STEPS = 3
 NODES = {0: (0, 2), 1: (1, 2), 2: (0, 1)}  # rank -> (LOCAL_RANK, LOCAL_WORLD_SIZE): nodes of 2 and 1 ranks

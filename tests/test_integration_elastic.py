@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 pytest.importorskip("accelerate", reason="the hf extra (pip install 'hsdp[hf]'); `make test` installs it")
 
-from hsdp.engine.elastic.protocol import ElasticPolicy
+from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
 from hsdp.tools.coordinator.server import Coordinator
 
 SAMPLES, JOB = 12, "frameworks"

@@ -31,7 +31,7 @@ from launched import launch_env
 
 from hsdp.apps.cli import build_parser
 from hsdp.apps.cli import launch as launch_cli
-from hsdp.engine.elastic.protocol import Quorum
+from hsdp.engine.replicate.elastic.protocol import Quorum
 from hsdp.tools.coordinator.config import CoordinatorConfig
 from hsdp.tools.coordinator.events import MembershipLog
 from hsdp.tools.launch import elastic
@@ -233,8 +233,8 @@ def test_membership_log_says_what_changed_and_nothing_else() -> None:
 def test_serve_reports_a_replica_that_came_and_went_and_exits_once_none_is_left() -> None:
     import torch.distributed as dist
 
-    from hsdp.engine.elastic.client import CoordinatorClient
-    from hsdp.engine.elastic.protocol import ElasticPolicy
+    from hsdp.engine.replicate.elastic.client import CoordinatorClient
+    from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
     from hsdp.tools.coordinator.service import serve
 
     lines: list[str] = []

@@ -1,11 +1,11 @@
-"""Replica layouts of different shard degrees (hsdp/engine/replica_degrees.py): rank placement and the errors a
+"""Replica layouts of different shard degrees (hsdp/engine/replicate/degrees.py): rank placement and the errors a
 user gets, before any collective."""
 
 from __future__ import annotations
 
 import pytest
 
-from hsdp.engine.replica_degrees import (
+from hsdp.engine.replicate.degrees import (
     check_degrees,
     default_degrees,
     is_regular,

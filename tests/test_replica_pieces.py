@@ -1,4 +1,4 @@
-"""The common partition of replicas' chunk boundaries (hsdp/engine/replica_pieces.py): every element is
+"""The common partition of replicas' chunk boundaries (hsdp/engine/replicate/pieces.py): every element is
 reduced exactly once, over exactly the ranks that hold it, checked against torch.chunk itself."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hsdp.engine.replica_pieces import (
+from hsdp.engine.replicate.pieces import (
     global_ranks,
     offset_in_chunk,
     pieces,

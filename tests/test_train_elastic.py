@@ -40,7 +40,7 @@ from hsdp.apps.train.elastic_run import QUORUM_LOST_EXIT_STATUS, launch_problem,
 from hsdp.apps.train.metrics import MetricsWriter, read_metrics
 from hsdp.checkpoint.export import read_weights
 from hsdp.checkpoint.lease import confirm_lease, hold_lease, lease_path, lease_problem, release_lease
-from hsdp.engine.elastic.protocol import key
+from hsdp.engine.replicate.elastic.protocol import key
 from hsdp.models import GPT
 from hsdp.tools.coordinator.server import Coordinator
 

@@ -74,9 +74,7 @@ def writer_degrees(mesh: HSDPMesh) -> tuple[int, ...]:
     """The shard degree of every replica whose ranks save together, in rank order: all the mesh's replicas, or on
     an elastic mesh this replica alone (its torchrun job's world is the default process group DCP saves over; the
     other replicas are other jobs, equal to it at a step boundary). Never waits for an elastic step's quorum."""
-    if mesh.elastic is not None:
-        return (mesh.sharding_degree,)
-    return tuple(mesh.replicas.degrees)
+    return mesh.replicas.job_degrees
 
 
 def _chunk(item: WriteItem) -> Chunk:

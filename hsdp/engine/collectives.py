@@ -91,15 +91,19 @@ class Comm:
         return contextlib.nullcontext() if self._ledger is None else self._ledger.busy(what)
 
     def size(self, group: str) -> int:
-        if group == "replicate":
-            return self._replicate[1] if self._replicate is not None else self._layer.count
-        return self._sizes[group]
+        if group != "replicate":
+            return self._sizes[group]
+        if self._replicate is not None:
+            return self._replicate[1]
+        self._layer.await_step()  # the step's replicas (an elastic quorum is waited for here, once per step)
+        return self._layer.count
 
     def _group(self, group: str) -> dist.ProcessGroup | None:
         if group != "replicate":
             return self._groups[group]
         if self._replicate is not None:
             return self._replicate[0]
+        self._layer.await_step()
         pg = self._layer.replicate_group
         if pg is None and self.size("replicate") > 1:
             # None would mean the world: never silently widen an inter-node collective.
@@ -290,7 +294,7 @@ class Comm:
         collective was *enqueued*, marks it failed and aborts the communicator: a healthy hop queued behind
         backward work would end the step. There the wait is plain (the stream waits, the host goes on) and the
         epoch's watch thread aborts the communicator on the coordinator's notice (``elastic/layer.py``)."""
-        interrupted = getattr(self._layer, "interrupted", None) if group == "replicate" else None
+        interrupted = self._layer.interrupt() if group == "replicate" else None
         if interrupted is None or not _waits_on_host(self._group(group), self.mesh.device):
             return None
         return interrupted

@@ -28,19 +28,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hsdp.engine.elastic.bootstrap import elastic_env
-from hsdp.engine.elastic.bootstrap import join as elastic_join
-from hsdp.engine.elastic.layer import ElasticLayer
-from hsdp.engine.elastic.protocol import ElasticPolicy
 from hsdp.engine.faults.launcher import watch_launcher
 from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.faults.watchdog import Watchdog, start_watchdog
 from hsdp.engine.hop_worker import HopWorker
 from hsdp.engine.mesh_layout import SHARDING_DEGREE_ENV, device_type_for, mesh_shape
-from hsdp.engine.replica_degrees import check_degrees, default_degrees, is_regular
-from hsdp.engine.replica_layer import ReplicaLayer, gather_node_sizes, grid_layer, heterogeneous_layer
-from hsdp.engine.replica_pieces import validate_degrees
 from hsdp.engine.replicate.combinations import Feature, refused
+from hsdp.engine.replicate.degrees import check_degrees, default_degrees, is_regular
+from hsdp.engine.replicate.elastic.bootstrap import elastic_env
+from hsdp.engine.replicate.elastic.bootstrap import join as elastic_join
+from hsdp.engine.replicate.elastic.layer import ElasticLayer
+from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
+from hsdp.engine.replicate.fixed import FixedLayer, gather_node_sizes, grid_layer, heterogeneous_layer
+from hsdp.engine.replicate.pieces import validate_degrees
 
 MESH_DIM_NAMES = ("replicate", "shard")
 TP_MESH_DIM_NAMES = ("replicate", "shard", "tp")
@@ -76,10 +76,10 @@ class HSDPMesh:
     # that every model on the mesh keeps one order of the inter-node group's collectives.
     hop_worker: HopWorker = field(default_factory=HopWorker, compare=False, repr=False)
     # Set for a heterogeneous or elastic mesh; a grid's layer is derived from its DeviceMesh (replicas).
-    layer: ReplicaLayer | ElasticLayer | None = field(default=None, compare=False, repr=False)
+    layer: FixedLayer | ElasticLayer | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
-    def replicas(self) -> ReplicaLayer | ElasticLayer:
+    def replicas(self) -> FixedLayer | ElasticLayer:
         """The replicas (their shard degrees), this rank's place among them, and the groups of one rank per
         replica that reduce gradients across them."""
         # cached_property writes the instance __dict__ directly, which a frozen dataclass allows.
@@ -280,7 +280,7 @@ def init_mesh(
     ``fault_policy`` starts the dead-rank watchdog (see ``hsdp.engine.faults.watchdog``); ``None`` disables it.
 
     ``elastic=True`` (or an ``ElasticPolicy`` with its timeouts): this process's torchrun job is one replica of
-    an elastic job whose replicas come and go between steps (``hsdp/engine/elastic/``): the coordinator at
+    an elastic job whose replicas come and go between steps (``hsdp/engine/replicate/elastic/``): the coordinator at
     ``coordinator`` (default ``$HSDP_COORDINATOR``), this replica's id from ``$HSDP_REPLICA_ID``. The replica's
     ranks shard every parameter (``sharding_degree`` is the job's world size); the replica is admitted once its
     ``ShardedOptimizer`` exists (a joiner is healed there). Tensor parallelism and a list of degrees are refused.

@@ -11,13 +11,13 @@ from torch import nn
 
 from hsdp.engine.class_swap import swap_class
 from hsdp.engine.collectives import Comm
-from hsdp.engine.elastic.layer import StepRecord
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
 from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
 from hsdp.engine.replica_sync import DiLoCo, check_replica_sync
 from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.replicate.combinations import Feature, refused
+from hsdp.engine.replicate.layer import StepRecord
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.buffers import comparable_buffers
 from hsdp.engine.runtime.dtensor import as_sharded
@@ -247,7 +247,7 @@ class ShardedModel(nn.Module):
         """On an elastic mesh (``init_mesh(elastic=True)``), what the last ``optimizer.step()`` did: its step
         number, whether it was committed (applied on every member) or discarded, and the replica ids whose
         gradients it averaged; after a joining replica's heal, the step it resumes after. ``None`` elsewhere."""
-        return self.mesh.elastic.last if self.mesh.elastic is not None else None
+        return self.mesh.replicas.last
 
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from hsdp.engine.collectives import Comm
-from hsdp.engine.replica_pieces import pieces_of_rank
+from hsdp.engine.replicate.pieces import pieces_of_rank
 from hsdp.engine.runtime.sharded_param import ShardedParam
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -195,8 +195,8 @@ def run_rank(config: RunConfig, report: Report | None = None) -> int:
 
     from hsdp.apps.train.elastic_run import QUORUM_LOST_EXIT_STATUS
     from hsdp.apps.train.job import print_report, run_job
-    from hsdp.engine.elastic.client import QuorumLost
     from hsdp.engine.preemption import STOP_EXIT_STATUS
+    from hsdp.engine.replicate.elastic.client import QuorumLost
 
     try:
         outcome = run_job(config, report=report or print_report)

@@ -51,9 +51,9 @@ from hsdp.apps.train.ranks import RankChannel
 from hsdp.apps.train.rundir import RunDir, start_problem
 from hsdp.checkpoint.lease import hold_lease, lease_problem, release_lease
 from hsdp.engine.agreement import on_rank0
-from hsdp.engine.elastic.bootstrap import elastic_env
-from hsdp.engine.elastic.layer import ElasticLayer
-from hsdp.engine.elastic.protocol import key
+from hsdp.engine.replicate.elastic.bootstrap import elastic_env
+from hsdp.engine.replicate.elastic.layer import ElasticLayer
+from hsdp.engine.replicate.elastic.protocol import key
 
 QUORUM_LOST_EXIT_STATUS = 3  # as `hsdp coordinator` exits when it stopped a job below its minimum of replicas
 ELASTIC_FIELDS = (*FIELDS, "committed", "replicas", "global_batch", "writer")  # metrics.csv's columns

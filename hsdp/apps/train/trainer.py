@@ -51,8 +51,8 @@ from hsdp.apps.train.rundir import prepare_run_dir
 from hsdp.apps.train.wandb_sink import record_sinks
 from hsdp.apps.train.weighted_stream import WeightedTokenStream, per_rank_weights
 from hsdp.data.text import TokenStream
-from hsdp.engine.elastic.client import QuorumLost
 from hsdp.engine.preemption import StopSignals
+from hsdp.engine.replicate.elastic.client import QuorumLost
 
 _PRECISION = {"fp32": None, "bf16": hsdp.MixedPrecision(param_dtype=torch.bfloat16)}
 

@@ -20,46 +20,39 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from hsdp.engine.elastic.layer import StepRecord
-from hsdp.engine.elastic.protocol import Quorum
+from hsdp.engine.replicate.elastic.protocol import Quorum
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
 
 
 def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
-    """Register the heal of ``model`` + ``optimizer`` with the mesh's elastic layer and take part in the
-    current step's quorum now (a joiner is healed here, before its first forward)."""
-    layer = model.mesh.elastic
-    assert layer is not None
+    """Register the heal of ``model`` + ``optimizer`` with the mesh's replicate layer (``ReplicateLayer.attach``:
+    an elastic layer runs it whenever replicas join, a joiner before its first forward; a fixed one never)."""
+    layer = model.mesh.replicas
 
     def heal(quorum: Quorum) -> None:
         assert quorum.source is not None
         source = quorum.index(quorum.source)
-        joining = layer.replica_id in quorum.joiners
+        joining = layer.index in quorum.joiners
         comm = model.comm
         with torch.no_grad():
             for unit in model._hsdp_state.units:
                 if unit.params:
                     comm.broadcast(unit.sharded_flat, source, "replicate")
             model._hsdp_state.buffers.broadcast(lambda flat: comm.broadcast(flat, source, "replicate"))
-            payload = _optimizer_payload(optimizer) if layer.replica_id == quorum.source else None
+            payload = _optimizer_payload(optimizer) if layer.index == quorum.source else None
             data = comm.broadcast_bytes(payload, source, "replicate")
         if joining:
             _load_optimizer_payload(optimizer, data)
-            layer.last = StepRecord(quorum.step - 1, True, tuple(r for r in quorum.members if r not in quorum.joiners))
 
-    layer.heals.append(heal)
-    layer.await_quorum()
-    layer.heal()  # a quorum read before this heal existed (while the model was wrapped)
+    layer.attach(heal)
 
 
-def elastic_step(model: ShardedModel) -> bool:
-    """Before ``ShardedOptimizer.step`` applies anything on an elastic mesh: vote, wait for the decision, and on
-    an abort drop every gradient; True when the step is to be applied."""
-    layer = model.mesh.elastic
-    assert layer is not None
-    committed = layer.finish_step()
+def finish_step(model: ShardedModel) -> bool:
+    """Before ``ShardedOptimizer.step`` applies anything: the replicate layer's decision (elastic: vote and wait
+    for the coordinator's), and on an abort drop every gradient; True when the step is to be applied."""
+    committed = model.mesh.replicas.finish_step()
     if not committed:
         for p in model.parameters():
             p.grad = None

@@ -16,7 +16,7 @@ from hsdp.engine.class_swap import original_class, swap_class
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.adafactor import adafactor_step, state_is_replicated
 from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, is_state_warmup, warn_dropped_hop_state
-from hsdp.engine.optim.elastic_heal import attach_heal, elastic_step
+from hsdp.engine.optim.elastic_heal import attach_heal, finish_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.optim.outer_step import OuterState, SyncStep
@@ -84,8 +84,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         object.__setattr__(optimizer, "_hsdp_unverified", views is None and _sharded_step(optimizer) is None)
         optimizer._patch_step_function()  # step hooks, as torch.optim.Optimizer.__init__ would install
         install_named_state_dict(optimizer, ShardedOptimizer.named_state_dict)  # see dcp_state_dict.py
-        if model.mesh.elastic is not None:
-            attach_heal(model, optimizer)  # a joining replica is healed here, before its first forward
+        attach_heal(model, optimizer)  # elastic: a joining replica is healed here, before its first forward
         sync = model._hsdp_state.replica_sync
         object.__setattr__(optimizer, "_hsdp_outer", None if sync is None else OuterState(model, sync))
         return optimizer  # type: ignore[return-value]
@@ -112,7 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if outer is not None:
                 outer.mark_written()
             return result
-        if self._hsdp_model.mesh.elastic is not None and not elastic_step(self._hsdp_model):
+        if not finish_step(self._hsdp_model):
             return None  # discarded on every member (elastic_heal.py): nothing is applied anywhere
         result = self._inner_step(closure)
         self._hsdp_steps += 1

@@ -83,7 +83,7 @@ class BufferSync:
     @property
     def due(self) -> bool:
         """Whether the buffers are to be broadcast now (at a forward, or at the end of a backward)."""
-        return self.enabled and self._due and (self.comm.size("world") > 1 or self.comm.mesh.elastic is not None)
+        return self.enabled and self._due and (self.comm.size("world") > 1 or self.comm.mesh.replicas.outside_world)
 
     def post_forward(self, gradient_sync: bool) -> None:
         """Record whether the buffers are due: after a grad-mode forward with gradient sync only."""
@@ -124,7 +124,7 @@ class BufferSync:
 
     def _from_lowest_rank(self, flat: torch.Tensor) -> None:
         self.comm.broadcast(flat, 0, "world")
-        elastic = self.comm.mesh.elastic
-        if elastic is not None:  # the world was the replica's own job: now across replicas, from the lowest
-            members = elastic.await_quorum().members
-            self.comm.broadcast(flat, members.index(min(members)), "replicate")
+        layer = self.comm.mesh.replicas
+        if layer.outside_world:  # the world was the replica's own job: now across replicas, from the lowest
+            layer.await_step()
+            self.comm.broadcast(flat, layer.lowest_member, "replicate")

@@ -15,7 +15,7 @@ order on every rank, one global order, so groups that share ranks cannot deadloc
 collectives in issue order).
 
 Math: the reduce-scatter averaged over the ``d_r`` ranks of this replica only, so the slot is first multiplied
-by ``d_r x R / W`` (``ReplicaLayer.scale``); the replicate average then yields the average over all ``W`` ranks,
+by ``d_r x R / W`` (``FixedLayer.scale``); the replicate average then yields the average over all ``W`` ranks,
 the same weighted mean a grid computes. Pure: built once per unit at wrap time.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hsdp.engine.replica_layer import Holders, ReplicaLayer
-from hsdp.engine.replica_pieces import chunk_rows, pieces, pieces_of_rank, position_groups
+from hsdp.engine.replicate.fixed import FixedLayer, Holders
+from hsdp.engine.replicate.pieces import chunk_rows, pieces, pieces_of_rank, position_groups
 from hsdp.engine.runtime.layout import ShardLayout
 
 Segment = tuple[int, int]  # (offset in the reduced slot, numel)
@@ -61,7 +61,7 @@ def holder_tuples(layouts: list[ShardLayout], degrees: tuple[int, ...]) -> set[H
 
 
 def plan_pieces(layouts: list[ShardLayout], offsets: list[int], n_extra: int, slot_numel: int,
-                layer: ReplicaLayer) -> PiecePlan | None:
+                layer: FixedLayer) -> PiecePlan | None:
     """This rank's buckets for a reduced slot of ``layouts`` at ``offsets`` (``slot_numel`` elements, then
     ``n_extra`` values); ``None`` on a grid, whose whole slot is one hop over the ``"replicate"`` group."""
     if layer.regular:

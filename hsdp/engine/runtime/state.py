@@ -99,7 +99,7 @@ class HSDPState:
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
         self.step_read = StepRead()  # the step's one host read, if any (step_read.py)
-        if mesh.elastic is not None:
+        if mesh.replicas.transactional:
             self.step_read.sharded_optimizer_only = "is elastic (a step the coordinator discards must not be applied)"
         self.replica_sync: Any = None  # ShardedModel(replica_sync=hsdp.DiLoCo(...)), stepped by ShardedOptimizer
         self.outer: Any = None  # DiLoCo's OuterState once a ShardedOptimizer exists (check_replicas compares it)
@@ -161,9 +161,9 @@ class HSDPState:
             if not self._in_forward:
                 self._repair_torn_step()
                 self._in_forward = True
-                if self.mesh.elastic is not None and torch.is_grad_enabled():
-                    # A training step (not an evaluation or a sample): the coordinator gathers its quorum now.
-                    self.mesh.elastic.begin_step()
+                if torch.is_grad_enabled():
+                    # A training step (not an evaluation or a sample): elastic's coordinator gathers its quorum now.
+                    self.mesh.replicas.begin_step()
                 self.buffers.pre_forward()
                 self._pre_seen, self._post_seen = [], []
             args, kwargs = unit.policy.cast_inputs(args, kwargs)
@@ -309,9 +309,9 @@ class HSDPState:
         try:
             self._finish_hops()
         except RuntimeError as e:
-            if self.mesh.elastic is None:
+            if not self.mesh.replicas.step_failed(f"{type(e).__name__}: {e}"):
                 raise
-            self._drop_failed_hops(e)  # a member left mid-step: the step is discarded at the optimizer
+            self._drop_failed_hops()  # a member left mid-step: the step is discarded at the optimizer
             return
         self._sync_buffers()  # the step's gradients are synced: so are the buffers (buffers.py)
         try:
@@ -328,21 +328,19 @@ class HSDPState:
             reduction.finish()
 
     def _sync_buffers(self) -> None:
-        """Broadcast the buffers at the end of a backward (``buffers.py``); on an elastic mesh a member lost
-        meanwhile fails the step instead, as a failed hop does, and the buffers stay due."""
+        """Broadcast the buffers at the end of a backward (``buffers.py``); where the replicate layer discards a
+        step whose member was lost meanwhile (elastic), it fails the step instead, as a failed hop does, and the
+        buffers stay due."""
         try:
             self.buffers.after_backward()
         except RuntimeError as e:
-            if self.mesh.elastic is None:
+            if not self.mesh.replicas.step_failed(f"buffer broadcast: {type(e).__name__}: {e}"):
                 raise
-            self.mesh.elastic.fail(f"buffer broadcast: {type(e).__name__}: {e}")
 
-    def _drop_failed_hops(self, error: RuntimeError) -> None:
-        """Elastic: an inter-node collective of this step failed (a peer replica died or stopped). Every
-        reduction is waited for and dropped, the vote says why, and the backward returns normally: the
-        coordinator aborts the step on every member, and ``ShardedOptimizer.step`` applies nothing."""
-        assert self.mesh.elastic is not None
-        self.mesh.elastic.fail(f"{type(error).__name__}: {error}")
+    def _drop_failed_hops(self) -> None:
+        """An inter-node collective of this step failed (a peer replica died or stopped) and the replicate layer
+        discards the step (elastic). Every reduction is waited for and dropped, and the backward returns
+        normally: the coordinator aborts the step on every member, and ``ShardedOptimizer.step`` applies nothing."""
         for reduction in self._pending:
             reduction.abandon(quiet=True)
         self._pending.clear()

@@ -1,15 +1,16 @@
 """What one ``hsdp coordinator`` serves, checked before anything starts (no torch: the launcher checks it too).
 
 The coordinator's own timing is one number, ``heartbeat_timeout``: the silence after which it drops a
-replica. It must exceed the replicas' heartbeat interval (:class:`~hsdp.engine.elastic.protocol.ElasticPolicy`,
-0.25 s by default), which the replicas choose themselves.
+replica. It must exceed the replicas' heartbeat interval
+(:class:`~hsdp.engine.replicate.elastic.protocol.ElasticPolicy`, 0.25 s by default), which the replicas
+choose themselves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hsdp.engine.elastic.protocol import ElasticPolicy
+from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
 
 DEFAULT_JOB = "default"  # what the replicas assume without HSDP_ELASTIC_JOB
 ANY_HOST = ("0.0.0.0", "::", "")  # listen addresses that say nothing about how others reach this machine

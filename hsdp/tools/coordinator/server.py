@@ -1,7 +1,7 @@
 """The elastic coordinator: the one process that decides membership and commits, on torch's ``TCPStore``.
 
 It hosts the store the replicas meet on and runs one small state machine per job (keys and meanings:
-``hsdp/engine/elastic/protocol.py``). Per step: wait until every live member asked for the step (``want``),
+``hsdp/engine/replicate/elastic/protocol.py``). Per step: wait until every live member asked for the step (``want``),
 drop members one of whose ranks went silent and let those that finished leave, admit registered replicas as
 joiners (healed from a live member), publish the quorum; then wait for every rank's vote and publish ``commit``
 or ``abort``. Liveness is judged by every rank's heartbeat counter, read with the coordinator's own clock, so
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from hsdp.engine.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
+from hsdp.engine.replicate.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
 
 
 @dataclass

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hsdp.engine.elastic.protocol import COORDINATOR_ENV, JOB_ENV, REPLICA_ID_ENV
+from hsdp.engine.replicate.elastic.protocol import COORDINATOR_ENV, JOB_ENV, REPLICA_ID_ENV
 from hsdp.tools.coordinator.config import ADDRESS_LINE, DEFAULT_JOB, check_replicas
 from hsdp.tools.launch.layout import NodeLayout
 from hsdp.tools.launch.local import (

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hsdp.engine.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
+from hsdp.engine.replicate.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
 
 
 class JobCompleted(SystemExit):

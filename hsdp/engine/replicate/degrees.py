@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hsdp.engine.replica_pieces import validate_degrees
+from hsdp.engine.replicate.pieces import validate_degrees
 
 
 def replica_starts(degrees: Sequence[int]) -> list[int]:

@@ -20,8 +20,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hsdp.engine.elastic.client import CoordinatorClient, JobCompleted, connect
-from hsdp.engine.elastic.protocol import COORDINATOR_ENV, JOB_ENV, REPLICA_ID_ENV, ElasticPolicy, key
+from hsdp.engine.replicate.elastic.client import CoordinatorClient, JobCompleted, connect
+from hsdp.engine.replicate.elastic.protocol import COORDINATOR_ENV, JOB_ENV, REPLICA_ID_ENV, ElasticPolicy, key
 from hsdp.engine.store_exchange import exchange
 
 

@@ -1,14 +1,15 @@
-"""The replicate layer: which ranks hold the same rows on other replicas, and the groups that reduce them.
+"""A fixed set of replicas: which ranks hold the same rows on other replicas, and the groups that reduce them.
 
-hsdp owns the layer above the replicas' own shard meshes (``docs/design/replicate_layer.md``): sharded
-DTensors live on :attr:`ReplicaLayer.param_mesh`, this rank's replica only, and the inter-node reduction runs
-in groups of one rank per replica. Two shapes share the object:
+The :class:`~hsdp.engine.replicate.layer.ReplicateLayer` of every mesh whose replicas do not change. hsdp owns the
+layer above the replicas' own shard meshes (``docs/design/replicate_layer.md``): sharded DTensors live on
+:attr:`FixedLayer.param_mesh`, this rank's replica only, and the inter-node reduction runs in groups of one rank per
+replica. Two shapes share the object:
 
 * a *grid* (every replica of one degree, from a ``DeviceMesh`` ``("replicate", "shard"[, "tp"])``): the rows
   a rank holds are held by the same shard rank of every replica, so one group, the mesh's ``"replicate"``
   dim, reduces all of them;
 * *heterogeneous* replicas (``init_mesh(sharding_degree=[2, 1])``): the replicas' dim-0 chunks differ, so a
-  rank's rows are cut into pieces (``replica_pieces.py``), each held by a different tuple of ranks, and the
+  rank's rows are cut into pieces (``pieces.py``), each held by a different tuple of ranks, and the
   layer holds one process group per holder tuple. Groups are created on every rank in one sorted order
   (:meth:`ensure_groups`), as ``torch.distributed.new_group`` requires.
 
@@ -19,21 +20,20 @@ that is always the ``"replicate"`` group, so the regular mesh is the special cas
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.engine.replica_degrees import replica_starts
-from hsdp.engine.replica_pieces import global_ranks, position_groups
+from hsdp.engine.replicate.degrees import replica_starts
+from hsdp.engine.replicate.layer import Heal, Holders, StepRecord
+from hsdp.engine.replicate.pieces import global_ranks, position_groups
 from hsdp.engine.store_exchange import exchange
-
-Holders = tuple[int, ...]  # per replica, the shard rank holding some rows (replica_pieces.Piece.holders)
 
 
 @dataclass(frozen=True)
-class ReplicaLayer:
+class FixedLayer:
     """The replicas of a mesh (their shard degrees, in rank order), this rank's place, and the groups of
     one rank per replica. ``regular``: every degree equal (a grid; its groups are the mesh's)."""
 
@@ -78,6 +78,27 @@ class ReplicaLayer:
         return sum(self.degrees)
 
     @property
+    def job_degrees(self) -> tuple[int, ...]:
+        """The degrees of the replicas in this process group's world (the torchrun job, over which DCP saves):
+        every replica here."""
+        return self.degrees
+
+    @property
+    def transactional(self) -> bool:
+        """Whether a step can be discarded after its backward (elastic): never here."""
+        return False
+
+    @property
+    def outside_world(self) -> bool:
+        """Whether some replicas live outside this process group's world (elastic: each is its own job)."""
+        return False
+
+    @property
+    def lowest_member(self) -> int:
+        """The replicate-group index of the lowest-numbered live replica."""
+        return 0
+
+    @property
     def replicate_group(self) -> dist.ProcessGroup | None:
         """A grid's one replicate group (this rank's shard position on every replica); ``None`` for replicas of
         different degrees, whose pieces go over several (:meth:`group`)."""
@@ -97,7 +118,7 @@ class ReplicaLayer:
             return self._groups[holders]
         except KeyError:
             raise RuntimeError(f"no replicate group for holders {holders} was created at wrap time "
-                               f"(ReplicaLayer.ensure_groups; an hsdp bug)") from None
+                               f"(FixedLayer.ensure_groups; an hsdp bug)") from None
 
     def ensure_groups(self, tuples: Iterable[Holders]) -> None:
         """Create the groups of ``tuples`` not created yet, in sorted order. A collective over the world:
@@ -113,12 +134,39 @@ class ReplicaLayer:
                 self._groups[holders] = group
 
 
-def grid_layer(device_mesh: DeviceMesh) -> ReplicaLayer:
+    # -- lifecycle (layer.py): every replica takes part in every step, so every step is applied -------------
+    @property
+    def last(self) -> StepRecord | None:
+        return None
+
+    def interrupt(self) -> Callable[[], str] | None:
+        return None  # nothing tells a wait to give up: a lost peer is the fault watchdog's to report
+
+    def begin_step(self) -> None:
+        pass
+
+    def await_step(self) -> None:
+        pass
+
+    def step_failed(self, why: str) -> bool:
+        return False  # the members are fixed: a lost peer cannot be stepped around, the caller raises
+
+    def finish_step(self) -> bool:
+        return True
+
+    def attach(self, heal: Heal) -> None:
+        pass  # nobody joins a fixed set of replicas
+
+    def close(self, finished: bool = False) -> None:
+        pass
+
+
+def grid_layer(device_mesh: DeviceMesh) -> FixedLayer:
     """The layer of a ``("replicate", "shard"[, "tp"])`` ``DeviceMesh``: every replica of the shard dim's size."""
     r, s = device_mesh.size(0), device_mesh.size(1)
     shard_rank = device_mesh.get_local_rank("shard")
     param_mesh = device_mesh["shard", "tp"] if device_mesh.ndim == 3 else device_mesh["shard"]
-    layer = ReplicaLayer((s,) * r, device_mesh.get_local_rank("replicate"), shard_rank,
+    layer = FixedLayer((s,) * r, device_mesh.get_local_rank("replicate"), shard_rank,
                          device_mesh.get_group("shard"), param_mesh)
     layer._groups[(shard_rank,) * r] = device_mesh.get_group("replicate")
     return layer
@@ -132,7 +180,7 @@ def gather_node_sizes() -> tuple[int, ...]:
     return tuple(size for local, size in everyone if local == 0)
 
 
-def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str) -> ReplicaLayer:
+def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str) -> FixedLayer:
     """The layer of replicas of ``degrees`` (consecutive rank ranges): one shard group per replica, created
     on every rank in replica order, and this rank's replica mesh over its group (``DeviceMesh.from_group``).
     A collective over the world; ``degrees`` validated by the caller (``replica_degrees.check_degrees``)."""
@@ -143,6 +191,6 @@ def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str) -
             index, shard_rank, mine = q, rank - start, group
     assert mine is not None, f"rank {rank} is outside sharding_degree={list(degrees)}"
     param_mesh = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("shard",))
-    layer = ReplicaLayer(degrees, index, shard_rank, mine, param_mesh)
+    layer = FixedLayer(degrees, index, shard_rank, mine, param_mesh)
     layer.ensure_groups(position_groups(degrees))  # every unit reduces its flags there
     return layer

@@ -23,7 +23,8 @@ only one that decides; replicas write requests and read decisions, all under one
 * ``down/<epoch>``: a member of that epoch died or a rank's reduction failed: ranks still waiting in that epoch's
   groups give up at once (``handles.py``: gloo cannot abort a collective in flight);
 * ``completed``: the last members left finished (the job is over, not lost): a replica arriving later (a restart
-  still starting when training ended) is told so and ends cleanly (:class:`~hsdp.engine.elastic.client.JobCompleted`).
+  still starting when training ended) is told so and ends cleanly
+  (:class:`~hsdp.engine.replicate.elastic.client.JobCompleted`).
 
 Pure data; the timeouts live in :class:`ElasticPolicy`, chosen so that inner ones are shorter than outer ones.
 """

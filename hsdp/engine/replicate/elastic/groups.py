@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hsdp.engine.elastic.protocol import key
+from hsdp.engine.replicate.elastic.protocol import key
 
 
 def build_group(store: dist.Store, job: str, epoch: int, position: int, rank: int, size: int, device_type: str,

@@ -1,6 +1,7 @@
 """The replicate layer of an elastic job: replicas that leave and rejoin between steps.
 
-Same face as ``replica_layer.ReplicaLayer`` (the runtime reads one or the other): this rank's replica is its
+A :class:`~hsdp.engine.replicate.layer.ReplicateLayer`, like ``fixed.FixedLayer`` (the runtime calls either the
+same way): this rank's replica is its
 own torchrun job, whose world is the shard group and whose mesh is ``param_mesh``; the other replicas are the
 current quorum's members (``protocol.Quorum``), and the ``"replicate"`` group is that quorum's group for this
 rank's shard position (``groups.py``), rebuilt when the epoch changes. Every replica has the same degree, so the
@@ -26,27 +27,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.engine.elastic.bootstrap import admit, rejoin
-from hsdp.engine.elastic.client import CoordinatorClient, QuorumLost
-from hsdp.engine.elastic.groups import abort_group, build_group
-from hsdp.engine.elastic.protocol import ElasticPolicy, Quorum
-
-Heal = Callable[[Quorum], None]  # exchanges state with the quorum's joiners (registered by the optimizer)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What the last optimizer step did: ``step`` (0-based), whether it was ``committed`` (applied on every
-    member) or discarded, and the replica ids whose gradients it averaged."""
-
-    step: int
-    committed: bool
-    replicas: tuple[int, ...]
+from hsdp.engine.replicate.elastic.bootstrap import admit, rejoin
+from hsdp.engine.replicate.elastic.client import CoordinatorClient, QuorumLost
+from hsdp.engine.replicate.elastic.groups import abort_group, build_group
+from hsdp.engine.replicate.elastic.protocol import ElasticPolicy, Quorum
+from hsdp.engine.replicate.layer import Heal, StepRecord
 
 
 class ElasticLayer:
@@ -77,14 +66,16 @@ class ElasticLayer:
         # group destroyed with its threads still running ends the process with std::terminate).
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    # -- the replica-layer face the runtime reads -------------------------------------------------------
+    # -- shape (layer.py): the last quorum's, never waited for here ----------------------------------------
     @property
     def index(self) -> int:
         return self.replica_id  # stable: the data this replica reads does not move when others leave
 
     @property
     def count(self) -> int:
-        return len(self.await_quorum().members)
+        """The members of the last quorum read (the configured count before the first): the runtime reads it
+        after :meth:`await_step`, so within a step it is the step's."""
+        return len(self.quorum.members) if self.quorum is not None else self.configured
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -99,9 +90,27 @@ class ElasticLayer:
         return self.configured * self.degree
 
     @property
+    def job_degrees(self) -> tuple[int, ...]:
+        return (self.degree,)  # this replica's torchrun job is its own world
+
+    @property
+    def transactional(self) -> bool:
+        return True  # the coordinator commits or discards each step
+
+    @property
+    def outside_world(self) -> bool:
+        return True
+
+    @property
+    def lowest_member(self) -> int:
+        assert self.quorum is not None, "read after await_step (an hsdp bug)"
+        return self.quorum.members.index(min(self.quorum.members))
+
+    @property
     def replicate_group(self) -> dist.ProcessGroup:
-        self.await_quorum()
-        assert self._group is not None
+        if self._group is None or self.quorum is None or self.quorum.step != self.step:
+            raise RuntimeError("the elastic replicate group was read before this step's quorum was awaited "
+                               "(ReplicateLayer.await_step; an hsdp bug)")
         return self._group
 
     def own_position_groups(self) -> list[tuple[int, ...]]:
@@ -113,7 +122,24 @@ class ElasticLayer:
     def ensure_groups(self, tuples: object) -> None:
         pass  # groups are per quorum epoch, built when it starts
 
-    # -- the step transaction ---------------------------------------------------------------------------
+    def interrupt(self) -> Callable[[], str] | None:
+        return self.interrupted
+
+    # -- lifecycle (layer.py) --------------------------------------------------------------------------------
+    def await_step(self) -> None:
+        self.await_quorum()
+
+    def step_failed(self, why: str) -> bool:
+        self.fail(why)
+        return True  # the coordinator discards the step on every member
+
+    def attach(self, heal: Heal) -> None:
+        """Register the optimizer's heal and take part in the current step's quorum now: a joiner is healed here,
+        before its first forward (also from a quorum read before any heal existed, while the model was wrapped)."""
+        self.heals.append(heal)
+        self.await_quorum()
+        self.heal()
+
     def interrupted(self) -> str:
         """Why a wait in the current replicate group should give up ("" while it should go on): the
         coordinator's ``down`` notice for the epoch (a member died, a rank's reduction failed)."""
@@ -186,7 +212,7 @@ class ElasticLayer:
     def _rejoin(self) -> None:
         """After :meth:`_evicted`: a new incarnation, admitted at a later step and healed from a live member (the
         optimizer's heal sets :attr:`last` to the step it was healed after). ``QuorumLost`` when the job stopped
-        meanwhile; :class:`~hsdp.engine.elastic.client.JobCompleted` when it ended."""
+        meanwhile; :class:`~hsdp.engine.replicate.elastic.client.JobCompleted` when it ended."""
         try:
             step = rejoin(self.client, self.degree)
         except ValueError as e:
@@ -208,6 +234,9 @@ class ElasticLayer:
                 return
             for heal in self.heals:
                 heal(quorum)
+            if self.replica_id in quorum.joiners:  # healed: as if it had taken part in the members' last step
+                self.last = StepRecord(quorum.step - 1, True, tuple(r for r in quorum.members
+                                                                    if r not in quorum.joiners))
 
     def _retire(self, group: dist.ProcessGroup | None) -> None:
         """Abort a replaced group and keep it for ``hop_timeout``: destroying a gloo group joins its threads, and a

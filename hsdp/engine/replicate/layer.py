@@ -1,0 +1,111 @@
+"""The replicate layer's one protocol: what the runtime, the optimizer and the checkpoint code ask of the replicas.
+
+Every mesh has one replicate layer (``HSDPMesh.replicas``), whatever its kind:
+
+* a fixed set of replicas (``fixed.py``): a grid of equal degrees, or replicas of different shard degrees;
+* elastic membership (``elastic/layer.py``): replicas that leave and rejoin between steps.
+
+The layer has two faces. Its *shape* says which ranks hold the same rows on other replicas and which groups
+reduce them (``degrees``, ``index``, ``group(holders)``, ...): reading it never blocks; on an elastic mesh it is
+the shape of the last quorum this replica took part in. Its *lifecycle* is the step as a transaction, called by
+the runtime on every mesh kind, with no ``if elastic`` branch in the caller:
+
+``begin_step()``
+    a training forward began (the root unit's pre-forward): elastic tells the coordinator it reached the step.
+``await_step()``
+    before the step's first inter-node collective: elastic waits for the step's quorum once (overlapped with the
+    forward and the backward's first units), rebuilding its group and healing joiners when the members changed.
+``step_failed(why) -> bool``
+    an inter-node collective of the step failed on this rank: True when the layer discards the step on every
+    member instead (the caller drops the step's reductions and returns normally), False when the failure is the
+    caller's to raise (a fixed set of replicas cannot go on without a peer).
+``finish_step() -> bool``
+    before the optimizer applies the step: True to apply it (a fixed layer always; elastic when the coordinator
+    committed it on every member).
+``attach(heal)``
+    the optimizer's heal (state sent from a live member to joiners); elastic runs it whenever members join.
+``close(finished)``
+    the replica leaves (idempotent).
+
+``last`` is what the last optimizer step did across replicas (:class:`StepRecord`; ``None`` on a fixed layer,
+where every step is applied by every replica).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hsdp.engine.replicate.elastic.protocol import Quorum
+
+Holders = tuple[int, ...]  # per replica, the shard rank holding some rows (pieces.Piece.holders)
+Heal = Callable[["Quorum"], None]  # sends state from a live member to the quorum's joiners (the optimizer's)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the last optimizer step did: ``step`` (0-based), whether it was ``committed`` (applied on every
+    member) or discarded, and the replica ids whose gradients it averaged."""
+
+    step: int
+    committed: bool
+    replicas: tuple[int, ...]
+
+
+class ReplicateLayer(Protocol):
+    """The replicas of a mesh as the runtime sees them (module docstring): the shape and the step lifecycle."""
+
+    # -- shape: never blocks --------------------------------------------------------------------------------
+    @property
+    def degrees(self) -> tuple[int, ...]: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def shard_rank(self) -> int: ...
+    @property
+    def shard_group(self) -> dist.ProcessGroup: ...
+    @property
+    def param_mesh(self) -> DeviceMesh: ...
+    @property
+    def regular(self) -> bool: ...
+    @property
+    def degree(self) -> int: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def data_parallel_size(self) -> int: ...
+    @property
+    def job_degrees(self) -> tuple[int, ...]: ...
+    @property
+    def transactional(self) -> bool: ...
+    @property
+    def outside_world(self) -> bool: ...
+    @property
+    def lowest_member(self) -> int: ...
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def last(self) -> StepRecord | None: ...
+    def own_position_groups(self) -> list[Holders]: ...
+    def group(self, holders: Holders) -> dist.ProcessGroup: ...
+    def ensure_groups(self, tuples: Iterable[Holders]) -> None: ...
+    def interrupt(self) -> Callable[[], str] | None:
+        """What a host wait on a replicate collective polls to give up early (``""``: go on), or ``None``."""
+        ...
+
+    # -- lifecycle: called on every mesh kind ------------------------------------------------------------
+    def begin_step(self) -> None: ...
+    def await_step(self) -> None: ...
+    def step_failed(self, why: str) -> bool: ...
+    def finish_step(self) -> bool: ...
+    def attach(self, heal: Heal) -> None: ...
+    def close(self, finished: bool = False) -> None: ...
