@@ -11,6 +11,7 @@ and ``dist.all_reduce`` returns stand-ins of the backends' works.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -62,6 +63,12 @@ class _ElasticLayer:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.replicate_group, self.count, self.asked = group, 2, 0
+
+    def await_step(self) -> None:
+        """The step's quorum is already known here."""
+
+    def interrupt(self) -> Callable[[], str]:
+        return self.interrupted
 
     def interrupted(self) -> str:
         self.asked += 1
