@@ -4,15 +4,15 @@ The global copy is one fp32 flat per unit, laid out like the unit's flat shard (
 it, never a full copy), and the outer optimizer's state (its momentum) is sharded the same way. The units with
 parameters are split into ``fragments`` contiguous fragments (:func:`split_fragments`; one fragment: all of
 them). After the inner step (``ShardedOptimizer.step``) that brings the phase to a fragment's offset
-(``DiLoCo.offset``), the fragment's sync is *started*: pseudo-gradient = global - local, all-reduced (average)
-over the replicate group in the wire dtype, asynchronously (see [Note: pieces and weights]). ``delay`` inner steps later it *lands*: the
-all-reduce is waited, the mean is set as the fragment's global copies' gradient, the outer optimizer steps
-(torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
-state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a
-plain copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the
-same code path. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the syncs in
-flight and keeps their means and steps left, so they land at the same steps after a resume
-(``outer_checkpoint.py``, [Note: syncs in flight]).
+(``DiLoCo.offset``), the fragment's sync is *started*: pseudo-gradient = global - local, all-reduced (average) over
+the replicate group in the wire dtype, asynchronously ([Note: pieces and weights]). ``delay`` inner steps later it
+*lands*: the all-reduce is waited, the mean is set as the fragment's global copies' gradient, the outer optimizer
+steps (torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
+state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a plain
+copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the same code
+path. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the syncs in flight and
+keeps their means and steps left, so they land at the same steps after a resume (``outer_checkpoint.py``, [Note:
+syncs in flight]).
 
 [Note: loads after the optimizer] torch lets the optimizer be built before the weights are loaded
 (``model.load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``, a model-only ``hsdp.load_checkpoint``,
@@ -35,7 +35,7 @@ reductions add the replica's weight (summed over its ranks) to ``ShardUnit.phase
 ``sum_r W_r delta_r / sum_r W_r`` (the weight travels in the wire dtype, as a hop's does). A fragment none of
 whose units saw a weighted backward since its last sync takes the plain average, bit for bit. Every replica
 must weight its batches or none (a mix within a replica is refused at the step; across replicas the buffers
-would differ in length).
+would differ in length). The phase weights are not checkpointed: after a resume mid-phase they count from it.
 
 [Note: one order everywhere] Every rank starts the same fragments' all-reduces after the same inner steps, in
 fragment and unit order, and lands them in the order started, so the replicate group's collectives match on
