@@ -8,8 +8,9 @@ concatenation of its ranks' batches) to 1e-5:
 - batch weights (rank r reads ``1 + (2r + step) % 4`` samples): the outer gradient is ``sum_q W_q delta_q /
   sum_q W_q``, ``W_q`` the samples worker q processed since the fragment's last sync; the result differs from
   the plain mean's;
-- Streaming DiLoCo (two fragments, delay 1) with batch weights: each worker equals the simulated one, and
-  ``check_replicas`` (the global copy, compared piece by piece) passes.
+- Streaming DiLoCo (two fragments, delay 1) with batch weights over two accumulated micro-batches per step (the
+  first's inter-node part deferred): each worker equals the simulated one;
+- ``check_replicas`` (the global copy, compared piece by piece) passes after every run.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from test_hetero_mesh import NODES
 
 import hsdp
 
-RUNS = {"plain": (dict(every=2), False, 4), "weighted": (dict(every=2), True, 4),
-        "streaming": (dict(every=4, fragments=2, delay=1), True, 8)}
+RUNS = {"plain": (dict(every=2), False, 4, 1), "weighted": (dict(every=2), True, 4, 1),
+        "streaming": (dict(every=4, fragments=2, delay=1), True, 8, 2)}  # policy, weighted, steps, micro-batches
 REPLICAS = ((0, 1), (2,))  # the data-parallel ranks of each replica of [2, 1]
 
 
@@ -38,7 +39,12 @@ def _replicate_bytes(model: hsdp.ShardedModel) -> float:
     return sum(op["bytes"] for op in model.comm_stats().get("replicate", {}).values())
 
 
-def _train(rank: int, policy: dict, weighted: bool, steps: int) -> dict:
+def _data(rank: int, step: int, weighted: bool, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The rank's micro-batches of ``step``: ``_samples`` samples each."""
+    return [batch(10 * step + m, rank, per_rank=_samples(rank, step + m, weighted)) for m in range(micro)]
+
+
+def _train(rank: int, policy: dict, weighted: bool, steps: int, micro: int) -> dict:
     torch.manual_seed(0)
     model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(),
                               replica_sync=hsdp.DiLoCo(outer_lr=0.7, outer_momentum=0.9, **policy))
@@ -46,11 +52,11 @@ def _train(rank: int, policy: dict, weighted: bool, steps: int) -> dict:
     sent = []
     for step in range(steps):
         model.reset_comm_stats()
-        n = _samples(rank, step, weighted)
-        if weighted:
-            model.set_batch_weight(n)
-        x, y = batch(step, rank, per_rank=n)
-        loss_fn(model(x), y).backward()
+        for m, (x, y) in enumerate(_data(rank, step, weighted, micro)):
+            if weighted:
+                model.set_batch_weight(len(x))
+            model.set_requires_all_reduce(m == micro - 1)
+            loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         sent.append(_replicate_bytes(model))
@@ -62,7 +68,7 @@ def _train(rank: int, policy: dict, weighted: bool, steps: int) -> dict:
 def _worker(rank: int, world: int) -> dict:
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = map(str, NODES[rank])  # nodes of 2 and 1 ranks
     assert hsdp.init_mesh().replicas.degrees == (2, 1)
-    return {run: _train(rank, policy, weighted, steps) for run, (policy, weighted, steps) in RUNS.items()}
+    return {run: _train(rank, *spec) for run, spec in RUNS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +76,9 @@ def results() -> list[dict]:
     return run_distributed(_worker, 3, timeout=240)
 
 
-def _simulate(every: int, weighted: bool, steps: int, fragments: int = 1, delay: int = 0,
+def _simulate(every: int, weighted: bool, steps: int, fragments: int = 1, delay: int = 0, micro: int = 1,
               by_samples: bool | None = None) -> list[dict[str, torch.Tensor]]:
-    """Two (streaming) DiLoCo workers: worker q's inner step is on its ranks' concatenated batches; fragment f's
+    """Two (streaming) DiLoCo workers: worker q's inner step is on its ranks' concatenated micro-batches; fragment f's
     pseudo-gradients, taken after step s with s % every == its offset, are averaged weighted by the samples each
     worker processed since the fragment's last sync (``by_samples``, by default when ``weighted``; else the plain
     mean) and land ``delay`` steps later. Returns each worker's weights."""
@@ -91,12 +97,12 @@ def _simulate(every: int, weighted: bool, steps: int, fragments: int = 1, delay:
         pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         for step in range(1, steps + 1):
             for q, (w, opt) in enumerate(zip(workers, inner, strict=True)):
-                parts = [batch(step - 1, r, per_rank=_samples(r, step - 1, weighted)) for r in REPLICAS[q]]
+                parts = [part for r in REPLICAS[q] for part in _data(r, step - 1, weighted, micro)]
                 loss_fn(w(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
                 opt.step()
                 opt.zero_grad()
                 for f in range(fragments):
-                    seen[f][q] += sum(_samples(r, step - 1, weighted) for r in REPLICAS[q])
+                    seen[f][q] += sum(len(p[0]) for p in parts)
             for f in range(fragments):
                 if step % every == (f + 1) * every // fragments % every:
                     share = torch.tensor(seen[f] if by_samples else [1.0] * len(REPLICAS))
@@ -145,6 +151,6 @@ def test_diloco_with_batch_weights_weighs_each_replica_by_its_samples(results: l
 
 
 def test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1(results: list[dict]) -> None:
-    ref = _simulate(4, weighted=True, steps=8, fragments=2, delay=1)
+    ref = _simulate(4, weighted=True, steps=8, fragments=2, delay=1, micro=2)
     _assert_workers(results, "streaming", ref)
     assert not torch.equal(ref[0]["blocks.0.up.weight"], ref[1]["blocks.0.up.weight"])  # mid-phase: they differ
