@@ -8,8 +8,8 @@ One 4-rank spawn:
 - inter-node bytes: nothing on the 3 inner steps, one all-reduce of the model's flat shards per sync, in fp32 or
   in the wire dtype (bf16: half);
 - refused with a ValueError before any collective: every < 1, a replica_hop next to DiLoCo,
-  the replica-sharded optimizer, batch weights (the sync would average the replicas unweighted); a plain torch
-  optimizer stepping a DiLoCo model is refused at its step;
+  the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step (batch
+  weights and replicas of different degrees compose with DiLoCo: ``tests/test_diloco_compose.py``);
   ``hsdp.save_checkpoint`` of a DiLoCo model is accepted (its resume: ``tests/test_diloco_checkpoint.py``);
 - ``check_replicas`` (``check_replicas_every=1`` under Streaming DiLoCo, whose replicas never all agree) compares
   the global copy: it passes at every step and names a global copy changed on one replica.
@@ -73,11 +73,6 @@ def _refusals(rank: int, tmp: str) -> dict[str, str]:
         out["checkpoint"] = "accepted"
     except ValueError as e:
         out["checkpoint"] = str(e)
-    try:  # the sync would average the replicas' pseudo-gradients unweighted: refused, not silently wrong
-        model.set_batch_weight(3.0)
-        out["weights"] = "accepted"
-    except ValueError as e:
-        out["weights"] = str(e)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch(0, rank)
     loss_fn(model(x), y).backward()
@@ -198,5 +193,4 @@ def test_refusals_name_the_fix(results: list[dict]) -> None:
     assert "drop replica_hop" in got["hop"]
     assert "turn shard_optimizer_across_replicas off" in got["sliced"]
     assert got["checkpoint"] == "accepted"
-    assert "DiLoCo averages the replicas' pseudo-gradients unweighted" in got["weights"]
     assert "syncs replicas with DiLoCo" in got["plain"] and "hsdp.ShardedOptimizer(model, optimizer)" in got["plain"]

@@ -150,8 +150,6 @@ def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
     (["parallel.shard_optimizer_across_replicas=true", *DILOCO], "set parallel.shard_optimizer_across_replicas = "
                                                                  "false"),
     (["parallel.elastic=true", *DILOCO], "parallel.elastic = True: does not combine with parallel.replica_sync"),
-    (["parallel.sharding_degree=[2, 1, 1]", *DILOCO], "parallel.sharding_degree = [2, 1, 1]: does not combine"),
-    (["parallel.batch_weights=[1, 2]", *DILOCO], "set parallel.batch_weights = 'even'"),
     (["parallel.diloco_every=0", *DILOCO], "parallel.diloco_every = 0: the inner steps between syncs"),
     (["parallel.diloco_outer_lr=0", *DILOCO], "parallel.diloco_outer_lr = 0.0: must be positive"),
     (["parallel.diloco_outer_momentum=1", *DILOCO], "parallel.diloco_outer_momentum = 1.0: must lie in [0, 1)"),

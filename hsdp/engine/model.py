@@ -167,17 +167,12 @@ class ShardedModel(nn.Module):
         negative or non-finite) raises ``ValueError`` at the step's host read, before ``optimizer.step()``
         applies the gradient. See ``hsdp/engine/runtime/batch_weight.py`` for how the weights travel.
 
-        Refused under ``replica_sync=DiLoCo``: its sync averages the replicas' pseudo-gradients unweighted, so the
-        weights would count inside each replica only, not across them."""
+        Under ``replica_sync=DiLoCo`` the inner steps take the weighted average inside each replica, and a sync
+        weighs each replica's pseudo-gradient by what it processed since the last one (the sum of its ranks'
+        weights over those inner steps; ``hsdp/engine/optim/outer_step.py``)."""
         if weight is not None and self.mesh.elastic is not None and refused(Feature.ELASTIC, Feature.BATCH_WEIGHTS):
             raise ValueError("set_batch_weight on an elastic mesh: a split of the global batch by fixed weights does "
                              "not follow replicas that come and go; give every rank the same batch size")
-        if weight is not None and self._hsdp_state.replica_sync is not None and \
-                refused(Feature.DILOCO, Feature.BATCH_WEIGHTS):
-            raise ValueError("set_batch_weight on a model with replica_sync=DiLoCo: DiLoCo averages the replicas' "
-                             "pseudo-gradients unweighted, so batch weights would count inside each replica only. "
-                             "Give every replica the same batch size (drop set_batch_weight), or sync every step "
-                             "(no replica_sync)")
         self._hsdp_state.batch_weight = batch_weight.checked(weight, self.mesh.device)
 
     @contextlib.contextmanager

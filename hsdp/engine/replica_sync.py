@@ -110,12 +110,6 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object) ->
     if sliced and refused(Feature.DILOCO, Feature.SLICED_OPTIMIZER):
         raise ValueError("replica_sync=DiLoCo keeps a whole optimizer state per replica (each replica steps on its "
                          "own): turn shard_optimizer_across_replicas off")
-    if getattr(mesh, "heterogeneous", False) and refused(Feature.DILOCO, Feature.HETEROGENEOUS):
-        # The replicas' flat shards are laid out by their own shard degrees: a position-wise all-reduce of the
-        # pseudo-gradients would add unrelated elements.
-        raise ValueError("replica_sync=DiLoCo on replicas of different shard degrees (sharding_degree=[...]) is not "
-                         "supported yet: give every replica the same degree (init_mesh(sharding_degree=S)), or "
-                         "drop replica_sync")
     if getattr(mesh, "elastic", None) is not None and refused(Feature.DILOCO, Feature.ELASTIC):
         raise ValueError("replica_sync=DiLoCo on an elastic mesh is not supported yet: use one or the other")
     return NoHop()

@@ -26,14 +26,14 @@ parameters (refused by the optimizer at start-up).
 
 What DiLoCo does not combine with is refused when the configuration is read, before any rank starts: a
 ``parallel.replica_hop`` other than ``fp32`` (there is no per-step hop to compress; the wire dtype is
-``diloco_wire_dtype``), ``shard_optimizer_across_replicas`` (each replica steps its own whole optimizer state),
-``elastic``, a list of sharding degrees (replicas of different degrees lay their shards out differently) and
-batch weights other than ``"even"`` (a weighted rank's gradient counts its share of the global batch, but DiLoCo
-averages inside a replica). Checkpoints (``hsdp.save_checkpoint``: every replica's weights and AdamW state, the
-global copy, the outer momentum, the phase and, with ``diloco_delay`` > 0, the fragments' all-reduces in flight)
-resume a DiLoCo run bit for bit, mid-phase too; a resume on another number of replicas starts every replica from
-the global copy at phase 0 (a warning says so). The ``diloco_*`` fields are read only with ``replica_sync =
-"diloco"``; setting one without it is refused, as a forgotten switch would otherwise train plain HSDP.
+``diloco_wire_dtype``), ``shard_optimizer_across_replicas`` (each replica steps its own whole optimizer state), and
+``elastic``. A list of sharding degrees and batch weights combine with it (a sync averages the pseudo-gradients
+piece by piece, each replica's weighted by the batch weight it processed since the last sync). Checkpoints
+(``hsdp.save_checkpoint``: every replica's weights and AdamW state, the global copy, the outer momentum, the phase
+and, with ``diloco_delay`` > 0, the fragments' all-reduces in flight) resume a DiLoCo run bit for bit, mid-phase
+too; a resume on another number of replicas starts every replica from the global copy at phase 0 (a warning says
+so). The ``diloco_*`` fields are read only with ``replica_sync = "diloco"``; setting one without it is refused, as a
+forgotten switch would otherwise train plain HSDP.
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ The global copy is one fp32 flat per unit, laid out like the unit's flat shard (
 it, never a full copy), and the outer optimizer's state (its momentum) is sharded the same way. The units with
 parameters are split into ``fragments`` contiguous fragments (:func:`split_fragments`; one fragment: all of
 them). After the inner step (``ShardedOptimizer.step``) that brings the phase to a fragment's offset
-(``DiLoCo.offset``), the fragment's sync is *started*: pseudo-gradient = global - local, all-reduced (average)
-over the replicate group in the wire dtype, asynchronously. ``delay`` inner steps later it *lands*: the
-all-reduce is waited, the mean is set as the fragment's global copies' gradient, the outer optimizer steps
-(torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
-state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a
-plain copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the
-same code path. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the syncs in
-flight and keeps their means and steps left, so they land at the same steps after a resume
-(``outer_checkpoint.py``, [Note: syncs in flight]).
+(``DiLoCo.offset``), the fragment's sync is *started*: pseudo-gradient = global - local, all-reduced (average) over
+the replicate group in the wire dtype, asynchronously ([Note: pieces and weights]). ``delay`` inner steps later it
+*lands*: the all-reduce is waited, the mean is set as the fragment's global copies' gradient, the outer optimizer
+steps (torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
+state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a plain
+copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the same code
+path. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the syncs in flight and
+keeps their means and steps left, so they land at the same steps after a resume (``outer_checkpoint.py``, [Note:
+syncs in flight]).
 
 [Note: loads after the optimizer] torch lets the optimizer be built before the weights are loaded
 (``model.load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``, a model-only ``hsdp.load_checkpoint``,
@@ -25,6 +25,18 @@ chunks, which leaves it alone); before the next inner step any change means the 
 :meth:`OuterState.restart`s from them. The flat shard's own version counter cannot serve: collectives (a
 broadcast from replica 0) and DTensor dispatch write it without bumping it.
 
+[Note: pieces and weights] Across replicas of different shard degrees (``init_mesh(sharding_degree=[2, 1])``)
+the flat shards are cut by each replica's own degree, so a unit's pseudo-gradient is averaged piece by piece
+over the replicas' common partition, with the gradients' piece plan (``runtime/piece_plan.py``, at the
+all-reduce floor; no pre-scale: each replica's pseudo-gradient counts once). Under batch weights
+(``model.set_batch_weight``) a replica's pseudo-gradient counts by what it processed over the phase: each unit's
+reductions add the replica's weight (summed over its ranks) to ``ShardUnit.phase_weight``; the sync sends
+``W_r * delta_r`` followed by ``W_r`` and divides the average by the averaged weight, so the outer gradient is
+``sum_r W_r delta_r / sum_r W_r`` (the weight travels in the wire dtype, as a hop's does). A fragment none of
+whose units saw a weighted backward since its last sync takes the plain average, bit for bit. Every replica
+must weight its batches or none (a mix within a replica is refused at the step; across replicas the buffers
+would differ in length). The phase weights are not checkpointed: after a resume mid-phase they count from it.
+
 [Note: one order everywhere] Every rank starts the same fragments' all-reduces after the same inner steps, in
 fragment and unit order, and lands them in the order started, so the replicate group's collectives match on
 every rank although several may be in flight.
@@ -32,6 +44,7 @@ every rank although several may be in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -42,7 +55,11 @@ import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Handle
+from hsdp.engine.hops import AllReduceHop
 from hsdp.engine.replica_sync import DiLoCo
+from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
+from hsdp.engine.runtime.piece_plan import PiecePlan
+from hsdp.engine.runtime.reduction import slot_offsets
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
@@ -72,6 +89,15 @@ def chunks(outer: OuterState, unit_index: int, flat: torch.Tensor) -> Iterator[t
         offset += p.layout.padded_numel
 
 
+def _take_weight(unit: ShardUnit) -> torch.Tensor:
+    """The unit's phase weight ([Note: pieces and weights]), a replica that never weighted counting 1 per
+    backward and rank; reset for the next phase."""
+    weight = unit.phase_weight.clone()
+    unit.phase_weight.zero_()
+    unit.phase_weighted = False
+    return weight
+
+
 def _numel(unit: ShardUnit) -> int:
     """The unit's parameter count (the parameters' full shapes: before data and tensor parallelism)."""
     return sum(math.prod(p.layout.dtensor_shape) for p in unit.params)
@@ -94,14 +120,18 @@ class PendingSync:
     left: int
     handles: list[Handle]
     sent: list[torch.Tensor]  # the all-reduced buffers (in the wire dtype), one per unit of the fragment
+    weighted: bool = False  # each buffer ends with its replica's weight ([Note: pieces and weights])
     reduced: list[torch.Tensor] = field(default_factory=list)  # fp32 means, once waited (see settle)
 
     def settle(self) -> list[torch.Tensor]:
-        """Wait for the all-reduces; the fp32 mean pseudo-gradients."""
+        """Wait for the all-reduces; the fp32 mean pseudo-gradients (weighted: divided by the mean weight)."""
         if not self.reduced:
             for handle in self.handles:
                 handle.wait()
             self.reduced = [s if s.dtype == torch.float32 else s.float() for s in self.sent]
+            if self.weighted:
+                # A unit no backward reached on any replica weighs 0 (and moved by weight decay alone): keep it.
+                self.reduced = [r[:-1].div_(r[-1].clamp_min(torch.finfo(r.dtype).tiny)) for r in self.reduced]
             self.handles, self.sent = [], []
         return self.reduced
 
@@ -117,6 +147,9 @@ class OuterState:
                              f"parameters and each fragment needs one: use fragments <= {len(self.units)}, or "
                              f"wrap more submodules as units (ShardedModel(wrap=...))")
         self.fragments = split_fragments([_numel(u) for u in self.units], policy.fragments)
+        self._plans: dict[int, dict[tuple[int, ...], PiecePlan | None]] = {0: {}, 1: {}}  # by the tail's length
+        for unit in self.units:  # the reductions add each backward's weight ([Note: pieces and weights])
+            unit.phase_weight = torch.zeros((), dtype=torch.float64, device=unit.sharded_flat.device)
         self.global_copy = [u.sharded_flat.detach().float().clone() for u in self.units]
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
@@ -148,6 +181,8 @@ class OuterState:
         for unit, flat in zip(self.units, self.global_copy, strict=True):
             flat.copy_(unit.sharded_flat)
         self.outer.state.clear()
+        for unit in self.units:
+            _take_weight(unit)
         self.inner_steps = 0
         self.mark_written()
 
@@ -203,16 +238,30 @@ class OuterState:
 
     @torch.no_grad()
     def _start(self, fragment: int) -> PendingSync:
-        comm, wire = self.model.comm, self.policy.wire_dtype
+        wire = self.policy.wire_dtype
+        units = self.fragment_units(fragment)
+        weighted = any(u.phase_weighted for u in units)
         handles, sent = [], []
-        for i in self.fragments[fragment]:
-            unit = self.units[i]
+        for i, unit in zip(self.fragments[fragment], units, strict=True):
             delta = self.global_copy[i] - unit.sharded_flat.float()
+            weight = _take_weight(unit)
+            if weighted:  # [Note: pieces and weights]
+                delta = torch.cat([delta.mul_(weight), weight.to(delta.dtype).reshape(1)])
             buffer = delta if wire is None else delta.to(wire)
-            handles.append(comm.all_reduce(buffer, "replicate", op=dist.ReduceOp.AVG, async_op=True,
-                                           label=f"{unit.name} pseudo-gradient"))
+            handles.append(self._average(unit, buffer, int(weighted)))
             sent.append(buffer)
-        return PendingSync(fragment, self.policy.delay, handles, sent)
+        return PendingSync(fragment, self.policy.delay, handles, sent, weighted)
+
+    def _average(self, unit: ShardUnit, buffer: torch.Tensor, n_extra: int) -> Handle:
+        """Start the average of ``buffer`` (laid out like the unit's flat shard, then ``n_extra`` values) over the
+        replicas: one all-reduce on a grid, one per bucket of pieces across replicas of different degrees."""
+        comm, label = self.model.comm, f"{unit.name} pseudo-gradient"
+        plan = plan_of(comm, unit.params, slot_offsets(unit.params), n_extra, buffer.numel() - n_extra,
+                       self._plans[n_extra])
+        if plan is None:
+            return comm.all_reduce(buffer, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=label)
+        # Scale 1: each replica's pseudo-gradient counts once (the gradients' pre-scale weighs ranks, not replicas).
+        return start_piece_hops(AllReduceHop(), buffer, dataclasses.replace(plan, scale=1.0), comm, label)
 
     def _land_due(self) -> list[int]:
         """Land the syncs due, in the order started; their fragments."""

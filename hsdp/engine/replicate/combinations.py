@@ -100,8 +100,9 @@ def _supported(*tests: str) -> Rule:
 TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in {
     (F.HETEROGENEOUS, F.ELASTIC): _refused("an elastic replica is one torchrun job sharded over all its ranks; "
                                            "joiners of another degree are not healed yet", _ELASTIC_CONFIG_TEST),
-    (F.HETEROGENEOUS, F.DILOCO): _refused("the replicas' flat shards are laid out by their own degrees: the "
-                                          "pseudo-gradients are not reduced piece by piece yet", _HETERO_TEST),
+    (F.HETEROGENEOUS, F.DILOCO): _supported(
+        "tests/test_diloco_compose.py::test_diloco_on_degrees_2_1_equals_two_simulated_workers",
+        "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1"),
     (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _refused("the piece reduction does not cut tensor-parallel shards yet",
                                                    "tests/test_hetero_mesh.py::test_lists_refused_before_any_process"),
     (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _refused("the replicas' slices of a shard are cut by one degree",
@@ -130,8 +131,9 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.DILOCO, F.INT8_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (its wire dtype is DiLoCo's own)"),
     (F.DILOCO, F.BF16_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (DiLoCo(wire_dtype=bf16) halves "
                                                    "its syncs)"),
-    (F.DILOCO, F.BATCH_WEIGHTS): _refused("DiLoCo averages the replicas' pseudo-gradients unweighted",
-                                          _DILOCO_TEST),
+    (F.DILOCO, F.BATCH_WEIGHTS): _supported(
+        "tests/test_diloco_compose.py::test_diloco_with_batch_weights_weighs_each_replica_by_its_samples",
+        "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1"),
     (F.TENSOR_PARALLEL, F.SLICED_OPTIMIZER): _refused(
         "the replica slices are not cut on the tensor-parallel mesh yet",
         "tests/test_tensor_parallel.py::test_what_tensor_parallelism_does_not_support_yet_is_refused_naming_the_fix"),

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Chained, Handle
-from hsdp.engine.hops import start_split_over_tp
+from hsdp.engine.hops import NoHop, start_split_over_tp
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.batch_weight import SLOTS, Weight
 from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
@@ -216,11 +216,21 @@ class Reduction:
         if self._converted:
             return
         self._converted = True
+        if self.unit.phase_weight is not None:
+            self._add_phase_weight()
         dtype = self.params[0].dtype
         if self.output.dtype != dtype:
             self._set_output(self.output.to(dtype))
         if self.weighted:
             batch_weight.normalize_(self.output, self.n_extra)
+
+    def _add_phase_weight(self) -> None:
+        """DiLoCo: add what this backward weighed on this replica to the unit's phase weight. Under DiLoCo nothing
+        crosses replicas, so the weight slot holds the mean over this replica's ranks (of the window's sum; 1 per
+        rank that set no weight): times the shard degree, the replica's sum."""
+        unit = self.unit
+        unit.phase_weight.add_(self.output[-SLOTS].to(unit.phase_weight.dtype) * unit.sharding_degree)
+        unit.phase_weighted |= self.weighted
 
     def _hop(self) -> None:
         unit = self.unit
@@ -244,8 +254,10 @@ class Reduction:
         if _slices(self.params) is None and unit.tp_replicated and unit.hop.state_dict() is None:
             self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
         elif _slices(self.params) is None:
-            plan = plan_of(unit.comm, self.params, slot_offsets(self.params), self.n_extra,
-                           self.output.numel() - self.n_extra, unit.piece_plans)
+            # Nothing crosses replicas under DiLoCo (NoHop): the replica's own average, no pieces, no pre-scale.
+            plan = None if isinstance(unit.hop, NoHop) else plan_of(
+                unit.comm, self.params, slot_offsets(self.params), self.n_extra, self.output.numel() - self.n_extra,
+                unit.piece_plans)
             # A grid has no plan: the whole slot is one hop over the "replicate" group.
             self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key) if plan is None \
                 else start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)

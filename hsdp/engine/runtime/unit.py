@@ -47,6 +47,10 @@ class ShardUnit:
         self.partial: torch.Tensor | None = None
         # What the micro-batches kept unsharded since the last reduce-scatter weighed (batch_weight.py).
         self.window_weight: float | torch.Tensor | None = None
+        # DiLoCo (optim/outer_step.py): what this replica's backwards weighed since the unit's last sync, summed
+        # over its ranks (None: not tracked, off DiLoCo), and whether any of them set a batch weight.
+        self.phase_weight: torch.Tensor | None = None
+        self.phase_weighted = False
         self._gather_handle: Handle | None = None
         self._gather_buffer: torch.Tensor | None = None
         self._gather_input: torch.Tensor | None = None
