@@ -202,10 +202,6 @@ def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     if options.shard_optimizer_across_replicas and refused(Feature.HETEROGENEOUS, Feature.SLICED_OPTIMIZER):
         raise ValueError(f"shard_optimizer_across_replicas is not supported on replicas of different shard degrees "
                          f"(sharding_degree={degrees}): turn it off, or give every replica the same degree")
-    if options.replica_hop.state_dict() is not None and refused(Feature.HETEROGENEOUS, Feature.INT8_HOP):
-        raise ValueError(f"{type(options.replica_hop).__name__} keeps per-replica state laid out like a grid's slot, "
-                         f"which replicas of different shard degrees (sharding_degree={degrees}) do not share: use "
-                         f"replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes)")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -5,6 +5,10 @@ A stateful hop (error feedback) keeps one 1-D tensor per unit, laid out like the
 DTensors with a leading replica dim it reshards through ``torch.distributed.checkpoint`` like any other
 state. Every replica keeps its own residual (its own rounding error), so the replica dim is sharded over
 the replicate mesh dim: each replica's residual is saved, not one copy of one of them.
+
+A heterogeneous mesh (replicas of different shard degrees) keeps its residuals per bucket of pieces
+(``piece_hop.py``) and has no grid to lay a replica dim over: saving them is refused with a ``ValueError``
+naming the fix, and residuals saved on a grid load there as zeros, with a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from hsdp.engine.runtime.unit import ShardUnit
 
 def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor]:
     """``{parameter fqn: DTensor (replicas, *param shape)}`` for every unit whose hop holds state."""
+    if mesh.heterogeneous and any(unit.hop.state_dict() is not None for unit in units):
+        raise ValueError(f"saving the inter-node hop's error-feedback residuals on replicas of different shard "
+                         f"degrees (sharding_degree={list(mesh.replicas.degrees)}) is not supported yet: checkpoint "
+                         f"with replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16), or give every "
+                         f"replica the same degree")
     out = {}
     for unit in units:
         flat = (unit.hop.state_dict() or {}).get(unit.key)
@@ -39,7 +48,12 @@ def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor]
 def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str, Any]) -> None:
     """Give each stateful hop this rank's slice of ``saved`` (:func:`hop_state_dict`'s form, any mesh with the
     same replica count; DTensors or full tensors). A parameter with nothing usable starts from zero, with a
-    warning."""
+    warning (every one of them on a heterogeneous mesh, see the module docstring)."""
+    if mesh.heterogeneous:
+        if saved:
+            warnings.warn("inter-node hop residuals do not load on replicas of different shard degrees: starting "
+                          "them from zero", stacklevel=3)
+        return
     for unit in units:
         params = reduced_params(unit)
         if unit.hop.state_dict() is None or not any(p.fqn in saved for p in params):
