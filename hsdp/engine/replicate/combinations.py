@@ -108,7 +108,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
                                                     _HETERO_TEST),
     (F.HETEROGENEOUS, F.INT8_HOP): _supported(
         "tests/test_int8_compose.py::test_int8_hop_on_hetero_degrees_equals_the_simulated_error_feedback_mean",
-        "tests/test_int8_compose.py::test_int8_hop_on_hetero_degrees_sends_a_quarter_of_fp32"),
+        "tests/test_int8_compose.py::test_int8_hop_on_hetero_degrees_sends_a_quarter_of_fp32",
+        "tests/test_int8_compose.py::test_int8_residuals_on_hetero_degrees_checkpoint"),
     (F.HETEROGENEOUS, F.BF16_HOP): _supported(
         "tests/test_hetero_mesh.py::test_a_bf16_hop_keeps_the_replicas_identical_and_the_training_within_bf16_of_one_"
         "process"),

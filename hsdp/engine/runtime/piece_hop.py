@@ -38,6 +38,21 @@ def bucket_key(key: str, holders: tuple[int, ...]) -> str:
     return f"{key}@{','.join(map(str, holders))}"
 
 
+def state_segments(plan: PiecePlan) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
+    """Per bucket, its holders and the slot segments of the elements a stateful hop keeps state for (all but the
+    tail, which ends every bucket), in bucket order: how a bucket's residual maps onto the reduced slot."""
+    out = []
+    for bucket in plan.buckets:
+        left, segments = bucket.numel - bucket.tail, []
+        for offset, numel in bucket.segments:
+            if left <= 0:
+                break
+            segments.append((offset, min(numel, left)))
+            left -= numel
+        out.append((bucket.holders, segments))
+    return out
+
+
 def start_piece_hops(hop: ReplicaHop, output: torch.Tensor, plan: PiecePlan, comm: Comm, key: str) -> Handle:
     """Scale ``output`` (this replica's reduced slot and tail) and start one hop per bucket, in plan order;
     once the handle is waited ``output`` holds the average over every rank of the mesh."""
