@@ -11,13 +11,17 @@ bucket of holders ``(j, 0)`` is chunk ``j`` of every parameter of a unit, in slo
   identical: ``check_replicas`` passes), while they are far from an exact fp32 training and from the same
   quantisation without error feedback (so the residuals really carry over, per bucket);
 - the inter-node bytes are about a quarter of an fp32 hop's;
-- the residuals (one per bucket) go through ``save_checkpoint`` / ``load_checkpoint`` and come back exactly.
+- the residuals (one per bucket) go through ``save_checkpoint`` / ``load_checkpoint`` and come back exactly, and
+  on disk are every replica's own rows, equal to the simulation's.
+And in one process, the elastic transaction of the residuals (a discarded step undone, a joiner zeroed); the
+elastic launch itself is ``tests/test_elastic_buffers.py``.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +32,7 @@ from torch import nn
 
 import hsdp
 from hsdp.engine.mesh import init_mesh
+from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops, snapshot_hops
 
 STEPS, LR, BLOCK, WIDE = 4, 0.5, 64, 256
 NODES = {0: (0, 2), 1: (1, 2), 2: (0, 1)}  # rank -> (LOCAL_RANK, LOCAL_WORLD_SIZE): nodes of 2 and 1 ranks
@@ -227,3 +232,20 @@ def test_saved_int8_residuals_are_every_replicas_own_rows(results: list[dict]) -
     dcp.load(state, checkpoint_id=step, no_dist=True)
     for name, value in expected.items():
         torch.testing.assert_close(state[f"optim.hop_residuals.{name}"], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_discarded_step_puts_the_residuals_back_and_a_joiner_zeroes_them() -> None:
+    """The elastic transaction of a stateful hop, in one process (``runtime/hop_transaction.py``): units share
+    one hop; a discarded step's hops are undone (a key the step added comes back as zeros: no residual), a
+    committed one's kept; a joiner's residuals are zeroed."""
+    hop = hsdp.Int8ErrorFeedbackHop()
+    units = [SimpleNamespace(hop=hop), SimpleNamespace(hop=hop), SimpleNamespace(hop=hsdp.AllReduceHop())]
+    hop.load_state_dict({"a": torch.tensor([1.0, -2.0])})
+    before = snapshot_hops(units)  # type: ignore[arg-type]
+    assert len(before) == 1  # one stateful hop, seen once
+    hop.load_state_dict({"a": torch.tensor([5.0, 5.0]), "b": torch.tensor([3.0])})  # the step's hops replace them
+    restore_hops(before)
+    assert torch.equal(hop.residuals["a"], torch.tensor([1.0, -2.0]))
+    assert torch.equal(hop.residuals["b"], torch.tensor([0.0]))
+    reset_hops(units)  # type: ignore[arg-type]
+    assert all(not v.any() for v in hop.residuals.values()) and set(hop.residuals) == {"a", "b"}

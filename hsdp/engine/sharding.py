@@ -190,11 +190,9 @@ def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     """What replicas of different shard degrees, or elastic ones, do not compose with yet, refused before any
     collective."""
     if mesh.elastic is not None:
-        if (options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER)) or \
-                (options.replica_hop.state_dict() is not None and refused(Feature.ELASTIC, Feature.INT8_HOP)):
-            raise ValueError("an elastic mesh's replicas come and go, so state split or kept per replica does not "
-                             "carry over: turn shard_optimizer_across_replicas off and use replica_hop="
-                             "hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16)")
+        if options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER):
+            raise ValueError("an elastic mesh's replicas come and go, so optimizer state split across them would "
+                             "leave with a dead replica: turn shard_optimizer_across_replicas off")
         return
     if not mesh.heterogeneous:
         return

@@ -12,6 +12,10 @@ slot layout (zeros in the padding and for 0-d parameters, which cross exactly). 
 over, each is saved as a ``ShardedTensor`` of the same global shape ``(replicas, *param shape)``: replica ``q``'s
 rank ``s`` holds rows ``[q, q + 1) x`` its own chunk, so the replicas' chunks tile the tensor without overlap
 (``ReplicaSavePlanner`` keeps them all). The same file loads on any mesh with the same replica count.
+
+An elastic replica saves alone (its peers are other jobs): its checkpoint cannot hold the other replicas'
+residuals, and one replica's would be another's error. So none are saved there, and a replica resumed from a
+checkpoint starts them from zero, as a joiner does (``hop_transaction.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor 
     """``{parameter fqn: (replicas, *param shape)}`` for every unit whose hop holds state: a DTensor on a grid, a
     ``ShardedTensor`` on a heterogeneous mesh."""
     out: dict[str, DTensor | ShardedTensor] = {}
+    if mesh.elastic is not None:
+        return out  # per replica, and this checkpoint is this replica's alone (module docstring)
     for unit in units:
         state = unit.hop.state_dict() or {}
         flat = _slot_of_buckets(unit, mesh, state) if mesh.heterogeneous else state.get(unit.key)
@@ -55,7 +61,12 @@ def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor 
 def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str, Any]) -> None:
     """Give each stateful hop this rank's slice of ``saved`` (:func:`hop_state_dict`'s form, any mesh with the
     same replica count; DTensors or full tensors). A parameter with nothing usable starts from zero, with a
-    warning."""
+    warning (every one on an elastic mesh, whose replicas start them from zero: module docstring)."""
+    if mesh.elastic is not None:
+        if saved:
+            warnings.warn("an elastic replica starts its inter-node hop residuals from zero: the saved ones are "
+                          "not loaded", stacklevel=3)
+        return
     for unit in units:
         params = reduced_params(unit)
         if unit.hop.state_dict() is None or not any(p.fqn in saved for p in params):
