@@ -8,8 +8,8 @@ live member, and the quorum below its minimum, there and in ``test_train_elastic
 - no coordinator reachable: ``hsdp train parallel.elastic=true`` (one rank, torchrun's environment, the default
   timeouts) says the address and the command that starts one within 15 s, with no C++ trace around it;
 - a replica id outside the coordinator's range, a shard degree the replica's job does not have, and an elastic
-  mesh with options it does not support (the replica-sharded optimizer, the int8 hop, DiLoCo, a plain torch
-  optimizer stepping it): one one-rank replica of a real job against an in-process coordinator;
+  mesh with options it does not support (the replica-sharded optimizer, DiLoCo, a plain torch optimizer
+  stepping it): one one-rank replica of a real job against an in-process coordinator;
 - one replica id used twice before either was admitted (as when two jobs start on one coordinator and job
   name): the first is admitted, the second refused naming ``HSDP_REPLICA_ID`` and ``HSDP_ELASTIC_JOB``; a
   restart before admission (the earlier incarnation went silent) is admitted, not refused;
@@ -76,7 +76,6 @@ os.environ["HSDP_REPLICA_ID"] = "0"
 attempt("shard degree", lambda: hsdp.init_mesh(2, elastic=policy))
 mesh = hsdp.init_mesh(elastic=policy)
 for case, options in [("replica-sharded optimizer", {"shard_optimizer_across_replicas": True}),
-                      ("int8 hop", {"replica_hop": hsdp.Int8ErrorFeedbackHop()}),
                       ("diloco", {"replica_sync": hsdp.DiLoCo(every=4)})]:
     attempt(case, lambda: hsdp.ShardedModel(ParityNet(), mesh=mesh, **options))
 model = hsdp.ShardedModel(ParityNet(), mesh=mesh)
@@ -122,7 +121,6 @@ def one_rank_replica(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, st
     ("shard degree", "sharding_degree=2: an elastic replica is one torchrun job sharded over all its 1 ranks; drop "
                      "sharding_degree or start 2 ranks per job"),
     ("replica-sharded optimizer", "turn shard_optimizer_across_replicas off"),
-    ("int8 hop", "use replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16)"),
     ("diloco", "elastic mesh"),
     ("plain optimizer", "SGD steps the parameters of a model that is elastic (a step the coordinator discards must "
                         "not be applied) directly: wrap it, optimizer = hsdp.ShardedOptimizer(model, optimizer)"),

@@ -246,7 +246,6 @@ def test_elastic_refusals_before_anything_starts(tmp_path: Path, monkeypatch: py
     for override, fix in [("parallel.tensor_parallel=2", "set parallel.tensor_parallel = 1"),
                           ("parallel.sharding_degree=[2,1]", "give one integer"),
                           ("parallel.shard_optimizer_across_replicas=true", "shard_optimizer_across_replicas = false"),
-                          ("parallel.replica_hop=int8", "set parallel.replica_hop to 'fp32' or 'bf16'"),
                           ("parallel.batch_weights=auto", "set parallel.batch_weights = 'even'"),
                           ("parallel.batch_weights=[1,2]", "set parallel.batch_weights = 'even'")]:
         with pytest.raises(ValueError, match=f"does not combine with parallel.elastic = true.*{fix}.*"

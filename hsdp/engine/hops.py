@@ -44,7 +44,10 @@ class ReplicaHop(Protocol):
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """State kept across steps, ``{unit key: 1-D tensor}`` laid out like the unit's reduced slot (see
-        ``runtime/reduction.py``); ``None`` for a hop that keeps no state (``{}``: none yet)."""
+        ``runtime/reduction.py``; on a heterogeneous mesh one entry per bucket of pieces, ``piece_hop.bucket_key``);
+        ``None`` for a hop that keeps no state (``{}``: none yet). A hop replaces these tensors when it updates
+        them, never writes into them: an elastic step that is discarded puts the old ones back
+        (``runtime/hop_transaction.py``)."""
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

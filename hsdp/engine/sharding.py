@@ -190,11 +190,9 @@ def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     """What replicas of different shard degrees, or elastic ones, do not compose with yet, refused before any
     collective."""
     if mesh.elastic is not None:
-        if (options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER)) or \
-                (options.replica_hop.state_dict() is not None and refused(Feature.ELASTIC, Feature.INT8_HOP)):
-            raise ValueError("an elastic mesh's replicas come and go, so state split or kept per replica does not "
-                             "carry over: turn shard_optimizer_across_replicas off and use replica_hop="
-                             "hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16)")
+        if options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER):
+            raise ValueError("an elastic mesh's replicas come and go, so optimizer state split across them would "
+                             "leave with a dead replica: turn shard_optimizer_across_replicas off")
         return
     if not mesh.heterogeneous:
         return
@@ -202,10 +200,6 @@ def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     if options.shard_optimizer_across_replicas and refused(Feature.HETEROGENEOUS, Feature.SLICED_OPTIMIZER):
         raise ValueError(f"shard_optimizer_across_replicas is not supported on replicas of different shard degrees "
                          f"(sharding_degree={degrees}): turn it off, or give every replica the same degree")
-    if options.replica_hop.state_dict() is not None and refused(Feature.HETEROGENEOUS, Feature.INT8_HOP):
-        raise ValueError(f"{type(options.replica_hop).__name__} keeps per-replica state laid out like a grid's slot, "
-                         f"which replicas of different shard degrees (sharding_degree={degrees}) do not share: use "
-                         f"replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes)")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

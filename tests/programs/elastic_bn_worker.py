@@ -5,13 +5,16 @@ Environment: what ``hsdp launch --elastic`` gives a rank, plus ``ELASTIC_OUT`` (
 step; torchrun restarts it and it rejoins, healed from a live replica.
 
 Each replica reads its own batches, with a replica-dependent scale and shift, so the running statistics its
-forward computes differ from the others'. After every optimizer step each rank appends ``model.last_step`` and its
-BatchNorm buffers to ``<out>/r<replica>_s<rank>_i<pid>.jsonl``. The run ends after two committed steps of every
-replica past the fault; then ``check_replicas`` must pass, and must fail once replica 1's rank 0 changed a buffer.
+forward computes differ from the others'. The inter-node hop is int8 with error feedback. After every optimizer
+step each rank appends ``model.last_step``, its BatchNorm buffers and digests of its hop residuals before the
+step's forward and after the step (a discarded step must leave them as they were; a joiner starts from none) to
+``<out>/r<replica>_s<rank>_i<pid>.jsonl``. The run ends after two committed steps of every replica past the
+fault; then ``check_replicas`` must pass, and must fail once replica 1's rank 0 changed a buffer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -45,7 +48,9 @@ def main() -> None:
     victim, fault_step = int(os.environ["ELASTIC_VICTIM"]), int(os.environ["ELASTIC_FAULT_STEP"])
     mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8.0, interval=0.5))
     torch.manual_seed(replica)  # replicas start different: the first quorum heals them all from replica 0
-    model = hsdp.ShardedModel(BNNet(), mesh=mesh)  # tracks running statistics: buffers synced every step
+    hop = hsdp.Int8ErrorFeedbackHop(block_size=16)
+    # BNNet tracks running statistics: buffers synced every step.
+    model = hsdp.ShardedModel(BNNet(), mesh=mesh, replica_hop=hop)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     rank = mesh.shard_rank
     log = open(os.path.join(out, f"r{replica}_s{rank}_i{os.getpid()}.jsonl"), "w")  # noqa: SIM115
@@ -54,7 +59,12 @@ def main() -> None:
     def buffers() -> dict[str, list]:
         return {n: b.reshape(-1).tolist() for n, b in model.named_buffers()}
 
-    log.write(json.dumps({"joined": step, "buffers": buffers()}) + "\n")  # a joiner's: as healed
+    def residuals() -> dict:
+        values = [hop.residuals[k].reshape(-1) for k in sorted(hop.residuals)]
+        flat = torch.cat(values) if values else torch.zeros(0)
+        return {"digest": hashlib.sha1(flat.numpy().tobytes()).hexdigest(), "norm": float(flat.norm())}
+
+    log.write(json.dumps({"joined": step, "buffers": buffers(), "residuals": residuals()}) + "\n")  # as healed
 
     def die(*_: object) -> None:
         if first and replica == victim and step == fault_step:
@@ -66,13 +76,14 @@ def main() -> None:
     together = 0
     while step < MAX_STEPS:
         x, y = batch(step, replica, rank)
+        before = residuals()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         time.sleep(PACE_S)
         last = model.last_step
         log.write(json.dumps({"step": last.step, "committed": last.committed, "replicas": list(last.replicas),
-                              "buffers": buffers()}) + "\n")
+                              "buffers": buffers(), "residuals_before": before, "residuals": residuals()}) + "\n")
         log.flush()
         together = together + 1 if last.committed and len(last.replicas) == REPLICAS else 0
         step = last.step + 1

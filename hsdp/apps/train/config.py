@@ -218,8 +218,8 @@ class ParallelConfig:
     ``elastic``: this torchrun job is one replica of an elastic job (``hsdp.init_mesh(elastic=True)``, rules in
     :mod:`hsdp.apps.train.elastic_run`): replicas leave and rejoin between steps; start it with ``hsdp launch
     --elastic -- -m hsdp.apps.train parallel.elastic=true``. Each replica is sharded over its own job's ranks
-    (``sharding_degree`` 0 or that count); tensor parallelism, a list of degrees, the replica-sharded optimizer,
-    the ``int8`` hop and batch weights other than ``"even"`` are refused with it. ``replica_sync``: ``"every_step"``
+    (``sharding_degree`` 0 or that count); tensor parallelism, a list of degrees, the replica-sharded optimizer
+    and batch weights other than ``"even"`` are refused with it. ``replica_sync``: ``"every_step"``
     (the hop above) or ``"diloco"`` (weights synced every ``diloco_every`` steps, not DDP's math; its options and
     refusals: :mod:`hsdp.apps.train.replica_sync`)."""
 

@@ -3,13 +3,15 @@
 A joining replica's rank receives, from the same shard rank of the quorum's ``source`` replica, over the new
 epoch's replicate group: every unit's flat shard (the parameters), the buffers, the optimizer's state of its
 shards and its param groups' hyperparameters (a scheduled learning rate included), and hsdp's step counters. No
-checkpoint is read. The other members take part in the same broadcasts (their values are already equal). The heal
-runs where the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
-inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's
-LR scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
+checkpoint is read; a stateful hop's residuals start from zero (``runtime/hop_transaction.py``). The other
+members take part in the same broadcasts (their values are already equal). The heal runs where the step's
+quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first inter-node
+collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's LR
+scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
 
 :func:`elastic_step` gates ``ShardedOptimizer.step``: the step is applied only when the coordinator committed
-it (every member's inter-node reduction completed); otherwise the gradients are dropped and nothing changes.
+it (every member's inter-node reduction completed); otherwise the gradients are dropped and nothing changes (a
+stateful hop's residuals go back to what they were before the step).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hsdp.engine.replicate.elastic.protocol import Quorum
+from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
@@ -45,6 +48,7 @@ def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
             data = comm.broadcast_bytes(payload, source, "replicate")
         if joining:
             _load_optimizer_payload(optimizer, data)
+            reset_hops(model._hsdp_state.units)  # its own rounding errors: none yet (hop_transaction.py)
 
     layer.attach(heal)
 
@@ -56,6 +60,7 @@ def finish_step(model: ShardedModel) -> bool:
     if not committed:
         for p in model.parameters():
             p.grad = None
+        restore_hops(model._hsdp_state.hop_snapshot)  # the residuals of a step never applied: as before it
     return committed
 
 

@@ -107,8 +107,10 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
                                                    "tests/test_hetero_mesh.py::test_lists_refused_before_any_process"),
     (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _refused("the replicas' slices of a shard are cut by one degree",
                                                     _HETERO_TEST),
-    (F.HETEROGENEOUS, F.INT8_HOP): _refused("the int8 hop's residuals are laid out like a grid's slot",
-                                            _HETERO_TEST),
+    (F.HETEROGENEOUS, F.INT8_HOP): _supported(
+        "tests/test_int8_compose.py::test_int8_hop_on_hetero_degrees_equals_the_simulated_error_feedback_mean",
+        "tests/test_int8_compose.py::test_int8_hop_on_hetero_degrees_sends_a_quarter_of_fp32",
+        "tests/test_int8_compose.py::test_int8_residuals_on_hetero_degrees_checkpoint"),
     (F.HETEROGENEOUS, F.BF16_HOP): _supported(
         "tests/test_hetero_mesh.py::test_a_bf16_hop_keeps_the_replicas_identical_and_the_training_within_bf16_of_one_"
         "process"),
@@ -118,8 +120,9 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
                                              _ELASTIC_CONFIG_TEST),
     (F.ELASTIC, F.SLICED_OPTIMIZER): _refused("a dead replica would take its slice of the optimizer state with it",
                                               _ELASTIC_TEST, permanent=True),
-    (F.ELASTIC, F.INT8_HOP): _refused("the int8 hop's residuals are kept per replica and are not healed yet",
-                                      _ELASTIC_TEST),
+    (F.ELASTIC, F.INT8_HOP): _supported(
+        "tests/test_elastic_buffers.py::test_an_int8_hop_discarded_step_keeps_the_residuals_and_joiners_start_from_"
+        "zero", "tests/test_int8_compose.py::test_a_discarded_step_puts_the_residuals_back_and_a_joiner_zeroes_them"),
     (F.ELASTIC, F.BF16_HOP): _supported("tests/test_train_elastic.py::test_below_the_minimum_every_rank_stops_and_the_"
                                         "survivor_checkpoints_its_last_step"),
     (F.ELASTIC, F.BATCH_WEIGHTS): _refused("a fixed split of the global batch does not follow replicas that come "

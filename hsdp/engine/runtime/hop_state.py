@@ -5,6 +5,17 @@ A stateful hop (error feedback) keeps one 1-D tensor per unit, laid out like the
 DTensors with a leading replica dim it reshards through ``torch.distributed.checkpoint`` like any other
 state. Every replica keeps its own residual (its own rounding error), so the replica dim is sharded over
 the replicate mesh dim: each replica's residual is saved, not one copy of one of them.
+
+A heterogeneous mesh (replicas of different shard degrees) keeps its residuals per bucket of pieces
+(``piece_hop.py``), which together hold one value per element of the rank's chunk: they are gathered into the
+slot layout (zeros in the padding and for 0-d parameters, which cross exactly). With no grid to lay a replica dim
+over, each is saved as a ``ShardedTensor`` of the same global shape ``(replicas, *param shape)``: replica ``q``'s
+rank ``s`` holds rows ``[q, q + 1) x`` its own chunk, so the replicas' chunks tile the tensor without overlap
+(``ReplicaSavePlanner`` keeps them all). The same file loads on any mesh with the same replica count.
+
+An elastic replica saves alone (its peers are other jobs): its checkpoint cannot hold the other replicas'
+residuals, and one replica's would be another's error. So none are saved there, and a replica resumed from a
+checkpoint starts them from zero, as a joiner does (``hop_transaction.py``).
 """
 
 from __future__ import annotations
@@ -13,33 +24,49 @@ import warnings
 from typing import Any
 
 import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as TensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hsdp.engine.mesh import HSDPMesh
+from hsdp.engine.replicate.degrees import replica_starts
+from hsdp.engine.replicate.pieces import chunk_rows
+from hsdp.engine.runtime.piece_hop import bucket_key, state_segments
+from hsdp.engine.runtime.piece_plan import plan_pieces
 from hsdp.engine.runtime.reduction import reduced_params, slot_offsets
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
 
 
-def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor]:
-    """``{parameter fqn: DTensor (replicas, *param shape)}`` for every unit whose hop holds state."""
-    out = {}
+def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor | ShardedTensor]:
+    """``{parameter fqn: (replicas, *param shape)}`` for every unit whose hop holds state: a DTensor on a grid, a
+    ``ShardedTensor`` on a heterogeneous mesh."""
+    out: dict[str, DTensor | ShardedTensor] = {}
+    if mesh.elastic is not None:
+        return out  # per replica, and this checkpoint is this replica's alone (module docstring)
     for unit in units:
-        flat = (unit.hop.state_dict() or {}).get(unit.key)
+        state = unit.hop.state_dict() or {}
+        flat = _slot_of_buckets(unit, mesh, state) if mesh.heterogeneous else state.get(unit.key)
         if flat is None:
             continue
         params = reduced_params(unit)
         for p, off in zip(params, slot_offsets(params), strict=True):
             local = flat[off: off + p.layout.local_numel].view(p.layout.local_shape)
-            out[p.fqn] = _residual_dtensor(local, p, mesh)
+            out[p.fqn] = _residual_sharded(local, p, mesh) if mesh.heterogeneous else _residual_dtensor(local, p, mesh)
     return out
 
 
 def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str, Any]) -> None:
     """Give each stateful hop this rank's slice of ``saved`` (:func:`hop_state_dict`'s form, any mesh with the
     same replica count; DTensors or full tensors). A parameter with nothing usable starts from zero, with a
-    warning."""
+    warning (every one on an elastic mesh, whose replicas start them from zero: module docstring)."""
+    if mesh.elastic is not None:
+        if saved:
+            warnings.warn("an elastic replica starts its inter-node hop residuals from zero: the saved ones are "
+                          "not loaded", stacklevel=3)
+        return
     for unit in units:
         params = reduced_params(unit)
         if unit.hop.state_dict() is None or not any(p.fqn in saved for p in params):
@@ -55,8 +82,68 @@ def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str,
             flat[off: off + p.layout.local_numel] = local.reshape(-1)
         # Read next by the hop stream, which replaces it with the next residual: without this the allocator
         # could hand the block to a later unit's backward before the hop stream has read it.
-        unit.streams.release_after(flat, "replica_hop")
-        unit.hop.load_state_dict({unit.key: flat})
+        state = _buckets_of_slot(unit, mesh, flat) if mesh.heterogeneous else {unit.key: flat}
+        for residual in state.values():
+            unit.streams.release_after(residual, "replica_hop")
+        unit.hop.load_state_dict(state)
+
+
+def _unit_plan(unit: ShardUnit, mesh: HSDPMesh) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
+    """The unit's buckets and their residuals' slot segments (the tail's size does not move them)."""
+    params = reduced_params(unit)
+    offsets = slot_offsets(params)
+    plan = plan_pieces([p.layout for p in params], offsets, 0, offsets[-1] + params[-1].layout.padded_numel,
+                       mesh.replicas)
+    assert plan is not None  # a heterogeneous mesh always has one
+    return state_segments(plan)
+
+
+def _slot_of_buckets(unit: ShardUnit, mesh: HSDPMesh, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """A heterogeneous mesh's bucket residuals of ``unit`` gathered into the slot layout; ``None`` before any."""
+    buckets = [(state.get(bucket_key(unit.key, holders)), segments) for holders, segments in _unit_plan(unit, mesh)]
+    if all(residual is None for residual, _ in buckets):
+        return None
+    params = reduced_params(unit)
+    flat = torch.zeros(slot_offsets(params)[-1] + params[-1].layout.padded_numel, device=unit.sharded_flat.device)
+    for residual, segments in buckets:
+        at = 0
+        for offset, numel in segments:
+            if residual is not None:
+                flat[offset: offset + numel] = residual[at: at + numel]
+            at += numel
+    return flat
+
+
+def _buckets_of_slot(unit: ShardUnit, mesh: HSDPMesh, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_slot_of_buckets`: each bucket's residual, cut from a slot-layout one."""
+    return {bucket_key(unit.key, holders): torch.cat([flat[o: o + n] for o, n in segments])
+            for holders, segments in _unit_plan(unit, mesh) if segments}
+
+
+def _residual_sharded(value: torch.Tensor, sp: ShardedParam, mesh: HSDPMesh) -> ShardedTensor:
+    """``value`` (this rank's chunk of its replica's residual) as its shard of a ``(replicas, *shape)``
+    ``ShardedTensor`` whose metadata lists every replica's chunks (arithmetic, no collective)."""
+    degrees = mesh.replicas.degrees
+    shape = (len(degrees), *sp.layout.dtensor_shape)
+    device = value.device
+    shards, mine = [], None
+    for q, (start, d) in enumerate(zip(replica_starts(degrees), degrees, strict=True)):
+        rows = 1 if sp.layout.replicated else sp.layout.rows
+        c = 1 if sp.layout.replicated else chunk_rows(rows, d)
+        for s in range(d if not sp.layout.replicated else 1):  # a 0-d value is whole on every rank: one copy
+            n = max(0, min(c, rows - s * c))
+            if n == 0:
+                continue
+            rank = start + s
+            meta = ShardMetadata([q] + ([] if sp.layout.replicated else [s * c] + [0] * (len(shape) - 2)),
+                                 [1] + ([] if sp.layout.replicated else [n, *shape[2:]]), f"rank:{rank}/{device}")
+            shards.append(meta)
+            if rank == mesh.rank:
+                mine = TensorShard(value.unsqueeze(0), meta)
+    props = TensorProperties(dtype=value.dtype, layout=value.layout, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = ShardedTensorMetadata(shards, torch.Size(shape), props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata([] if mine is None else [mine], metadata)
 
 
 def _placements(sp: ShardedParam) -> list[Placement]:
@@ -81,6 +168,11 @@ def _residual_dtensor(value: torch.Tensor, sp: ShardedParam, mesh: HSDPMesh) -> 
 
 
 def _local_residual(value: Any, sp: ShardedParam, replicate_rank: int, replicas: int) -> torch.Tensor | None:
+    if isinstance(value, ShardedTensor):  # saved on a heterogeneous mesh and loaded into the same one directly
+        if value.shape[0] != replicas:
+            return None
+        local = value.local_shards()
+        return local[0].tensor[0] if local else torch.zeros(sp.layout.local_shape)
     if isinstance(value, DTensor):
         if value.shape[0] != replicas:
             return None  # another replica count: the residuals do not map; start from zero

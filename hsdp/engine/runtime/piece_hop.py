@@ -5,6 +5,12 @@ slot and carries no tail: the tail may go to several groups at once, which must 
 hop averages it over the bucket's holder group (``Comm.replica_view``: the hop's own code, any wire dtype), and
 the result is copied back into the slot when every bucket's handle is waited. A grid has no plan: its slot is
 one hop over the ``"replicate"`` group, unchanged.
+
+A stateful hop (the int8 hop's error feedback) keys its state by the key it is given, so each bucket gets its own
+(:func:`bucket_key`): its residual is what this rank failed to send of exactly the elements it sends in that
+bucket, added to them next step. Every element of the rank's chunk lies in one piece, so in one bucket: one
+residual per element, the invariant of error feedback. The tail (flags, weights, 0-d parameters) crosses exactly
+in every hop and keeps no residual.
 """
 
 from __future__ import annotations
@@ -26,10 +32,32 @@ def plan_of(comm: Comm, params: list[ShardedParam], offsets: list[int], n_extra:
     return cache[key]
 
 
+def bucket_key(key: str, holders: tuple[int, ...]) -> str:
+    """The key a stateful hop keeps a bucket's state under: the unit's, then the holder tuple (module names
+    hold no ``@``)."""
+    return f"{key}@{','.join(map(str, holders))}"
+
+
+def state_segments(plan: PiecePlan) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
+    """Per bucket, its holders and the slot segments of the elements a stateful hop keeps state for (all but the
+    tail, which ends every bucket), in bucket order: how a bucket's residual maps onto the reduced slot."""
+    out = []
+    for bucket in plan.buckets:
+        left, segments = bucket.numel - bucket.tail, []
+        for offset, numel in bucket.segments:
+            if left <= 0:
+                break
+            segments.append((offset, min(numel, left)))
+            left -= numel
+        out.append((bucket.holders, segments))
+    return out
+
+
 def start_piece_hops(hop: ReplicaHop, output: torch.Tensor, plan: PiecePlan, comm: Comm, key: str) -> Handle:
     """Scale ``output`` (this replica's reduced slot and tail) and start one hop per bucket, in plan order;
     once the handle is waited ``output`` holds the average over every rank of the mesh."""
     output.mul_(plan.scale)
+    stateful = hop.state_dict() is not None
     handles, staged = [], []
     for bucket in plan.buckets:
         (offset, numel), *more = bucket.segments
@@ -38,7 +66,8 @@ def start_piece_hops(hop: ReplicaHop, output: torch.Tensor, plan: PiecePlan, com
         else:
             buffer = torch.cat([output[o: o + n] for o, n in bucket.segments])
             staged.append((bucket.segments, buffer))
-        handles.append(hop.start(buffer, bucket.tail, comm.replica_view(bucket.holders), key))
+        hop_key = bucket_key(key, bucket.holders) if stateful else key
+        handles.append(hop.start(buffer, bucket.tail, comm.replica_view(bucket.holders), hop_key))
 
     def copy_back() -> None:
         for segments, buffer in staged:

@@ -47,6 +47,7 @@ from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.batch_weight import Weight
 from hsdp.engine.runtime.buffers import BufferSync
+from hsdp.engine.runtime.hop_transaction import HopSnapshot, snapshot_hops
 from hsdp.engine.runtime.reduction import Reduction, reduce_grads
 from hsdp.engine.runtime.slice_gather import SliceGathers
 from hsdp.engine.runtime.step_read import StepRead
@@ -99,6 +100,7 @@ class HSDPState:
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
         self._pending: list[Reduction] = []
         self.step_read = StepRead()  # the step's one host read, if any (step_read.py)
+        self.hop_snapshot: HopSnapshot = []  # stateful hops' state before this step (hop_transaction.py)
         if mesh.replicas.transactional:
             self.step_read.sharded_optimizer_only = "is elastic (a step the coordinator discards must not be applied)"
         self.replica_sync: Any = None  # ShardedModel(replica_sync=hsdp.DiLoCo(...)), stepped by ShardedOptimizer
@@ -164,6 +166,8 @@ class HSDPState:
                 if torch.is_grad_enabled():
                     # A training step (not an evaluation or a sample): elastic's coordinator gathers its quorum now.
                     self.mesh.replicas.begin_step()
+                    if self.mesh.replicas.transactional:  # the step may be discarded: so must its residuals be
+                        self.hop_snapshot = snapshot_hops(self.units)
                 self.buffers.pre_forward()
                 self._pre_seen, self._post_seen = [], []
             args, kwargs = unit.policy.cast_inputs(args, kwargs)
