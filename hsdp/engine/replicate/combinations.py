@@ -102,8 +102,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
                                            "joiners of another degree are not healed yet", _ELASTIC_CONFIG_TEST),
     (F.HETEROGENEOUS, F.DILOCO): _refused("the replicas' flat shards are laid out by their own degrees: the "
                                           "pseudo-gradients are not reduced piece by piece yet", _HETERO_TEST),
-    (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _refused("the piece reduction does not cut tensor-parallel shards yet",
-                                                   "tests/test_hetero_mesh.py::test_lists_refused_before_any_process"),
+    (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _supported(
+        "tests/test_tp_hetero.py::test_tp_on_heterogeneous_replicas_matches_one_process"),
     (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _refused("the replicas' slices of a shard are cut by one degree",
                                                     _HETERO_TEST),
     (F.HETEROGENEOUS, F.INT8_HOP): _refused("the int8 hop's residuals are laid out like a grid's slot",
