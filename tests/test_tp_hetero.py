@@ -7,16 +7,19 @@ piece of each parameter, and the pieces of the replicas' chunks are reduced per 
 - against one plain process on the concatenated global batch (AdamW, gradient clipping, 3 steps, 1e-5): hsdp's
   GPT with its TP plan (a tied embedding whose 63 rows the replicas chunk 32 + 31 and 63), losses and weights,
   with torch's ``clip_grad_norm_`` and with ``hsdp.clip_grad_norm_``;
+- checkpoints: saved and loaded on the same mesh (weights and AdamW state), exported to one plain GPT;
 - ``check_replicas`` passes after training (with ``hsdp.clip_grad_norm_``), and a change to one tp coordinate's
   piece on one replica is seen by exactly the ranks of that coordinate holding those rows.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
+from checkpoint_helpers import full, optim_state, same
 from harness import run_distributed
 from torch import nn
 
@@ -75,12 +78,21 @@ def _wrapped(mesh: hsdp.HSDPMesh) -> hsdp.ShardedModel:
     return hsdp.ShardedModel(model, mesh=mesh)
 
 
-def _parity(mesh: hsdp.HSDPMesh, clip: Any) -> tuple[hsdp.ShardedModel, dict]:
+def _parity(mesh: hsdp.HSDPMesh, clip: Any) -> tuple[hsdp.ShardedModel, hsdp.ShardedOptimizer, dict]:
     model = _wrapped(mesh)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR))
     losses = _train(model, opt, mesh.data_parallel_rank, mesh.data_parallel_size, clip)
-    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-    return model, {"losses": losses, "params": params}
+    return model, opt, {"losses": losses, "params": full(model.state_dict())}
+
+
+def _checkpoint(mesh: hsdp.HSDPMesh, model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer, work: str) -> bool:
+    """Saved on [2, 1] x 2 and loaded into a fresh [2, 1] x 2 model: the same weights and optimizer state."""
+    saved = (full(model.state_dict()), optim_state(opt.state_dict()))
+    hsdp.save_checkpoint(os.path.join(work, "ckpt"), model, opt, extra={"step": STEPS})
+    back = _wrapped(mesh)
+    bopt = hsdp.ShardedOptimizer(back, torch.optim.AdamW(back.parameters(), lr=LR))
+    hsdp.load_checkpoint(os.path.join(work, "ckpt"), back, bopt)
+    return same(full(back.state_dict()), saved[0]) and same(optim_state(bopt.state_dict())["state"], saved[1]["state"])
 
 
 def _diverged(model: hsdp.ShardedModel, mesh: hsdp.HSDPMesh) -> str:
@@ -95,17 +107,18 @@ def _diverged(model: hsdp.ShardedModel, mesh: hsdp.HSDPMesh) -> str:
     return ""
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, work: str) -> dict:
     mesh = hsdp.init_mesh(DEGREES, tensor_parallel_degree=T, fault_policy=None)
     out: dict[str, Any] = {
         "layout": (mesh.replicas.degrees, mesh.sharding_degree, mesh.tp_degree, mesh.tp_rank, mesh.shard_rank,
                    mesh.replicate_rank, mesh.data_parallel_rank, mesh.data_parallel_size),
         "param_mesh": (mesh.param_mesh.mesh.tolist(), mesh.param_mesh.mesh_dim_names, mesh.tp_mesh.mesh.tolist()),
     }
-    out["torch_clip"] = _parity(mesh, _torch_clip)[1]
+    out["torch_clip"] = _parity(mesh, _torch_clip)[2]
     # hsdp's clip: torch's sums the norm over each replica's own mesh, in an order that depends on the replica's
     # size, so replicas of different degrees may clip by norms a rounding apart and drift apart bitwise.
-    model, out["hsdp_clip"] = _parity(mesh, lambda m: hsdp.clip_grad_norm_(m, 0.5))
+    model, opt, out["hsdp_clip"] = _parity(mesh, lambda m: hsdp.clip_grad_norm_(m, 0.5))
+    out["checkpoint"] = _checkpoint(mesh, model, opt, work)
     try:
         model.check_replicas()  # the replicas applied the same update, bit for bit
         out["checked"] = "passed"
@@ -118,8 +131,9 @@ def _worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world6() -> list[dict]:
-    return run_distributed(_worker, WORLD, timeout=240)
+def world6(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    work = str(tmp_path_factory.mktemp("tp_hetero"))
+    return [r | {"work": work} for r in run_distributed(_worker, WORLD, work, timeout=240)]
 
 
 def test_mesh_places_replicas_of_tp_groups_in_rank_order(world6: list[dict]) -> None:
@@ -168,3 +182,14 @@ def test_check_replicas_compares_each_tp_coordinate_separately(world6: list[dict
     for rank in (1, 5):  # the ranks of tp coordinate 1 holding row 0 of the q piece
         assert "blocks.0.attn.q.weight" in raised[rank], (rank, raised[rank])
     assert [raised[rank] for rank in (0, 2, 3, 4)] == [""] * 4
+
+
+def test_checkpoints_round_trip_and_export_to_one_plain_process(world6: list[dict], tmp_path) -> None:
+    """[2, 1] x 2 -> [2, 1] x 2 (weights and AdamW state, bitwise), and -> (1,1,1): the consolidated weights load
+    strictly into a plain GPT, equal to the trained ones."""
+    assert [r["checkpoint"] for r in world6] == [True] * WORLD
+    out = str(tmp_path / "gpt.safetensors")
+    hsdp.export_safetensors(os.path.join(world6[0]["work"], "ckpt"), out)
+    model = GPT(CFG)
+    model.load_state_dict(hsdp.checkpoint.load_safetensors(out))
+    assert same({k: v.detach() for k, v in model.state_dict().items()}, world6[0]["hsdp_clip"]["params"])
