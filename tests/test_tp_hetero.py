@@ -8,6 +8,7 @@ piece of each parameter, and the pieces of the replicas' chunks are reduced per 
   GPT with its TP plan (a tied embedding whose 63 rows the replicas chunk 32 + 31 and 63), losses and weights,
   with torch's ``clip_grad_norm_`` and with ``hsdp.clip_grad_norm_``;
 - checkpoints: saved and loaded on the same mesh (weights and AdamW state), exported to one plain GPT;
+- a meta-built model materializes, and a plain model's safetensors load, to the plain full tensors (bitwise);
 - ``check_replicas`` passes after training (with ``hsdp.clip_grad_norm_``), and a change to one tp coordinate's
   piece on one replica is seen by exactly the ranks of that coordinate holding those rows.
 """
@@ -21,6 +22,7 @@ import pytest
 import torch
 from checkpoint_helpers import full, optim_state, same
 from harness import run_distributed
+from test_tensor_parallel import _meta, _pretrained
 from torch import nn
 
 import hsdp
@@ -127,6 +129,7 @@ def _worker(rank: int, world: int, work: str) -> dict:
     out["placements"] = {n: (tuple(p.placements), tuple(p.to_local().shape), p.device_mesh == mesh.param_mesh)
                          for n, p in model.named_parameters()}
     out["diverged"] = _diverged(model, mesh)
+    out["meta"], out["pretrained"] = _meta(mesh), _pretrained(mesh, rank, work)
     return out
 
 
@@ -193,3 +196,8 @@ def test_checkpoints_round_trip_and_export_to_one_plain_process(world6: list[dic
     model = GPT(CFG)
     model.load_state_dict(hsdp.checkpoint.load_safetensors(out))
     assert same({k: v.detach() for k, v in model.state_dict().items()}, world6[0]["hsdp_clip"]["params"])
+
+
+def test_meta_init_and_pretrained_weights_give_the_plain_tensors(world6: list[dict]) -> None:
+    # The names whose full tensors differ from one process's (test_tensor_parallel's GPT, init and seed).
+    assert [(r["meta"], r["pretrained"]) for r in world6] == [([], [])] * WORLD
