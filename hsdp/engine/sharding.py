@@ -123,7 +123,6 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
     # Every check above and here runs before the first collective below.
     _check_meta(assignments)  # devices need no check: every non-meta parameter goes to the mesh's device
     check_tp_params([(a.slots[0].fqn, a.param) for a in assignments], mesh)
-    _check_tp_options(mesh, options)
     _check_replica_options(mesh, options)
 
     comm = Comm(mesh)
@@ -175,15 +174,6 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
             f"some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}): build the "
             f"whole model under `with torch.device('meta'):` (then hsdp.materialize) or none of it"
         )
-
-
-def _check_tp_options(mesh: HSDPMesh, options: UnitOptions) -> None:
-    """What tensor parallelism does not compose with yet, refused before any collective."""
-    if mesh.tp_degree == 1:
-        return
-    if options.shard_optimizer_across_replicas and refused(Feature.TENSOR_PARALLEL, Feature.SLICED_OPTIMIZER):
-        raise ValueError("shard_optimizer_across_replicas is not supported with tensor parallelism yet: turn it "
-                         "off, or use tensor_parallel_degree=1")
 
 
 def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:

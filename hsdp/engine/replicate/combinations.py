@@ -132,9 +132,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
                                                    "its syncs)"),
     (F.DILOCO, F.BATCH_WEIGHTS): _refused("DiLoCo averages the replicas' pseudo-gradients unweighted",
                                           _DILOCO_TEST),
-    (F.TENSOR_PARALLEL, F.SLICED_OPTIMIZER): _refused(
-        "the replica slices are not cut on the tensor-parallel mesh yet",
-        "tests/test_tensor_parallel.py::test_what_tensor_parallelism_does_not_support_yet_is_refused_naming_the_fix"),
+    (F.TENSOR_PARALLEL, F.SLICED_OPTIMIZER): _supported(
+        "tests/test_tensor_parallel.py::test_optimizer_sharded_across_replicas_under_tensor_parallel_matches_one_process"),
     (F.TENSOR_PARALLEL, F.INT8_HOP): _supported(
         "tests/test_tensor_parallel.py::test_compressed_hops_under_tensor_parallel_stay_consistent_and_int8_residuals_"
         "checkpoint"),
