@@ -20,7 +20,8 @@ One 3-rank gloo spawn, nodes of 2 + 1 ranks (torchrun's ``LOCAL_RANK`` / ``LOCAL
 - refused with a ``ValueError`` before any collective: the replica-sharded optimizer, a list that puts one
   replica on two nodes (on every rank, after the node sizes' all-gather). DiLoCo on ``[2, 1]``:
   ``tests/test_diloco_compose.py``; the int8 hop: ``tests/test_int8_compose.py``.
-The pure checks (lists with tensor parallelism or a ``DeviceMesh``, a sum that is not the world) need no process.
+The pure checks (a list's entries, tensor-parallel groups that do not divide the world or a node, a sum that is not
+the world) need no process.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hsdp
-from hsdp.engine.mesh import check_degree_list, init_mesh
+from hsdp.engine.mesh import check_degree_list, data_parallel_world, init_mesh, positions_per_node
 from hsdp.engine.replicate.pieces import pieces
 
 STEPS = 3
@@ -284,12 +285,17 @@ def test_refusals_name_the_fix(results: list[dict]) -> None:
 
 
 def test_lists_refused_before_any_process() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_degree=2 with replicas of different shard degrees"):
-        check_degree_list([2, 1], 2, None)
     with pytest.raises(ValueError, match="positive ints"):
-        check_degree_list([2, 0], None, None)
-    assert check_degree_list([2, 2], 2, None) == (2, 2)  # equal degrees: a grid, tensor parallelism allowed
-    assert check_degree_list(4, None, None) is None
+        check_degree_list([2, 0], None)
+    assert check_degree_list([2, 1], None) == (2, 1)  # with or without tensor parallelism (test_tp_hetero.py)
+    assert check_degree_list([2, 2], None) == (2, 2)  # equal degrees: a grid
+    assert check_degree_list(4, None) is None
+    with pytest.raises(ValueError, match="tensor_parallel_degree=4 does not divide the world size 6"):
+        data_parallel_world(6, 4)
+    assert data_parallel_world(6, 2) == 3  # [2, 1] with T = 2: 3 positions of 2 ranks
+    with pytest.raises(ValueError, match="does not divide the ranks of every node"):
+        positions_per_node([4, 3], 2)
+    assert positions_per_node([4, 2], 2) == (2, 1)
 
 
 def test_list_not_summing_to_the_world_is_refused_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,8 @@
 """HSDP + tensor parallelism on a 3-D mesh (2 replicas x 2 shards x 2 TP, gloo): parity with one plain process
-for hsdp's GPT and a Hugging Face Llama, batch weights (uneven rows per data-parallel rank) and DiLoCo across the
-replicas (against a one-process simulation of the two workers), and checkpoints across layouts and into FSDP2 +
-TP. One spawn of 8 ranks runs every case (spawning is the slow part on 2 cores); the references run in the test
-process."""
+for hsdp's GPT and a Hugging Face Llama, the optimizer sharded across replicas, batch weights (uneven rows per
+data-parallel rank) and DiLoCo across the replicas (against a one-process simulation of the two workers), and
+checkpoints across layouts and into FSDP2 + TP. One spawn of 8 ranks runs every case (spawning is the slow part on
+2 cores); the references run in the test process."""
 
 from __future__ import annotations
 
@@ -196,10 +196,36 @@ def _refusals(mesh: hsdp.HSDPMesh, work: str) -> dict[str, str]:
             wrapped.tok_emb.weight.to_local().add_(1.0)
     return {
         "diverged": message(wrapped.check_replicas),
-        "sliced": message(lambda: hsdp.ShardedModel(parallelized(), mesh=mesh, shard_optimizer_across_replicas=True)),
         "2d": message(lambda: hsdp.ShardedModel(parallelized(), mesh=plain_mesh)),
         "adafactor": message(lambda: hsdp.ShardedOptimizer(wrapped, torch.optim.Adafactor(wrapped.parameters()))),
     }
+
+
+def _sliced(mesh: hsdp.HSDPMesh, work: str) -> dict[str, Any]:
+    """The optimizer sharded across replicas too (each replica steps its slice of every TP-local chunk), clipped
+    by hsdp; then its checkpoint loaded into a model without the option. Returns the losses, the full weights
+    and AdamW state (the slices' DTensors gathered: their placements must say where each slice lies), and
+    whether the unsliced model loaded the same weights and state."""
+    model = hsdp.ShardedModel(hsdp.tp_plans.gpt_plan(_build("gpt"), mesh.tp_mesh), mesh=mesh,
+                              shard_optimizer_across_replicas=True)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    losses = _train("gpt", model, opt, mesh.data_parallel_rank, mesh.data_parallel_size,
+                    lambda m: hsdp.clip_grad_norm_(m, 0.5))
+    model.check_replicas()
+    params, state = full(model.state_dict()), optim_state(opt.state_dict())["state"]
+    hsdp.save_checkpoint(os.path.join(work, "sliced"), model, opt, extra={"step": STEPS})
+    back, bopt = _tp_model("gpt", mesh)
+    hsdp.load_checkpoint(os.path.join(work, "sliced"), back, bopt)
+    loaded = same(full(back.state_dict()), params) and same(optim_state(bopt.state_dict())["state"], state)
+    return {"losses": losses, "params": params, "state": state, "loaded": loaded}
+
+
+def _reference_state() -> dict[str, dict[str, torch.Tensor]]:
+    """One plain process's AdamW state after the reference training, by parameter name."""
+    model = _build("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _train("gpt", model, opt, 0, 1, _plain_clip)
+    return {name: {k: v.clone() for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
 
 
 def _accumulated(mesh: hsdp.HSDPMesh) -> float:
@@ -404,6 +430,7 @@ def _world8(rank: int, world: int, work: str) -> dict:
     out["ckpt"] = _checkpoints(rank, model, opt, work)
     out["refused"] = _refusals(mesh, work)
     out["accumulated"] = _accumulated(mesh)
+    out["sliced"] = _sliced(mesh, work)
     out["int8"] = _int8(mesh, work)
     out["bf16_hop"] = _bf16_hop(mesh)
     out["meta"] = _meta(mesh)
@@ -490,12 +517,28 @@ def test_tensor_parallel_checkpoint_loads_into_one_plain_process(world8: list[di
 
 
 @pytest.mark.parametrize("case,fix", [("diverged", "differ across the tensor-parallel ranks (shard rank"),
-                                      ("sliced", "shard_optimizer_across_replicas is not supported with tensor"),
                                       ("2d", "tensor_parallel_degree=T) and parallelize the model on mesh.tp_mesh"),
                                       ("adafactor", "use an element-wise optimizer")])
 def test_what_tensor_parallelism_does_not_support_yet_is_refused_naming_the_fix(world8: list[dict], case: str,
                                                                                  fix: str) -> None:
     assert all(fix in r["refused"][case] for r in world8), world8[0]["refused"][case]
+
+
+def test_optimizer_sharded_across_replicas_under_tensor_parallel_matches_one_process(world8: list[dict]) -> None:
+    """Weights, losses and every AdamW moment equal one plain process's; the checkpoint loads without the option."""
+    ref_losses, ref_params = _reference("gpt")
+    ref_state = _reference_state()
+    for rank, r in enumerate(world8):
+        got = r["sliced"]
+        assert got["loaded"], rank
+        assert got["losses"] == pytest.approx(ref_losses, abs=TOL, rel=TOL)
+        _assert_params_close(got["params"], ref_params, f"rank {rank} sliced", adamw=True)
+        assert ref_state.keys() >= got["state"].keys() and len(got["state"]) >= len(ref_state) - 1  # a tie: once
+        for name, entry in got["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                where = f"rank {rank} {name} {key}"
+                torch.testing.assert_close(entry[key], ref_state[name][key], atol=TOL, rtol=TOL,
+                                           msg=lambda m, where=where: f"{where}: {m}")
 
 
 def test_deferred_sync_accumulation_under_tensor_parallel_equals_one_batch(world8: list[dict]) -> None:

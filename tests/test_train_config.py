@@ -73,9 +73,6 @@ def test_overrides_are_typed_and_applied_in_order() -> None:
      r"parallel\.replica_hop = 'int8': does not combine with parallel\.shard_optimizer_across_replicas = true: "
      r"the int8 hop cannot reduce-scatter.*'fp32' or 'bf16'"),
     (["parallel.tensor_parallel=0"], r"parallel\.tensor_parallel = 0: must be at least 1"),
-    (["parallel.tensor_parallel=2", "parallel.shard_optimizer_across_replicas=true"],
-     r"parallel\.shard_optimizer_across_replicas = True: does not combine with parallel\.tensor_parallel > 1.*"
-     r"set parallel\.shard_optimizer_across_replicas = false, or set parallel\.tensor_parallel = 1"),
     (["parallel.tensor_parallel=2", "model.kind=hf-gpt2"],
      r"parallel\.tensor_parallel = 2: Hugging Face GPT-2 has no tensor-parallel plan.*set model\.kind = 'gpt'"),
     (["parallel.tensor_parallel=3"], r"parallel\.tensor_parallel = 3: .*must divide n_head=4.*model\.preset = 'tiny'"),
@@ -321,6 +318,13 @@ def test_tensor_parallel_is_read_and_its_layout_checked_before_spawning() -> Non
     for overrides, message in problems.items():
         problem = layout_problem(resolve_config(None, list(overrides)))
         assert problem is not None and message in problem, problem
+    # Replicas of different shard degrees with tensor parallelism: the degrees count tp groups (6 ranks, T = 2).
+    hetero = ["parallel.nodes=1", "parallel.tensor_parallel=2", "parallel.nproc_per_node=6"]
+    assert layout_problem(resolve_config(None, [*hetero, "parallel.sharding_degree=[2,1]"])) is None
+    problem = layout_problem(resolve_config(None, [*hetero, "parallel.sharding_degree=[2,2]"]))
+    assert problem is not None and "[2, 2] covers 8 ranks" in problem and "sum to 3" in problem, problem
+    # The replica-sharded optimizer combines with tensor parallelism (tests/test_tensor_parallel.py).
+    assert resolve_config(None, ["parallel.tensor_parallel=2", "parallel.shard_optimizer_across_replicas=true"])
 
 
 def test_padded_sequences_give_the_unpadded_logits() -> None:

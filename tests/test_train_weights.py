@@ -62,7 +62,6 @@ def test_list_keys_parse_from_toml_and_the_command_line_alike() -> None:
     (["parallel.sharding_degree=[2.5]"], "expected an integer or a list of integers"),
     (["parallel.sharding_degree=[0,2]"], "give one degree >= 1 per replica in rank order"),
     (["parallel.sharding_degree=[]"], "give one degree >= 1 per replica"),
-    (["parallel.sharding_degree=[2,2]", "parallel.tensor_parallel=2"], "does not combine with parallel.tensor_"),
     (["parallel.batch_weights=[1,true]"], "expected a string or a list of numbers such as [1, 2.5]"),
     (["parallel.batch_weights=[1,0]"], "one finite positive weight per data-parallel rank or per replica"),
     (["parallel.batch_weights=[1,nan]"], "one finite positive weight"),

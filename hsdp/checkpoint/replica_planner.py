@@ -67,7 +67,8 @@ def replica_of_ranks(mesh: HSDPMesh) -> tuple[int, ...]:
             for rank in ranks.flatten().tolist():
                 out[rank] = replica
         return tuple(out)
-    return tuple(q for q, d in enumerate(writer_degrees(mesh)) for _ in range(d))
+    # Replicas of different degrees: replica q is d_q x T consecutive ranks (T tp ranks per shard rank).
+    return tuple(q for q, d in enumerate(writer_degrees(mesh)) for _ in range(d * mesh.tp_degree))
 
 
 def writer_degrees(mesh: HSDPMesh) -> tuple[int, ...]:

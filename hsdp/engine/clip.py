@@ -48,7 +48,7 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     split = [g for g in (p.grad_local for p in counted if _tp_split(p.layout)) if g is not None]
     grads = [g for g in (p.grad_local for p in counted if not _tp_split(p.layout)) if g is not None]
     with model.comm.phase("hsdp.clip_grad_norm_"):
-        total = _total_norm(model, grads, split, float(norm_type), "world" if sliced else "shard")
+        total = _total_norm(model, grads, split, float(norm_type), _norm_groups(model, sliced))
     if on_nonfinite == "warn":
         model._hsdp_state.step_read.defer(total, _warn_if_nonfinite)
     elif not torch.isfinite(total):
@@ -73,23 +73,33 @@ def _tp_split(layout: ShardLayout) -> bool:
     return layout.tp is not None and isinstance(layout.tp.placement, Shard)
 
 
+def _norm_groups(model: ShardedModel, sliced: bool) -> tuple[str, ...]:
+    """Where the gradient's parts lie apart, the tp group aside: the shard group, and with the optimizer sharded
+    across replicas the replicas too (the world without tensor parallelism, one collective; with it the shard
+    and the replicate groups, so that the tp ranks' copies of a TP-replicated part count once)."""
+    if not sliced:
+        return ("shard",)
+    return ("world",) if model.comm.size("tp") == 1 else ("shard", "replicate")
+
+
 def _total_norm(model: ShardedModel, grads: list[torch.Tensor], split: list[torch.Tensor], p: float,
-                group: str) -> torch.Tensor:
-    """The norm over ``group`` of ``grads`` and over ``group`` and the tp group of ``split`` (TP-split)."""
+                groups: tuple[str, ...]) -> torch.Tensor:
+    """The norm over ``groups`` of ``grads`` and over ``groups`` and the tp group of ``split`` (TP-split)."""
     device = model.mesh.device
     comm = model.comm
     if math.isinf(p):
         every = grads + split
         local = torch.stack([g.detach().abs().max() for g in every if g.numel()] or [torch.zeros((), device=device)])
         total = local.max().float().reshape(1)
-        comm.all_reduce(total, group, op=dist.ReduceOp.MAX, label="grad norm")
-        comm.all_reduce(total, "tp", op=dist.ReduceOp.MAX, label="grad norm")
+        for group in (*groups, "tp"):
+            comm.all_reduce(total, group, op=dist.ReduceOp.MAX, label="grad norm")
         return total[0]
     sums = torch.zeros(2, device=device, dtype=torch.float32)  # [TP-replicated or no TP, TP-split]
     for i, part in enumerate((grads, split)):
         for g in part:
             sums[i] += torch.linalg.vector_norm(g.detach(), p, dtype=torch.float32) ** p
-    comm.all_reduce(sums, group, op=dist.ReduceOp.SUM, label="grad norm")
+    for group in groups:
+        comm.all_reduce(sums, group, op=dist.ReduceOp.SUM, label="grad norm")
     if split or comm.size("tp") > 1:  # every tp rank takes part, with or without split gradients of its own
         tp_part = sums[1:].clone()
         comm.all_reduce(tp_part, "tp", op=dist.ReduceOp.SUM, label="grad norm")

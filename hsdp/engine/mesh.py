@@ -11,8 +11,10 @@ groups stride over them inside the node, and replicate groups span the nodes. Th
 the same batch: the data-parallel size is R x S.
 
 Replicas of different shard degrees (``sharding_degree=[4, 2, 2]``, nodes of different sizes or memory) form
-no grid: each replica is its own 1-D shard mesh, and hsdp's replicate layer (``replica_layer.py``) reduces
-gradients across them. The pure arithmetic of degrees lives in ``mesh_layout.py`` and ``replica_degrees.py``.
+no grid: each replica is its own 1-D shard mesh (2-D ``("shard", "tp")`` with tensor parallelism: replica
+``q`` is then the ``d_q x T`` consecutive ranks after the previous replicas', tp ranks adjacent as on a grid),
+and hsdp's replicate layer (``replica_layer.py``) reduces gradients across them, per tp coordinate. The pure
+arithmetic of degrees lives in ``mesh_layout.py`` and ``replica_degrees.py``.
 """
 
 from __future__ import annotations
@@ -128,19 +130,30 @@ class HSDPMesh:
         return self.device_mesh.get_group("replicate")
 
     @property
+    def _tp_owner(self) -> DeviceMesh | None:
+        """The mesh whose ``"tp"`` dim holds this rank's tensor-parallel group: the 3-D grid's, or on replicas of
+        different shard degrees this replica's own ``("shard", "tp")`` mesh; ``None`` without tensor parallelism."""
+        if self.device_mesh is not None:
+            return self.device_mesh if self.device_mesh.ndim == 3 else None
+        replica = self.replicas.param_mesh
+        return replica if replica.ndim == 2 else None
+
+    @property
     def has_tp(self) -> bool:
-        """Whether the mesh has a ``"tp"`` dim (3-D), even of size 1."""
-        return self.device_mesh is not None and self.device_mesh.ndim == 3
+        """Whether the mesh has a ``"tp"`` dim (3-D, or 2-D replica meshes), even of size 1."""
+        return self._tp_owner is not None
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group (``None`` without a tp dim)."""
-        return self.device_mesh.get_group("tp") if self.has_tp else None  # type: ignore[union-attr]
+        owner = self._tp_owner
+        return owner.get_group("tp") if owner is not None else None
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         """The 1-D ``"tp"`` sub-mesh to give ``parallelize_module`` (``None`` without a tp dim)."""
-        return self.device_mesh["tp"] if self.has_tp else None  # type: ignore[index]
+        owner = self._tp_owner
+        return owner["tp"] if owner is not None else None
 
     @property
     def sharding_degree(self) -> int:
@@ -155,7 +168,8 @@ class HSDPMesh:
     @property
     def tp_degree(self) -> int:
         """The tensor-parallel degree T (1 without a tp dim)."""
-        return self.device_mesh.size(2) if self.has_tp else 1  # type: ignore[union-attr]
+        owner = self._tp_owner
+        return owner.size(owner.ndim - 1) if owner is not None else 1
 
     @property
     def shard_rank(self) -> int:
@@ -170,7 +184,8 @@ class HSDPMesh:
     @property
     def tp_rank(self) -> int:
         """This rank's index in its tensor-parallel group (0 without a tp dim)."""
-        return self.device_mesh.get_local_rank("tp") if self.has_tp else 0  # type: ignore[union-attr]
+        owner = self._tp_owner
+        return owner.get_local_rank("tp") if owner is not None else 0
 
     @property
     def rank(self) -> int:
@@ -266,8 +281,11 @@ def init_mesh(
     rank) unless ``allow_cross_node_shards``: a *heterogeneous* mesh, for nodes of different sizes or memory.
     Under torchrun with nodes of different sizes (``--nproc-per-node`` differing per node) and no degree
     given, the default is one replica per node. Every replica is evenly sharded inside; the gradient of each
-    row is averaged over one rank per replica (``replica_layer.py``). Tensor parallelism, the replica-sharded
-    optimizer and the int8 hop are refused on such a mesh (``ValueError``); equal entries make a grid.
+    row is averaged over one rank per replica (``replica_layer.py``). The replica-sharded optimizer and the
+    int8 hop are refused on such a mesh (``ValueError``); equal entries make a grid. With
+    ``tensor_parallel_degree=T`` the list counts data-parallel positions of T adjacent ranks each
+    (``[2, 1]`` with T = 2: ranks 0-3 and 4-5), summing to the world size / T; every replica has the same T,
+    and its pieces are reduced per tp coordinate.
 
     ``tensor_parallel_degree=T`` (``None``: no tp dim) builds a 3-D mesh ``("replicate", "shard", "tp")`` with
     the T ranks of a tensor-parallel group adjacent; T must divide the ranks per node, and S x T may exceed
@@ -288,18 +306,18 @@ def init_mesh(
     if elastic:
         return _elastic_mesh(sharding_degree, tensor_parallel_degree, device_mesh, coordinator, timeout, fault_policy,
                              elastic if isinstance(elastic, ElasticPolicy) else ElasticPolicy())
-    listed = check_degree_list(sharding_degree, tensor_parallel_degree, device_mesh)
+    listed = check_degree_list(sharding_degree, device_mesh)
     if device_mesh is not None:
         return _from_user_mesh(device_mesh, sharding_degree, tensor_parallel_degree, fault_policy)
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
         if world_size is not None and listed is not None:
-            check_degrees(listed, world_size)
+            check_degrees(listed, data_parallel_world(world_size, tensor_parallel_degree))
         elif world_size is not None and (sharding_degree is not None or tensor_parallel_degree is not None):
             mesh_shape(world_size, sharding_degree, tensor_parallel_degree, allow_cross_node_shards)
         _init_process_group(timeout)
     if listed is not None:
-        check_degrees(listed, dist.get_world_size())
+        check_degrees(listed, data_parallel_world(dist.get_world_size(), tensor_parallel_degree))
     device_type = device_type_for(str(dist.get_backend()), torch.cuda.is_available())
     if device_type == "cuda" and "LOCAL_RANK" in os.environ:
         # Also when the caller created the process group: each rank's collectives and tensors on its own GPU.
@@ -308,7 +326,8 @@ def init_mesh(
     watch_launcher(watchdog)  # a rank whose launcher dies ends too (hsdp.engine.faults.launcher)
     degrees = _replica_degrees(listed, sharding_degree, tensor_parallel_degree, allow_cross_node_shards)
     if degrees is not None and not is_regular(degrees):
-        return HSDPMesh(None, watchdog, layer=heterogeneous_layer(degrees, dist.get_rank(), device_type))
+        layer = heterogeneous_layer(degrees, dist.get_rank(), device_type, tensor_parallel_degree or 1)
+        return HSDPMesh(None, watchdog, layer=layer)
     degree = degrees[0] if degrees is not None else sharding_degree
     shape = mesh_shape(dist.get_world_size(), degree, tensor_parallel_degree, allow_cross_node_shards)
     names = MESH_DIM_NAMES if len(shape) == 2 else TP_MESH_DIM_NAMES
@@ -357,8 +376,7 @@ def _from_user_mesh(device_mesh: DeviceMesh, sharding_degree: int | None, tp_deg
     return HSDPMesh(mesh.device_mesh, watchdog)
 
 
-def check_degree_list(sharding_degree: ShardingDegree | None, tp_degree: int | None,
-                      device_mesh: DeviceMesh | None) -> tuple[int, ...] | None:
+def check_degree_list(sharding_degree: ShardingDegree | None, device_mesh: DeviceMesh | None) -> tuple[int, ...] | None:
     """A list of per-replica degrees as a tuple (``None`` for an int or nothing), refusing what it cannot be
     combined with: before any collective."""
     if not isinstance(sharding_degree, list | tuple):
@@ -367,10 +385,6 @@ def check_degree_list(sharding_degree: ShardingDegree | None, tp_degree: int | N
     validate_degrees(degrees)
     if is_regular(degrees):
         return degrees
-    if tp_degree not in (None, 1) and refused(Feature.HETEROGENEOUS, Feature.TENSOR_PARALLEL):
-        raise ValueError(f"tensor_parallel_degree={tp_degree} with replicas of different shard degrees "
-                         f"(sharding_degree={list(degrees)}) is not supported: give every replica the same degree, "
-                         f"or drop tensor parallelism")
     if device_mesh is not None:
         raise ValueError(f"sharding_degree={list(degrees)} describes replicas of different sizes, which no "
                          f"DeviceMesh grid can: pass either the list or device_mesh, not both")
@@ -385,12 +399,35 @@ def _replica_degrees(listed: tuple[int, ...] | None, sharding_degree: ShardingDe
     env = os.environ
     if listed is not None:
         nodes = gather_node_sizes() if "LOCAL_WORLD_SIZE" in env and not allow_cross_node_shards else None
-        return check_degrees(listed, dist.get_world_size(), nodes, allow_cross_node_shards)
+        t = tp_degree or 1
+        return check_degrees(listed, data_parallel_world(dist.get_world_size(), t),
+                             None if nodes is None else positions_per_node(nodes, t), allow_cross_node_shards)
     if sharding_degree is not None or tp_degree is not None or env.get(SHARDING_DEGREE_ENV) \
             or "LOCAL_WORLD_SIZE" not in env or int(env["LOCAL_WORLD_SIZE"]) == dist.get_world_size():
         return None
     nodes = gather_node_sizes()
     return None if is_regular(nodes) else default_degrees(nodes)
+
+
+def data_parallel_world(world_size: int, tp_degree: int | None) -> int:
+    """The data-parallel positions of a world whose tensor-parallel groups are ``tp_degree`` adjacent ranks:
+    what a list of per-replica shard degrees sums to. ``ValueError`` (before any collective) when T does not
+    divide the world."""
+    t = tp_degree or 1
+    if t < 1 or world_size % t:
+        raise ValueError(f"tensor_parallel_degree={tp_degree} does not divide the world size {world_size}: every "
+                         f"tensor-parallel group is {t} adjacent ranks")
+    return world_size // t
+
+
+def positions_per_node(node_sizes: Sequence[int], tp_degree: int) -> tuple[int, ...]:
+    """Ranks per node counted in tensor-parallel groups (a node holds whole groups: T must divide its ranks),
+    the unit the per-replica shard degrees count in. The same ``ValueError`` on every rank (after the node
+    sizes' all-gather)."""
+    if any(n % tp_degree for n in node_sizes):
+        raise ValueError(f"tensor_parallel_degree={tp_degree} does not divide the ranks of every node "
+                         f"({list(node_sizes)}): a tensor-parallel group must stay inside a node")
+    return tuple(n // tp_degree for n in node_sizes)
 
 
 def check_degree_agrees(sharding_degree: int | None, mesh: HSDPMesh) -> None:

@@ -123,7 +123,6 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
     # Every check above and here runs before the first collective below.
     _check_meta(assignments)  # devices need no check: every non-meta parameter goes to the mesh's device
     check_tp_params([(a.slots[0].fqn, a.param) for a in assignments], mesh)
-    _check_tp_options(mesh, options)
     _check_replica_options(mesh, options)
 
     comm = Comm(mesh)
@@ -177,15 +176,6 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
         )
 
 
-def _check_tp_options(mesh: HSDPMesh, options: UnitOptions) -> None:
-    """What tensor parallelism does not compose with yet, refused before any collective."""
-    if mesh.tp_degree == 1:
-        return
-    if options.shard_optimizer_across_replicas and refused(Feature.TENSOR_PARALLEL, Feature.SLICED_OPTIMIZER):
-        raise ValueError("shard_optimizer_across_replicas is not supported with tensor parallelism yet: turn it "
-                         "off, or use tensor_parallel_degree=1")
-
-
 def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
     """What replicas of different shard degrees, or elastic ones, do not compose with yet, refused before any
     collective."""
@@ -210,13 +200,25 @@ def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.devi
     out = [p.to_local() if isinstance(p, DTensor) else p for p in params]
     split = [i for i, p in enumerate(params) if isinstance(p, DTensor) and isinstance(p.placements[0], Shard)]
     whole = [i for i in range(len(params)) if i not in set(split)]
-    for indices, groups in ((whole, ("world",)), (split, ("replicate", "shard"))):
-        values = [out[i] for i in indices]
-        for group in groups:
-            values = _broadcast_from_rank0(comm, values, device, group)
-        for i, v in zip(indices, values, strict=True):
-            out[i] = v
+    for i, v in zip(whole, _broadcast_from_rank0(comm, [out[i] for i in whole], device, "world"), strict=True):
+        out[i] = v
+    values = _broadcast_from_rank0(comm, _across_replicas(comm, [out[i] for i in split], device), device, "shard")
+    for i, v in zip(split, values, strict=True):
+        out[i] = v
     return out
+
+
+def _across_replicas(comm: Comm, values: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Replica 0's values on shard rank 0 of every replica, per tp coordinate: the grid's ``"replicate"`` group;
+    on replicas of different shard degrees the position group of shard rank 0 (``FixedLayer``, one per tp
+    coordinate), which the other shard ranks are not in (the shard broadcast after this reaches them)."""
+    mesh = comm.mesh
+    if not mesh.heterogeneous:
+        return _broadcast_from_rank0(comm, values, device, "replicate")
+    if mesh.shard_rank != 0:
+        return values
+    # The group's ranks are in replica order: replica 0's is its rank 0.
+    return _broadcast_from_rank0(comm.replica_view((0,) * mesh.replicate_degree), values, device, "replicate")
 
 
 def _own_buffers(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:

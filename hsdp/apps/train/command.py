@@ -122,12 +122,18 @@ def layout_problem(config: RunConfig) -> str | None:
 
     nodes, per_node, degree = config.parallel.nodes, config.parallel.nproc_per_node, config.parallel.sharding_degree
     world = f"the world is parallel.nodes x parallel.nproc_per_node = {nodes} x {per_node}"
-    if isinstance(degree, tuple):
-        if sum(degree) != nodes * per_node:
-            return (f"parallel.sharding_degree = {list(degree)} covers {sum(degree)} ranks (one degree per replica, "
-                    f"in rank order), but {world} = {nodes * per_node}: make the degrees sum to {nodes * per_node}")
-        return weights_problem(config, list(degree))
     tp = config.parallel.tensor_parallel
+    if isinstance(degree, tuple):
+        if per_node % tp:
+            return f"parallel.tensor_parallel = {tp} does not divide parallel.nproc_per_node = {per_node}"
+        # With tensor parallelism a degree counts data-parallel positions of tp adjacent ranks each.
+        positions = nodes * per_node // tp
+        if sum(degree) != positions:
+            groups = f" tensor-parallel groups of {tp}" if tp > 1 else " ranks"
+            return (f"parallel.sharding_degree = {list(degree)} covers {sum(degree) * tp} ranks (one degree per "
+                    f"replica, in rank order, counting{groups}), but {world} = {nodes * per_node}: make the degrees "
+                    f"sum to {positions}")
+        return weights_problem(config, list(degree))
     if tp > 1:
         readers = nodes * (per_node // tp)  # data-parallel ranks: a tensor-parallel group reads one batch
         shard = degree or per_node // tp

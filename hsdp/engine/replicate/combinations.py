@@ -103,8 +103,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.HETEROGENEOUS, F.DILOCO): _supported(
         "tests/test_diloco_compose.py::test_diloco_on_degrees_2_1_equals_two_simulated_workers",
         "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1"),
-    (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _refused("the piece reduction does not cut tensor-parallel shards yet",
-                                                   "tests/test_hetero_mesh.py::test_lists_refused_before_any_process"),
+    (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _supported(
+        "tests/test_tp_hetero.py::test_tp_on_heterogeneous_replicas_matches_one_process"),
     (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _refused("the replicas' slices of a shard are cut by one degree",
                                                     _HETERO_TEST),
     (F.HETEROGENEOUS, F.INT8_HOP): _supported(
@@ -137,9 +137,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.DILOCO, F.BATCH_WEIGHTS): _supported(
         "tests/test_diloco_compose.py::test_diloco_with_batch_weights_weighs_each_replica_by_its_samples",
         "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1"),
-    (F.TENSOR_PARALLEL, F.SLICED_OPTIMIZER): _refused(
-        "the replica slices are not cut on the tensor-parallel mesh yet",
-        "tests/test_tensor_parallel.py::test_what_tensor_parallelism_does_not_support_yet_is_refused_naming_the_fix"),
+    (F.TENSOR_PARALLEL, F.SLICED_OPTIMIZER): _supported(
+        "tests/test_tensor_parallel.py::test_optimizer_sharded_across_replicas_under_tensor_parallel_matches_one_process"),
     (F.TENSOR_PARALLEL, F.INT8_HOP): _supported(
         "tests/test_tensor_parallel.py::test_compressed_hops_under_tensor_parallel_stay_consistent_and_int8_residuals_"
         "checkpoint"),

@@ -11,7 +11,9 @@ replica. Two shapes share the object:
 * *heterogeneous* replicas (``init_mesh(sharding_degree=[2, 1])``): the replicas' dim-0 chunks differ, so a
   rank's rows are cut into pieces (``pieces.py``), each held by a different tuple of ranks, and the
   layer holds one process group per holder tuple. Groups are created on every rank in one sorted order
-  (:meth:`ensure_groups`), as ``torch.distributed.new_group`` requires.
+  (:meth:`ensure_groups`), as ``torch.distributed.new_group`` requires. With tensor parallelism (the same
+  degree T in every replica) each holder tuple is T groups, one per tp coordinate: the pieces of a TP-local
+  tensor are reduced among the ranks holding that same tensor-parallel piece.
 
 Code that reduces across replicas asks the layer for the group of a holder tuple (:meth:`group`): on a grid
 that is always the ``"replicate"`` group, so the regular mesh is the special case, not a second path.
@@ -23,10 +25,11 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.engine.replicate.degrees import replica_starts
+from hsdp.engine.replicate.degrees import replica_of_rank, replica_starts
 from hsdp.engine.replicate.layer import Heal, Holders, StepRecord
 from hsdp.engine.replicate.pieces import global_ranks, position_groups
 from hsdp.engine.store_exchange import exchange
@@ -42,6 +45,11 @@ class FixedLayer:
     shard_rank: int
     shard_group: dist.ProcessGroup = field(compare=False, repr=False)
     param_mesh: DeviceMesh = field(compare=False, repr=False)
+    # Heterogeneous replicas with tensor parallelism: every replica has T tp ranks per shard rank, and the
+    # pieces are reduced per tp coordinate (over the ranks of this rank's coordinate only). A grid keeps 1 / 0:
+    # its replicate groups are the DeviceMesh's, already per tp coordinate.
+    tp_degree: int = 1
+    tp_rank: int = 0
     # Holder tuple -> group, for the tuples this rank belongs to (a grid: its own position's replicate group).
     _groups: dict[Holders, dist.ProcessGroup] = field(default_factory=dict, compare=False, repr=False)
     # Every tuple created so far, members or not (new_group must be called for each on every rank once).
@@ -123,15 +131,16 @@ class FixedLayer:
     def ensure_groups(self, tuples: Iterable[Holders]) -> None:
         """Create the groups of ``tuples`` not created yet, in sorted order. A collective over the world:
         every rank calls it with the same tuples (they come from the model's shapes, the same everywhere).
-        A no-op on a grid, whose groups are the mesh's."""
+        A no-op on a grid, whose groups are the mesh's. With tensor parallelism a tuple is one group per tp
+        coordinate (the same rows of the same tensor-parallel piece); this rank keeps its own coordinate's."""
         if self.regular:
             return
         for holders in sorted(set(tuples) - self._created):
-            ranks = list(global_ranks(holders, self.degrees))
-            group = dist.new_group(ranks)
+            for t in range(self.tp_degree):
+                group = dist.new_group(list(global_ranks(holders, self.degrees, self.tp_degree, t)))
+                if holders[self.index] == self.shard_rank and t == self.tp_rank:
+                    self._groups[holders] = group
             self._created.add(holders)
-            if holders[self.index] == self.shard_rank:
-                self._groups[holders] = group
 
 
     # -- lifecycle (layer.py): every replica takes part in every step, so every step is applied -------------
@@ -180,17 +189,38 @@ def gather_node_sizes() -> tuple[int, ...]:
     return tuple(size for local, size in everyone if local == 0)
 
 
-def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str) -> FixedLayer:
+def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str, tp_degree: int = 1) -> FixedLayer:
     """The layer of replicas of ``degrees`` (consecutive rank ranges): one shard group per replica, created
     on every rank in replica order, and this rank's replica mesh over its group (``DeviceMesh.from_group``).
-    A collective over the world; ``degrees`` validated by the caller (``replica_degrees.check_degrees``)."""
-    index, shard_rank, mine = -1, -1, None
-    for q, (start, d) in enumerate(zip(replica_starts(degrees), degrees, strict=True)):
-        group = dist.new_group(list(range(start, start + d)))
-        if start <= rank < start + d:
-            index, shard_rank, mine = q, rank - start, group
-    assert mine is not None, f"rank {rank} is outside sharding_degree={list(degrees)}"
-    param_mesh = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("shard",))
-    layer = FixedLayer(degrees, index, shard_rank, mine, param_mesh)
+    A collective over the world; ``degrees`` validated by the caller (``replica_degrees.check_degrees``).
+
+    With ``tp_degree`` T every data-parallel position is T adjacent ranks (``mesh.py``'s layout: replica ``q``
+    holds ranks ``[start_q x T, (start_q + d_q) x T)``, shard rank ``s`` and tp rank ``t`` at
+    ``(start_q + s) x T + t``): a replica has T shard groups (one per tp coordinate) and d_q tp groups, and its
+    mesh is the 2-D ``("shard", "tp")`` one FSDP2 + TP shards on."""
+    t_deg = tp_degree
+    index, shard_rank = replica_of_rank(rank // t_deg, degrees)
+    tp_rank = rank % t_deg
+    shard_mine = tp_mine = None
+    for start, d in zip(replica_starts(degrees), degrees, strict=True):
+        for t in range(t_deg):  # the shard groups, one per tp coordinate
+            ranks = [(start + s) * t_deg + t for s in range(d)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                shard_mine = group
+    if t_deg > 1:
+        for position in range(sum(degrees)):  # the tp groups: the T adjacent ranks of a data-parallel position
+            group = dist.new_group(list(range(position * t_deg, (position + 1) * t_deg)))
+            if position == rank // t_deg:
+                tp_mine = group
+    assert shard_mine is not None, f"rank {rank} is outside sharding_degree={list(degrees)}"
+    if tp_mine is None:
+        param_mesh = DeviceMesh.from_group(shard_mine, device_type, mesh_dim_names=("shard",))
+    else:
+        first = replica_starts(degrees)[index] * t_deg
+        grid = torch.arange(first, first + degrees[index] * t_deg).view(degrees[index], t_deg)
+        param_mesh = DeviceMesh.from_group([shard_mine, tp_mine], device_type, mesh=grid,
+                                           mesh_dim_names=("shard", "tp"))
+    layer = FixedLayer(degrees, index, shard_rank, shard_mine, param_mesh, t_deg, tp_rank)
     layer.ensure_groups(position_groups(degrees))  # every unit reduces its flags there
     return layer

@@ -78,7 +78,10 @@ def position_groups(degrees: tuple[int, ...]) -> list[tuple[int, ...]]:
     return sorted({tuple(j % d for d in degrees) for j in range(max(degrees))})
 
 
-def global_ranks(holders: tuple[int, ...], degrees: tuple[int, ...]) -> tuple[int, ...]:
-    """Global ranks of a holder tuple: replicas occupy consecutive rank ranges in order."""
+def global_ranks(holders: tuple[int, ...], degrees: tuple[int, ...], tp_degree: int = 1,
+                 tp_rank: int = 0) -> tuple[int, ...]:
+    """Global ranks of a holder tuple: replicas occupy consecutive rank ranges in order. With tensor parallelism
+    of degree ``T`` every data-parallel position is ``T`` adjacent ranks, and a holder tuple names the ranks of one
+    tp coordinate ``tp_rank``: they hold the same tensor-parallel piece of every parameter."""
     starts = [sum(degrees[:q]) for q in range(len(degrees))]
-    return tuple(s + h for s, h in zip(starts, holders, strict=True))
+    return tuple((s + h) * tp_degree + tp_rank for s, h in zip(starts, holders, strict=True))

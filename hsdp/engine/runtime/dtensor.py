@@ -172,10 +172,10 @@ def as_slice_state(value: Any, layout: ShardLayout, piece: SliceLayout, device_m
     if isinstance(value, DTensor) and tuple(value.placements) == piece.placements \
             and tuple(value.to_local().shape) == piece.local_shape and value.device_mesh == device_mesh:
         return value
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) != layout.global_shape:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) != layout.dtensor_shape:
         return value
     chunk = local_chunk(value, layout)
-    return to_sharded_dtensor(piece.of_chunk(chunk).clone(), device_mesh, layout.global_shape, piece.placements)
+    return to_sharded_dtensor(piece.of_chunk(chunk).clone(), device_mesh, layout.dtensor_shape, piece.placements)
 
 
 def _chunked_as_hsdp(value: DTensor, layout: ShardLayout, device_mesh: DeviceMesh) -> bool:

@@ -14,6 +14,11 @@ and row order, then the tail), so one collective per bucket reduces it; buckets 
 order on every rank, one global order, so groups that share ranks cannot deadlock (a NCCL stream runs its
 collectives in issue order).
 
+Tensor parallelism (every replica of the same tp degree): tp rank ``t`` of every replica holds the same
+tensor-parallel piece of each parameter, so the plan is this TP-local piece's, its buckets reduced over the
+holders of coordinate ``t`` only (``FixedLayer.group``); a piece TP split unevenly along dim 0 has its own rows
+per coordinate, and so its own plan.
+
 Math: the reduce-scatter averaged over the ``d_r`` ranks of this replica only, so the slot is first multiplied
 by ``d_r x R / W`` (``FixedLayer.scale``); the replicate average then yields the average over all ``W`` ranks,
 the same weighted mean a grid computes. Pure: built once per unit at wrap time.
@@ -22,6 +27,8 @@ the same weighted mean a grid computes. Pure: built once per unit at wrap time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from torch.distributed.tensor import Shard
 
 from hsdp.engine.replicate.fixed import FixedLayer, Holders
 from hsdp.engine.replicate.pieces import chunk_rows, pieces, pieces_of_rank, position_groups
@@ -52,12 +59,24 @@ class PiecePlan:
 
 
 def holder_tuples(layouts: list[ShardLayout], degrees: tuple[int, ...]) -> set[Holders]:
-    """Every holder tuple a unit of ``layouts`` reduces over, on any rank: the groups to create at wrap."""
+    """Every holder tuple a unit of ``layouts`` reduces over, on any rank (every tp coordinate's too: the
+    groups are created on every rank alike): the groups to create at wrap."""
     tuples = set(position_groups(degrees))
     for layout in layouts:
         if not layout.replicated:
-            tuples.update(p.holders for p in pieces(layout.rows, degrees))
+            for rows in tp_local_rows(layout):
+                tuples.update(p.holders for p in pieces(rows, degrees))
     return tuples
+
+
+def tp_local_rows(layout: ShardLayout) -> set[int]:
+    """The dim-0 sizes of the parameter's tensor-parallel pieces on every tp rank: its rows, unless tensor
+    parallelism split dim 0 unevenly (``torch.chunk`` pieces: the last tp ranks may hold fewer rows)."""
+    tp = layout.tp
+    if tp is None or tp.placement != Shard(0):
+        return {layout.rows}
+    rows, chunk = tp.full_shape[0], -(-tp.full_shape[0] // tp.degree)
+    return {max(0, min(chunk, rows - t * chunk)) for t in range(tp.degree)}
 
 
 def plan_pieces(layouts: list[ShardLayout], offsets: list[int], n_extra: int, slot_numel: int,

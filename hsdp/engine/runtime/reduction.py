@@ -250,19 +250,22 @@ class Reduction:
         hop_dtype = unit.policy.reduce(self.params[0].dtype)  # a sync after fp32 partial sums: back to it
         if self.output.dtype != hop_dtype:
             self._set_output(self.output.to(hop_dtype))
-        # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces.
-        if _slices(self.params) is None and unit.tp_replicated and unit.hop.state_dict() is None:
-            self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
-        elif _slices(self.params) is None:
+        if _slices(self.params) is not None:
+            self._handle = self._start_scatter()
+        else:
             # Nothing crosses replicas under DiLoCo (NoHop): the replica's own average, no pieces, no pre-scale.
+            # A grid has no plan: the whole slot is one hop over the "replicate" group. Replicas of different
+            # degrees reduce pieces, per tp coordinate under tensor parallelism.
             plan = None if isinstance(unit.hop, NoHop) else plan_of(
                 unit.comm, self.params, slot_offsets(self.params), self.n_extra, self.output.numel() - self.n_extra,
                 unit.piece_plans)
-            # A grid has no plan: the whole slot is one hop over the "replicate" group.
-            self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key) if plan is None \
-                else start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)
-        else:
-            self._handle = self._start_scatter()
+            if plan is not None:
+                self._handle = start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)
+            # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces.
+            elif unit.tp_replicated and unit.hop.state_dict() is None:
+                self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
+            else:
+                self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key)
         self.stage = Stage.REPLICA_HOP
 
     def _start_scatter(self) -> Handle:

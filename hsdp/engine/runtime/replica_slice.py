@@ -88,13 +88,22 @@ class SliceLayout:
         return 1 if self.replicated else self.local_rows() * self.shard.row_numel
 
     @property
-    def placements(self) -> tuple[Placement, Placement]:
-        """DTensor placements of a slice on the ``("replicate", "shard")`` mesh."""
+    def placements(self) -> tuple[Placement, ...]:
+        """DTensor placements of a slice on the ``("replicate", "shard")`` mesh, or ``("replicate", "shard", "tp")``
+        with tensor parallelism: the replicas split this rank's chunk of its TP piece last, so their dim-0
+        split is strided by every split of dim 0 made before it (the shard ranks', and the tp ranks' for a TP
+        ``Shard(0)``)."""
+        tp = self.shard.tp
+        if tp is None:
+            if self.replicated:
+                return (Replicate(), Replicate())
+            if self.shard.sharding_degree == 1:
+                return (Shard(0), Replicate())
+            return (_StridedShard(0, split_factor=self.shard.sharding_degree), Shard(0))
         if self.replicated:
-            return (Replicate(), Replicate())
-        if self.shard.sharding_degree == 1:
-            return (Shard(0), Replicate())
-        return (_StridedShard(0, split_factor=self.shard.sharding_degree), Shard(0))
+            return (Replicate(), *self.shard.placements)
+        factor = self.shard.sharding_degree * (tp.degree if tp.placement == Shard(0) else 1)
+        return (Shard(0) if factor == 1 else _StridedShard(0, split_factor=factor), *self.shard.placements)
 
     def of_chunk(self, chunk: torch.Tensor) -> torch.Tensor:
         """This replica's slice of a tensor shaped like the shard chunk (a view)."""
