@@ -6,7 +6,8 @@ on the loopback otherwise). ``tests/programs/elastic_worker.py`` is the training
 incarnation, node 2's ranks die in backward (SIGKILL), or its rank 0 is stopped (SIGSTOP; rank 1's watchdog
 then ends the replica, the store rank 0 hosts no longer answering; that case also accumulates two
 micro-batches per step, the hop deferred to the last); its torchrun restarts it (a stopped rank after
-torchrun's 30 s SIGTERM grace), with no checkpoint. Checked:
+torchrun's SIGTERM, which a helper process lets it take at once instead of after torchrun's 30 s grace), with no
+checkpoint. Checked:
 
 - the survivors discard the interrupted step (``model.last_step.committed`` False, on both) and commit their
   next step within 10 s of the fault (the replicate groups' own timeout is 60 s: a stopped peer's collective

@@ -25,6 +25,7 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -42,6 +43,31 @@ ACCUM = int(os.environ.get("ELASTIC_ACCUM", "1"))  # micro-batches per step
 STARVE_S = 6.0  # above the coordinator's heartbeat timeout (4 s in tests/test_elastic.py), below the watchdog's
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
+
+
+# Watches a stopped process and continues it once a SIGTERM is pending (Linux: bit 15 of ShdPnd/SigPnd), so that
+# it ends at once when torchrun stops the failed replica, instead of after torchrun's fixed 30 s grace for workers
+# that ignore SIGTERM: the test's point is what the other replicas do meanwhile, not torchrun's grace.
+_RESUMER = """
+import os, signal, sys, time
+pid, path = int(sys.argv[1]), f"/proc/{sys.argv[1]}/status"
+for _ in range(12000):
+    try:
+        fields = dict(line.split(":", 1) for line in open(path))
+    except (OSError, ValueError):
+        break
+    if fields.get("State", "").strip().startswith(("Z", "X")):
+        break
+    if any(int(fields.get(k, "0"), 16) & (1 << (signal.SIGTERM - 1)) for k in ("ShdPnd", "SigPnd")):
+        os.kill(pid, signal.SIGCONT)
+        break
+    time.sleep(0.01)
+"""
+
+
+def _resume_when_terminated(pid: int) -> None:
+    # Its own session: torchrun signals the worker's whole process group, which would end the resumer first.
+    subprocess.Popen([sys.executable, "-c", _RESUMER, str(pid)], start_new_session=True)
 
 
 def main() -> None:
@@ -77,6 +103,7 @@ def main() -> None:
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault == "stop" and rank == int(os.environ.get("ELASTIC_STOP_RANK", "0")):
+                _resume_when_terminated(os.getpid())
                 os.kill(os.getpid(), signal.SIGSTOP)
 
     model.blocks[1].register_full_backward_pre_hook(die)
