@@ -22,7 +22,8 @@ _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z
 _DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 _BINARY = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 # tc's spellings (sec, msec, usec) and the short ones; the message names only the short ones.
-_SECONDS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6, "ns": 1e-9}
+_SECONDS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6, "ns": 1e-9,
+            "min": 60.0, "h": 3600.0, "d": 86400.0}  # the long ones for failure and checkpoint intervals
 _BINARY_SIZES = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 _DECIMAL_SIZES = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 _RATE_PREFIXES = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
@@ -102,7 +103,7 @@ def parse_duration(text: str | float | int) -> float:
     if unit == "" and value == 0:
         return 0.0
     if unit.lower() not in _SECONDS:
-        raise ValueError(f"duration {text!r}: unknown unit {unit!r}; use one of s, ms, us, ns, e.g. '5us'")
+        raise ValueError(f"duration {text!r}: unknown unit {unit!r}; use one of d, h, min, s, ms, us, ns, e.g. '5us'")
     return value * _SECONDS[unit.lower()]
 
 

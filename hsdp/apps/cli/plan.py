@@ -10,6 +10,7 @@ from dataclasses import replace
 from hsdp.apps.cli.helptext import RATE_UNITS, HelpFormatter
 from hsdp.tools.planner.cluster import ClusterSpec
 from hsdp.tools.planner.diloco import WIRE_BYTES, DiLoCoEstimate, DiLoCoOptions, diloco_estimates
+from hsdp.tools.planner.goodput_plan import RecoveryTimes, goodput_title, layout_goodput, print_goodput
 from hsdp.tools.planner.hetero import NODES_SPELLING, HeteroPlan, is_node_list, make_hetero_plan, parse_node_groups
 from hsdp.tools.planner.model import ComputeProfile, ModelSpec, TransformerShape, transformer
 from hsdp.tools.planner.options import PRECISIONS, REPLICATE_DTYPES, SYNC_MODES, TrainOptions, precision
@@ -51,6 +52,14 @@ intra-node links: {", ".join(sorted(INTRA_LINKS))} (or a rate: 450GB/s)
 inter-node links (per NIC; 8xib400 = eight per node): {", ".join(sorted(INTER_LINKS))} (or a rate per node)
 models: 125m 350m 1.3b 7b 13b 70b and the hsdp.models GPT presets (gpt2-124m, small, bench, ...)
 """
+
+
+# --node-mtbf's companions: (flag, default, what it is), read into goodput_plan.RecoveryTimes.
+_RECOVERY_FLAGS = (("--restart-time", "10min", "a restart of the whole job from its last checkpoint"),
+                   ("--checkpoint-every", "Young's interval for the save time", "training time between checkpoints"),
+                   ("--checkpoint-save", "30s", "how long a checkpoint save blocks training"),
+                   ("--rejoin-time", "2min", "an elastic replica's restart and heal, until it trains again"),
+                   ("--recovery-stall", "3s", "the survivors' pause when an elastic replica fails"))
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,6 +125,12 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="with --diloco-every: Streaming DiLoCo, the model synced in F fragments at staggered steps")
     p.add_argument("--diloco-delay", type=int, default=0, metavar="TAU",
                    help="with --diloco-every: inner steps a fragment's all-reduce runs behind before it lands")
+    p.add_argument("--node-mtbf", default=None, metavar="DURATION",
+                   help="mean time between failures of one node, e.g. 6000h: adds each layout's goodput (the "
+                        "fraction of wall time that trains) restarting from checkpoints, with elastic replicas and "
+                        "with elastic DiLoCo")
+    for flag, default, what in _RECOVERY_FLAGS:
+        p.add_argument(flag, default=None, metavar="DURATION", help=f"with --node-mtbf: {what} (default {default})")
     p.add_argument("--plot", metavar="FILE", help="write memory and step time against shard degree (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': stdout, no table)")
     p.set_defaults(func=run_plan)
@@ -261,6 +276,20 @@ def build_diloco(args: argparse.Namespace, plan: Plan) -> tuple[DiLoCoEstimate, 
     return diloco_estimates(plan.layouts, plan.model, plan.cluster, plan.options, diloco, profile, plan.memory_limit)
 
 
+def recovery_times(args: argparse.Namespace) -> RecoveryTimes | None:
+    """The ``--node-mtbf`` flags (``None`` without it; ``ValueError`` for its companions alone)."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _RECOVERY_FLAGS}
+    if args.node_mtbf is None:
+        alone = [flag for flag, value in given.items() if value is not None]
+        if alone:
+            raise ValueError(f"{alone[0]} is read only with --node-mtbf DURATION: add it, or drop {alone[0]}")
+        return None
+    names = {"--restart-time": "restart_s", "--checkpoint-every": "checkpoint_every_s",
+             "--checkpoint-save": "save_s", "--rejoin-time": "rejoin_s", "--recovery-stall": "stall_s"}
+    return RecoveryTimes(parse_duration(args.node_mtbf),
+                         **{names[flag]: parse_duration(v) for flag, v in given.items() if v is not None})
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Execute a parsed ``hsdp plan``: 0, or 2 with the fix on bad arguments."""
     from hsdp.tools.planner.render import dump_json, print_plan
@@ -272,11 +301,17 @@ def run_plan(args: argparse.Namespace) -> int:
             args = _single_type(args)
         plan = build_plan(args)
         diloco = build_diloco(args, plan)
+        times = recovery_times(args)
+        goodput = None if times is None else layout_goodput(plan.layouts, plan.cluster.nodes,
+                                                            plan.cluster.gpus_per_node, times, diloco)
     except ValueError as e:
         print(f"hsdp plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         extra = {} if diloco is None else {"diloco": _diloco_dict(args, diloco)}
+        if goodput is not None:
+            extra["goodput"] = {"title": goodput_title(times, plan.cluster.nodes),
+                                "layouts": [g.as_dict() for g in goodput]}
         dump_json({**plan.as_dict(), **extra}, args.json)
     if args.json != "-":
         print_plan(plan)
@@ -284,6 +319,8 @@ def run_plan(args: argparse.Namespace) -> int:
             from hsdp.tools.planner.diloco_render import print_diloco
 
             print_diloco(diloco, plan.best, diloco_options(args), plan.cluster.inter_bandwidth)
+        if goodput is not None:
+            print_goodput(goodput, plan.best, goodput_title(times, plan.cluster.nodes))
     if args.plot:
         from hsdp.tools.planner.plot import plot_plan
 
