@@ -167,6 +167,94 @@ def test_a_job_that_lost_every_replica_says_to_start_again_from_a_checkpoint(
     assert coord.state.stopped and not coord.state.completed
 
 
+# A heartbeat timeout far above what the probes take: what a probe decides shows in the timing.
+PATIENT = ElasticPolicy(heartbeat_interval=0.05, heartbeat_timeout=4.0, connect_timeout=2.0, join_timeout=20.0)
+
+
+@pytest.fixture(scope="module")
+def patient_store() -> Iterator[dist.TCPStore]:
+    # One store for these tests, a job each (as jobs share a coordinator): starting a store server per test
+    # in one process now and then leaves a new client's connect waiting seconds on a busy machine.
+    yield dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+@pytest.fixture()
+def patient(patient_store: dist.TCPStore, request: pytest.FixtureRequest) -> Iterator[tuple[str, Coordinator]]:
+    job = f"patient-{request.node.name}"
+    coord = Coordinator(patient_store, job, replicas=3, policy=PATIENT)
+    stop = threading.Event()
+    thread = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{patient_store.port}", coord
+    ReplicaClient.close_all()
+    stop.set()
+    thread.join()
+
+
+def _started(address: str, job: str) -> dict[int, ReplicaClient]:
+    clients = {}
+    for r in range(3):
+        clients[r] = ReplicaClient(connect(address, job, PATIENT), address, job, r, 0, PATIENT)
+        clients[r].register(degree=2)
+        clients[r].ready()
+    for c in clients.values():
+        c.admitted()
+    _vote_all(clients, 0)
+    assert clients[0].decision(0)
+    return clients
+
+
+@pytest.mark.parametrize("when", ["in the hop", "between steps"])
+def test_a_dead_replica_is_dropped_at_the_coordinators_probe_not_after_the_heartbeat_timeout(
+        patient: tuple[str, Coordinator], when: str) -> None:
+    address, coord = patient
+    clients = _started(address, coord.job)
+    for c in clients.values():
+        c.want(1)
+    assert clients[0].quorum(1).members == (0, 1, 2)
+    live = {r: clients[r] for r in (0, 1)}
+    if when == "in the hop":  # its peers' reduction breaks: they vote so, and the coordinator probes everyone
+        clients[2].close()  # SIGKILL: its liveness ports close with the process
+        died = time.monotonic()
+        for c in live.values():
+            c.vote(1, False, "connection reset by peer")
+            c.vote(1, True)
+        assert clients[0].decision(1) is False
+    else:  # it dies after voting: the others ask for the next step and it never does
+        _vote_all(clients, 1)
+        assert clients[0].decision(1) is True
+        clients[2].close()
+        died = time.monotonic()
+    for c in live.values():
+        c.want(2)
+    assert clients[0].quorum(2).members == (0, 1)
+    waited = time.monotonic() - died
+    assert waited < 1.0 < PATIENT.heartbeat_timeout, waited
+    assert (2, 1) in coord.state.gone
+
+
+def test_a_slow_replica_is_kept_and_a_stopped_one_is_left_to_the_heartbeat(
+        patient: tuple[str, Coordinator]) -> None:
+    address, coord = patient
+    clients = _started(address, coord.job)
+    clients[0].want(1)
+    clients[1].want(1)
+    time.sleep(1.0)  # replica 2 is slow: probed ten times meanwhile, its ports answer
+    clients[2].want(1)
+    assert clients[0].quorum(1).members == (0, 1, 2) and not coord.state.gone
+    _vote_all(clients, 1)
+    assert clients[0].decision(1)
+    for c in (clients[2], *clients[2].others):
+        c._stop_beat()  # SIGSTOP: silent, but the kernel still answers for its ports
+    stopped = time.monotonic()
+    clients[0].want(2)
+    clients[1].want(2)
+    assert clients[0].quorum(2).members == (0, 1)
+    waited = time.monotonic() - stopped
+    assert PATIENT.heartbeat_timeout - 0.5 < waited < PATIENT.heartbeat_timeout + 1.0, waited
+    assert not coord.state.gone
+
+
 class _Distant:
     """A coordinator's store 30 ms away: every call costs a round trip."""
 

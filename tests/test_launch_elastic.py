@@ -189,10 +189,10 @@ def _inc(number: int, degree: int = 2) -> SimpleNamespace:
 
 def _state(step: int, epoch: int, members: dict, pending: dict | None = None, quorum: Quorum | None = None,
            history: list | None = None, stopped: str = "", refusals: list | None = None, completed: str = "",
-           finishers: set | None = None) -> SimpleNamespace:
+           finishers: set | None = None, gone: set | None = None) -> SimpleNamespace:
     return SimpleNamespace(step=step, epoch=epoch, members=members, pending=pending or {}, quorum=quorum,
                            history=history or [], stopped=stopped, refusals=refusals or [], completed=completed,
-                           finishers=finishers or set())
+                           finishers=finishers or set(), gone=gone or set())
 
 
 def test_membership_log_says_what_changed_and_nothing_else() -> None:

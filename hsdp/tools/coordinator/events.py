@@ -33,6 +33,7 @@ class _State(Protocol):
     stopped: str
     completed: str
     finishers: set[tuple[int, int]]
+    gone: set[tuple[int, int]]
     history: list[tuple[int, str, tuple[int, ...]]]
     refusals: list[tuple[int, int, str]]
 
@@ -109,9 +110,11 @@ class MembershipLog:
             if old is not None and old != new and (r, old) in state.finishers:
                 parts.append(f"replica {r} finished")  # its training is done: not a departure
             elif old is not None and old != new:
-                # Only a silent member is dropped (a restart's new incarnation waits until the old one is).
+                # Only a dead or silent member is dropped (a restart's new incarnation waits until the old one is).
                 self.counts.left += 1
-                parts.append(f"replica {r} left (no heartbeat for {self.heartbeat_timeout:g} s)")
+                why = ("its process is gone: a probe of its liveness port was refused"
+                       if (r, old) in state.gone else f"no heartbeat for {self.heartbeat_timeout:g} s")
+                parts.append(f"replica {r} left ({why})")
             if new is not None and old != new:
                 self.counts.joined += 1
                 parts.append(f"replica {r} {'re' if r in self._ever else ''}joined "

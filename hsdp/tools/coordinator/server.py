@@ -5,7 +5,9 @@ It hosts the store the replicas meet on and runs one small state machine per job
 drop members one of whose ranks went silent and let those that finished leave, admit registered replicas as
 joiners (healed from a live member), publish the quorum; then wait for every rank's vote and publish ``commit``
 or ``abort``. Liveness is judged by every rank's heartbeat counter, read with the coordinator's own clock, so
-hosts' clocks never need to agree.
+hosts' clocks never need to agree; and, faster, by a probe of each rank's liveness port (``probe.py``) when a
+rank's reduction failed or a member is late for a step: a dead process refuses it, so the survivors go on within a
+second of a kill instead of after the heartbeat timeout, while a slow or stopped one still answers.
 
 Refused, each told why (``reject/...``): an id used twice (a second incarnation while the first still beats past
 the heartbeat timeout, admitted or not; a torchrun restart is told from it by the old one going silent), a
@@ -29,6 +31,13 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from hsdp.engine.replicate.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
+from hsdp.tools.coordinator.probe import CONNECTED, REFUSED, SILENT, probe
+
+# Probes (probe.py): members late for a step are probed at most this often (a straggler costs one connect per
+# interval); a probe waits this long for an answer: a LAN answers in well under a millisecond, and a rank that
+# answers slower is left to the heartbeat.
+PROBE_INTERVAL_S = 0.1
+PROBE_TIMEOUT_S = 0.1
 
 
 @dataclass
@@ -44,11 +53,16 @@ class _Incarnation:
     beats: list[int] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
+    # Per rank: its liveness port once a probe of it connected (``probe.py``: only then is a refusal proof of
+    # death, not a firewall's), and whether a probe found it gone.
+    ports: list[str | None] = field(default_factory=list)
+    gone: bool = False
 
     def __post_init__(self) -> None:
         self.beats = self.beats or [-1] * self.degree
         self.seen = self.seen or [self.registered] * self.degree
         self.done = self.done or [False] * self.degree
+        self.ports = self.ports or [None] * self.degree
 
 
 @dataclass
@@ -70,6 +84,7 @@ class JobState:
     completed: str = ""  # why the job is over: its last members finished (not lost: late replicas end cleanly)
     finished: set[int] = field(default_factory=set)  # members that left finished since the last quorum
     finishers: set[tuple[int, int]] = field(default_factory=set)  # (id, incarnation) of every member that finished
+    gone: set[tuple[int, int]] = field(default_factory=set)  # (id, incarnation) of members a probe found dead
     history: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)  # (step, decision, members)
     refusals: list[tuple[int, int, str]] = field(default_factory=list)  # (replica, incarnation, why), in order
 
@@ -92,6 +107,8 @@ class Coordinator:
         self.start_grace = start_grace  # at step 0: how long to wait for every configured replica
         self.state = JobState()
         self._started = clock()
+        self._next_probe = 0.0  # when members late for a step may be probed again
+        self._probed = -1  # the last step whose failed vote had every member probed
         store.set(key(job, "coordinator"), json.dumps({"replicas": replicas, "min_replicas": self.min_replicas}))
 
     def serve(self, stop: Callable[[], bool] = lambda: False, period: float = 0.005) -> None:
@@ -156,10 +173,34 @@ class Coordinator:
                     inc.done[rank] = self._get("done", inc.replica, inc.number, rank) is not None
 
     def _alive(self, inc: _Incarnation) -> bool:
-        """Every rank beats (or ended normally): one stopped or starved rank of any position is enough to drop
-        the replica, which cannot finish its step without it."""
+        """Every rank beats (or ended normally) and none was found gone: one stopped or starved rank of any
+        position is enough to drop the replica, which cannot finish its step without it."""
         now = self.clock()
-        return all(done or now - seen <= self.policy.heartbeat_timeout for done, seen in zip(inc.done, inc.seen))
+        return not inc.gone and all(done or now - seen <= self.policy.heartbeat_timeout
+                                    for done, seen in zip(inc.done, inc.seen))
+
+    def _trust_ports(self, inc: _Incarnation) -> None:
+        """Probe the liveness ports ``inc``'s ranks published, once, while they beat (before admission): those that
+        connect are the ones a later refusal proves dead."""
+        found = [(rank, self._get("probe", inc.replica, inc.number, rank)) for rank in range(inc.degree)]
+        found = [(rank, address) for rank, address in found if address is not None]
+        for (rank, address), verdict in zip(found, probe([a for _, a in found], PROBE_TIMEOUT_S)):
+            inc.ports[rank] = address if verdict == CONNECTED else None
+
+    def _probe(self, incs: list[_Incarnation]) -> list[int]:
+        """Probe the live ranks of ``incs`` (a failed vote, or members late for a step): the replicas one of whose
+        ranks is refused are gone at once (a dead process); the ids of those found so. A rank that answers, or
+        answers nothing in time, is left to the heartbeat: slow is not dead."""
+        targets = [(inc, rank, inc.ports[rank]) for inc in incs if not inc.gone
+                   for rank in range(inc.degree) if inc.ports[rank] and not inc.done[rank]]
+        found = []
+        for (inc, rank, _), verdict in zip(targets, probe([a for _, _, a in targets], PROBE_TIMEOUT_S)):
+            if verdict == REFUSED and not inc.gone:
+                inc.gone = True
+                found.append(inc.replica)
+            elif verdict == SILENT:
+                inc.ports[rank] = None  # a vanished host or a slow route: no more probes, the heartbeat judges it
+        return found
 
     def _finished(self, inc: _Incarnation) -> bool:
         """Every rank ended normally: the replica left because its training is done."""
@@ -170,6 +211,8 @@ class Coordinator:
         it then keeps the members' heal from waiting on the joiner's start-up."""
         if not inc.ready:
             inc.ready = self._get("ready", inc.replica, inc.number) is not None
+            if inc.ready:
+                self._trust_ports(inc)
         return inc.ready and not inc.refused and self._alive(inc) and min(inc.beats) >= 0
 
     def _reject_duplicates(self) -> None:
@@ -239,7 +282,9 @@ class Coordinator:
                 s.finishers.add((replica, inc.number))
             elif not self._alive(inc):
                 del s.members[replica]
-                self._down(f"replica {replica} stopped beating")
+                if inc.gone:
+                    s.gone.add((replica, inc.number))
+                self._down(f"replica {replica} {'died' if inc.gone else 'stopped beating'}")
 
     def _maybe_decide_quorum(self) -> None:
         s = self.state
@@ -260,7 +305,8 @@ class Coordinator:
                        f"job from a checkpoint")
             return
         elif any(self._get("want", s.step, r) is None for r in s.members):
-            return  # a live member is still computing the previous step
+            self._probe_late()  # a live member is still computing the previous step, or died between steps
+            return
         joiners = {r: inc for r, inc in s.pending.items() if self._ready(inc)
                    and (r not in s.members or not self._alive(s.members[r]))}
         merged = {**s.members, **joiners}
@@ -285,6 +331,18 @@ class Coordinator:
         s.quorum = Quorum(s.step, s.epoch, ids, tuple(merged[r].number for r in ids), tuple(sorted(joiners)),
                           source if joiners else None)
         self.store.set(key(self.job, "quorum", s.step), s.quorum.to_json())
+
+    def _probe_late(self) -> None:
+        """Once some member asked for the step, probe the ones that did not (every ``PROBE_INTERVAL_S``): one that
+        died between steps is dropped now instead of after the heartbeat timeout."""
+        s = self.state
+        late = [inc for r, inc in s.members.items() if self._get("want", s.step, r) is None]
+        now = self.clock()
+        if len(late) == len(s.members) or now < self._next_probe:
+            return
+        self._next_probe = now + PROBE_INTERVAL_S
+        if self._probe(late):
+            self._drop_gone_members()
 
     def _down(self, why: str) -> None:
         """Tell every rank still waiting in the current epoch's groups to give up (``down/<epoch>``)."""
@@ -339,11 +397,16 @@ class Coordinator:
         votes = any(self._counter("ok", q.step, r) for r in q.members) or self._counter("fail", q.step) > 0
         if finished and not votes:
             return  # members ending one after another (their last checks): wait for the rest to finish or vote
+        failed = self._counter("fail", q.step) > 0
+        if failed and self._probed != q.step:  # a rank's reduction broke: whose process is gone, if anyone's?
+            self._probed = q.step
+            self._probe([s.members[r] for r in q.members])
         # A member that finished mid-step (its loop ended between forward and step) cannot vote either.
         dead = [r for r in q.members if not self._alive(s.members[r]) or r in finished]
-        if self._counter("fail", q.step) > 0 or dead:
+        if failed or dead:
             decision = ABORT
-            self._down(f"replica(s) {dead} stopped beating" if dead else f"a rank's reduction of step {q.step} failed")
+            self._down(f"replica(s) {dead} died or stopped beating" if dead else
+                       f"a rank's reduction of step {q.step} failed")
         elif all(self._counter("ok", q.step, r) >= s.members[r].degree for r in q.members):
             decision = COMMIT
         else:

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hsdp.engine.replicate.elastic.liveness import LivenessPort
 from hsdp.engine.replicate.elastic.protocol import ABORT, COMMIT, COMPLETED, STOP, ElasticPolicy, Quorum, key
 
 
@@ -103,6 +104,7 @@ class CoordinatorClient:
         self._beat: tuple[threading.Thread, threading.Event] | None = None  # this incarnation's heartbeat
         self._watch: dist.Store | None = None  # down(): a connection of its own
         self._watch_lock = threading.Lock()
+        self._liveness: LivenessPort | None = None  # refused by the kernel once this process is gone
 
     @property
     def leader(self) -> bool:
@@ -154,11 +156,23 @@ class CoordinatorClient:
         gets the replica dropped as fast as a stopped leader."""
         self.incarnation = incarnation
         self._stop_beat()
+        self._publish_liveness(incarnation)
         stop = threading.Event()
         thread = threading.Thread(target=self._heartbeat, args=(incarnation, stop), daemon=True,
                                   name=f"hsdp-elastic-heartbeat-{incarnation}")
         self._beat = (thread, stop)
         thread.start()
+
+    def _publish_liveness(self, incarnation: int) -> None:
+        """Open this rank's liveness port (once) and tell the coordinator where it is (``liveness.py``): a refused
+        probe of it drops the replica at once, where silence takes the heartbeat timeout. Without one (no route
+        to tell, a port that cannot be opened) the heartbeat alone judges this rank."""
+        try:
+            if self._liveness is None:
+                self._liveness = LivenessPort(*parse_address(self.address))
+            self.store.set(key(self.job, "probe", self.replica_id, incarnation, self.rank), self._liveness.address)
+        except (OSError, RuntimeError):
+            return
 
     def _heartbeat(self, incarnation: int, stop: threading.Event) -> None:
         # Its own connection: a blocked wait on the main one must not stop the beat.
@@ -198,14 +212,18 @@ class CoordinatorClient:
         return self._stop.is_set()
 
     def close(self, finished: bool = False) -> None:
-        """Stop the heartbeat: the coordinator drops this replica after its timeout, or, ``finished`` (this rank
-        ended normally, its training done), without counting it a failure (``done/...``, before the beat stops,
-        so the silence is never judged first). Idempotent."""
+        """Stop the heartbeat and close the liveness port: the coordinator drops this replica at its next probe or
+        after the heartbeat timeout, or, ``finished`` (this rank ended normally, its training done), without
+        counting it a failure (``done/...``, before the beat stops, so the silence is never judged first).
+        Idempotent."""
         if finished and self.incarnation and not self._stop.is_set():
             with contextlib.suppress(RuntimeError, TimeoutError):  # the coordinator may be gone at exit
                 self.store.set(key(self.job, "done", self.replica_id, self.incarnation, self.rank), "1")
         self._stop.set()
         self._stop_beat()
+        if self._liveness is not None:
+            self._liveness.close()
+            self._liveness = None
 
     def quorum(self, step: int) -> Quorum:
         """Block until the quorum of ``step`` is published; :class:`QuorumLost` when the job was stopped."""

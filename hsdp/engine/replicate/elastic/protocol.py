@@ -8,6 +8,9 @@ only one that decides; replicas write requests and read decisions, all under one
   ``hb/<id>/<incarnation>/<rank>``: the heartbeat counter of each of its ranks, which the coordinator watches
   with its own clock (no clock is compared across hosts): a replica is alive while every rank beats, so a
   stopped or starved rank of any position costs the job one step, not the watchdog's bound;
+  ``probe/<id>/<incarnation>/<rank>``: ``host:port`` of that rank's liveness port (``liveness.py``), which the
+  coordinator connects to when a rank's reduction failed or a member is late for a step: refused, the process is
+  gone and the replica is dropped at once (a slow or stopped rank still answers: the heartbeat judges those);
   ``done/<id>/<incarnation>/<rank>``: that rank ended normally (training finished), so its silence is no
   failure; a replica all of whose ranks did is *finished*;
 * ``ready/<id>/<incarnation>``: its model and optimizer exist (a replica is admitted only then, so a member's
