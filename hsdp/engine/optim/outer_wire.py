@@ -8,8 +8,8 @@ apply the same outer gradient. The quantisation is the int8 hop's (``hops.Int8Er
 drives one instance per ``OuterState``, keyed by unit, so its code does the work and its residuals are DiLoCo's).
 A unit belongs to one fragment, so under Streaming DiLoCo each fragment carries its own residuals from one of its
 syncs to the next. Bytes a rank sends per sync: ``(R-1) x n x (1 + 4 / BLOCK)`` for ``n`` elements, against
-``2(R-1)/R x n x 4`` for fp32 (about a quarter with two replicas; an all-gather grows with R, so it stops paying
-above about 8 replicas against fp32, 4 against bf16).
+``2(R-1)/R x n x 4`` for fp32 (about a quarter with two replicas; an all-gather grows with R, so from about 8
+replicas it sends more than fp32, from 4 more than bf16).
 
 Across replicas of different shard degrees the pseudo-gradient crosses bucket by bucket of pieces
 (``runtime/piece_hop.py``): the hop keys each bucket's residual apart (``piece_hop.bucket_key``), so every element
