@@ -11,7 +11,9 @@ one fp32 scale each, averaged dequantised in fp32, the rounding error kept as th
 - the inter-node bytes of a sync about a quarter of the fp32 wire's (a wider model, so that the last block's
   padding weighs little);
 - a checkpoint mid-phase keeps every replica's residuals (under its own keys): a resume gives the uninterrupted
-  run's weights bitwise, and the same resume with the residuals dropped does not.
+  run's weights bitwise, and the same resume with the residuals dropped does not; a model-only load (weights
+  without DiLoCo's state) restarts them from zero.
+The grid's path (each rank's padded flat shard quantised whole) is ``tests/test_diloco.py``'s 2 x 2 spawn.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ def _resume(rank: int, folder: str) -> dict:
             residuals.clear()
         _steps(model, opt, rank, range(SAVE, END), False)
         out[run] = _full(model)
+    # A model-only load (weights without DiLoCo's state) restarts the outer state: the residuals start from zero.
+    hsdp.load_checkpoint(folder, model)
+    _steps(model, opt, rank, range(END, END + 1), False)  # an inner step, no sync
+    out["after_model_load"] = len(opt._hsdp_outer.wire.residuals)
     return out
 
 
@@ -132,31 +138,48 @@ def _int8(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks / scale[:, None]).clamp(-127, 127) * scale[:, None]).view(-1)[:n]
 
 
-class _Wire:
-    """The sync's average of the workers' (weighted) pseudo-gradients of one unit, bucket by bucket (chunk ``j`` of
-    every parameter, in slot order): ``"int8"`` with error feedback, ``"no-feedback"``, or ``"fp32"``."""
+def _rows(t: torch.Tensor, j: int) -> tuple[int, int, int]:
+    """Chunk ``j`` of two of ``t``'s dim 0 (FSDP2's: ``ceil(rows / 2)`` rows, the last may be short or empty):
+    its first and end row and the full chunk's rows."""
+    rows = t.shape[0]
+    c = -(-rows // 2)
+    return min(j * c, rows), min((j + 1) * c, rows), c
 
-    def __init__(self, kind: str) -> None:
-        self.kind, self.residual = kind, {}  # (unit, worker, bucket) -> the rounding error kept
+
+class _Wire:
+    """The sync's average of the workers' (weighted) pseudo-gradients of one unit, piece by piece: what rank ``j``
+    of a 2-rank replica sends, chunk ``j`` of every parameter in slot order (``padded``: each chunk padded to its
+    full rows with zeros, a 2 x 2 grid's flat shard; else the chunks alone, ``[2, 1]``'s bucket of pieces), in
+    ``kind``: ``"int8"`` with error feedback, ``"no-feedback"``, or ``"fp32"``."""
+
+    def __init__(self, kind: str, padded: bool = False) -> None:
+        self.kind, self.padded, self.residual = kind, padded, {}  # (unit, worker, piece) -> the error kept
+
+    def _piece(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        lo, hi, c = _rows(t, j)
+        flat = t[lo:hi].reshape(-1)
+        return torch.cat([flat, flat.new_zeros((c - (hi - lo)) * t[0].numel())]) if self.padded else flat
 
     def mean(self, u: int, names: list[str], deltas: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out = {n: torch.zeros_like(deltas[0][n]) for n in names}
         for j in range(2):
             sent = []
             for q, delta in enumerate(deltas):
-                x = torch.cat([torch.chunk(delta[n], 2)[j].reshape(-1) for n in names
-                               if j < len(torch.chunk(delta[n], 2))])
+                x = torch.cat([self._piece(delta[n], j) for n in names])
                 if self.kind != "fp32":
                     x = x + self.residual.get((u, q, j), 0) if self.kind == "int8" else x
                     self.residual[(u, q, j)], x = x - _int8(x), _int8(x)
                 sent.append(x)
             avg, at = torch.stack(sent).mean(dim=0), 0
             for n in names:
-                parts = torch.chunk(out[n], 2)
-                if j < len(parts):
-                    parts[j].copy_(avg[at: at + parts[j].numel()].view(parts[j].shape))
-                    at += parts[j].numel()
+                lo, hi, _ = _rows(out[n], j)
+                out[n][lo:hi].copy_(avg[at: at + out[n][lo:hi].numel()].view(out[n][lo:hi].shape))
+                at += self._piece(out[n], j).numel()
         return out
+
+    def means(self, units: list[list[str]], deltas: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Every unit's :meth:`mean` (``units``: each unit's parameter names in slot order)."""
+        return {n: m for u, names in enumerate(units) for n, m in self.mean(u, names, deltas).items()}
 
 
 def _simulate(layout: dict, wire: str, every: int, weighted: bool, steps: int, fragments: int = 1,
@@ -247,7 +270,7 @@ def test_int8_wire_residuals_checkpoint_and_resume_bitwise(results: list[dict]) 
     uninterrupted = _simulate(results[0]["int8"], "int8", every=2, weighted=False, steps=END)
     for rank, r in enumerate(results):
         resume = r["resume"]
-        assert resume["nonzero"] and resume["restored"], rank
+        assert resume["nonzero"] and resume["restored"] and resume["after_model_load"] == 0, rank
         worker = 0 if rank in REPLICAS[0] else 1
         assert _distance(resume["resumed"], r["int8"]["params"]) == 0.0, rank  # "int8" ran 6 steps uninterrupted
         assert _distance(resume["resumed"], uninterrupted[worker]) < TOL, rank
