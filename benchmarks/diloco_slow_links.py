@@ -31,6 +31,8 @@ Writes ``benchmarks/results/diloco_slow_links_<date>.{json,md,png}`` (``--tag`` 
         # the driver (results 2026-12-03_h10): 9 launches, the table, the plot
     sudo python benchmarks/diloco_slow_links.py --quick       # a smoke run (preset tiny, few steps)
     python benchmarks/diloco_slow_links.py --sweep 20:0.7:0.9:bf16 20:1.0:0.0:fp32:4:2  # loss only, loopback
+    python benchmarks/diloco_slow_links.py --steps 160 --sweep 10:1.0:0.0:fp32 10:1.0:0.0:int8  # int8's loss next
+        # to fp32's (DiLoCo(wire_dtype=torch.int8), error feedback); the driver takes --wire int8 too
     python benchmarks/diloco_slow_links.py --job --mode diloco --steps 40  # one rank's job (under torchrun)
 """
 
@@ -51,6 +53,8 @@ from pathlib import Path
 from diloco_slow_links_report import RATES, stem_of, sweep_rows, write
 
 MODES = ("plain", "diloco", "streaming")
+# --wire: the pseudo-gradients' torch dtype (int8: quantised with error feedback, about a quarter of fp32's bytes).
+WIRES = {"fp32": None, "bf16": "bfloat16", "int8": "int8"}
 
 
 # One rank's job.
@@ -96,7 +100,7 @@ def job(args: argparse.Namespace) -> None:
         else {}
     sync = None if args.mode == "plain" else hsdp.DiLoCo(
         every=args.every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        wire_dtype=torch.bfloat16 if args.wire == "bf16" else None, **streaming)
+        wire_dtype=None if WIRES[args.wire] is None else getattr(torch, WIRES[args.wire]), **streaming)
     torch.manual_seed(args.seed)
     model = hsdp.ShardedModel(GPT(cfg), mesh=mesh, replica_sync=sync)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
@@ -208,8 +212,8 @@ def drive(args: argparse.Namespace) -> None:
 def _parse_spec(spec: str) -> dict:
     """``H:outer_lr:outer_momentum:wire`` (DiLoCo) or ``...:F:tau`` (Streaming DiLoCo), e.g. ``20:0.7:0.9:bf16``."""
     parts = spec.split(":")
-    if len(parts) not in (4, 6) or parts[3] not in ("fp32", "bf16"):
-        raise ValueError(f"--sweep {spec!r}: use H:outer_lr:outer_momentum:wire (wire fp32 or bf16), or "
+    if len(parts) not in (4, 6) or parts[3] not in WIRES:
+        raise ValueError(f"--sweep {spec!r}: use H:outer_lr:outer_momentum:wire (wire fp32, bf16 or int8), or "
                          f"H:outer_lr:outer_momentum:wire:fragments:delay for Streaming DiLoCo")
     return {"every": int(parts[0]), "outer_lr": float(parts[1]), "outer_momentum": float(parts[2]),
             "wire": parts[3], **({"fragments": int(parts[4]), "delay": int(parts[5])} if len(parts) == 6 else {})}
@@ -251,7 +255,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=40, help="DiLoCo's H: inner steps between syncs")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer momentum")
-    parser.add_argument("--wire", choices=("fp32", "bf16"), default="fp32", help="the pseudo-gradient's dtype")
+    parser.add_argument("--wire", choices=tuple(WIRES), default="fp32",
+                        help="the pseudo-gradient's dtype (int8: error feedback, about a quarter of fp32's bytes)")
     parser.add_argument("--fragments", type=int, default=4, help="streaming: F (GPT small has 7 units)")
     parser.add_argument("--delay", type=int, default=2, help="streaming: tau, steps a fragment's sync overlaps")
     parser.add_argument("--mix", type=float, default=0.0, help="streaming: alpha, the local share kept")

@@ -11,6 +11,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RATES = ("100mbit", "10gbit")
 
 
+
+def _wire_arg(wire: str) -> str:
+    """``DiLoCo``'s ``wire_dtype`` argument for ``--wire`` (fp32: the default, none)."""
+    return {"bf16": ", wire_dtype=torch.bfloat16", "int8": ", wire_dtype=torch.int8"}.get(wire, "")
+
+
 def stem_of(date: str, tag: str) -> Path:
     """The result files' path without the suffix."""
     return RESULTS / (f"diloco_slow_links_{date}" + (f"_{tag}" if tag else ""))
@@ -116,7 +122,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
              f"batches in every mode; AdamW lr {st['lr']}, betas (0.9, 0.95), weight decay 0.1, "
              f"`hsdp.clip_grad_norm_(model, 1.0)`. DiLoCo: `hsdp.DiLoCo(every={st['every']}, "
              f"outer_lr={st['outer_lr']}, outer_momentum={st['outer_momentum']}"
-             f"{', wire_dtype=torch.bfloat16' if st['wire'] == 'bf16' else ''})` (outer SGD, Nesterov when the "
+             f"{_wire_arg(st['wire'])})` (outer SGD, Nesterov when the "
              f"momentum is > 0). Streaming "
              f"DiLoCo: the same with `fragments={st['fragments']}, delay={st['delay']}, mix={st['mix']}`.", "",
              f"Tokens/s = global tokens of steps {st['warmup']}..{st['steps'] - 1} / their wall time (the slowest "

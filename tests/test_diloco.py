@@ -7,6 +7,8 @@ One 4-rank spawn:
   simulation of two DiLoCo workers (each replica's batch the concatenation of its two ranks') to 1e-5;
 - inter-node bytes: nothing on the 3 inner steps, one all-reduce of the model's flat shards per sync, in fp32 or
   in the wire dtype (bf16: half);
+- the int8 wire (``wire_dtype=torch.int8``): equal to the simulation whose mean is each rank's flat shard
+  quantised with error feedback (``tests/test_diloco_int8.py``'s, here on a grid: padded chunks);
 - refused with a ValueError before any collective: every < 1, a replica_hop next to DiLoCo,
   the replica-sharded optimizer; a plain torch optimizer stepping a DiLoCo model is refused at its step (batch
   weights and replicas of different degrees compose with DiLoCo: ``tests/test_diloco_compose.py``);
@@ -21,6 +23,7 @@ import pytest
 import torch
 from harness import run_distributed
 from models import ParityNet, batch, loss_fn, train_steps
+from test_diloco_int8 import _Wire
 
 import hsdp
 
@@ -113,6 +116,10 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
             "h1": _train(rank, hsdp.DiLoCo(every=1, outer_lr=1.0, outer_momentum=0.0), "sgd")[0],
             "h4": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw"),
             "h4_bf16": _train(rank, hsdp.DiLoCo(every=4, wire_dtype=torch.bfloat16), "adamw")[1],
+            "h4_int8": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9, wire_dtype=torch.int8),
+                              "adamw")[0],
+            "units": [[p.fqn for p in u.params] for u in hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2)).units
+                      if u.params],
             "h4_final": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw", steps=6,
                                finish=True),
             "refusals": _refusals(rank, tmp), "checked": _checked(rank)}
@@ -123,9 +130,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_distributed(_worker, WORLD, str(tmp_path_factory.mktemp("diloco")), timeout=240)
 
 
-def _simulate(every: int, outer_lr: float, momentum: float, steps: int = STEPS) -> dict[str, torch.Tensor]:
+def _simulate(every: int, outer_lr: float, momentum: float, steps: int = STEPS,
+              wire: tuple[_Wire, list[list[str]]] | None = None) -> dict[str, torch.Tensor]:
     """Two DiLoCo workers in one process: replica q trains on its ranks' batches (2q, 2q + 1), inner AdamW; a
-    last sync after the last step when it is not a sync step (``sync_replicas``)."""
+    last sync after the last step when it is not a sync step (``sync_replicas``). ``wire``: the pseudo-gradients'
+    mean through an int8 wire (and the units), else the exact mean."""
     torch.manual_seed(0)
     global_model = ParityNet()
     workers = [ParityNet() for _ in range(2)]
@@ -141,9 +150,13 @@ def _simulate(every: int, outer_lr: float, momentum: float, steps: int = STEPS) 
             opt.zero_grad()
         if (step + 1) % every == 0 or step == steps - 1:
             with torch.no_grad():
+                if wire is not None:
+                    params = dict(global_model.named_parameters())
+                    means = wire[0].means(wire[1], [{n: params[n] - p for n, p in w.named_parameters()}
+                                                    for w in workers])
                 for name, g in global_model.named_parameters():
                     locals_ = [dict(w.named_parameters())[name] for w in workers]
-                    g.grad = torch.stack([g - p for p in locals_]).mean(0)
+                    g.grad = torch.stack([g - p for p in locals_]).mean(0) if wire is None else means[name]
             outer.step()
             outer.zero_grad()
             for w in workers:
@@ -163,6 +176,17 @@ def test_four_step_syncs_equal_two_simulated_workers(results: list[dict]) -> Non
         params, _ = r["h4"]
         for name, value in ref.items():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_an_int8_wire_equals_two_simulated_workers_with_error_feedback(results: list[dict]) -> None:
+    ref = _simulate(4, 0.7, 0.9, wire=(_Wire("int8", padded=True), results[0]["units"]))
+    for r in results:
+        for name, value in ref.items():
+            torch.testing.assert_close(r["h4_int8"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    # The check can fail: exact fp32 and int8 without the residuals are further than the tolerance.
+    for far in (_simulate(4, 0.7, 0.9), _simulate(4, 0.7, 0.9, wire=(_Wire("no-feedback", padded=True),
+                                                                      results[0]["units"]))):
+        assert max((ref[n] - far[n]).abs().max().item() for n in ref) > 1e-4
 
 
 def test_a_final_sync_mid_phase_makes_every_replica_the_global_copy(results: list[dict]) -> None:

@@ -7,6 +7,8 @@
 - a checkpoint without DiLoCo loaded into a stepped DiLoCo model: local = global = the weights, phase 0, no
   outer momentum;
 - the DiLoCo checkpoint on 1 replica of 4 ranks: the global copy, phase 0, the outer momentum kept, a warning;
+- the int8 wire (``wire_dtype=torch.int8``): every rank's residuals come back exactly and the resume mid-phase is
+  bitwise; on 1 replica they start from zero;
 - ``optimizer.state_dict()`` and torch's ``get_state_dict`` refuse a DiLoCo optimizer (they would keep one
   replica's state), naming ``hsdp.save_checkpoint``, and so does ``save_checkpoint`` without the optimizer.
 """
@@ -73,9 +75,32 @@ def _refusals(model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer, run: str) ->
     return out
 
 
+def _int8(rank: int, run: str) -> dict[str, Any]:
+    """The int8 wire's residuals (per rank, each replica's own) through a checkpoint mid-phase: a resume is
+    bitwise; on another replica count they start from zero."""
+    sync = hsdp.DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9, wire_dtype=torch.int8)
+    model, opt = _build(sync, seed=0)
+    train_steps(model, opt, rank, range(SAVE))
+    saved = {k: v.clone() for k, v in opt._hsdp_outer.wire.residuals.items()}
+    hsdp.save_checkpoint(run, model, opt)
+    train_steps(model, opt, rank, range(SAVE, END))
+    out: dict[str, Any] = {"end": _local(model), "nonzero": bool(saved) and all(bool(v.any()) for v in saved.values())}
+    model, opt = _build(sync, seed=1)
+    hsdp.load_checkpoint(run, model, opt)
+    out["restored"] = _equal(saved, opt._hsdp_outer.wire.residuals)
+    train_steps(model, opt, rank, range(SAVE, END))
+    out["resumed_end"] = _local(model)
+    model, opt = _build(sync, seed=5, sharding=4)  # one replica of 4 ranks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the replica count's warning: test_another_replica_count_...
+        hsdp.load_checkpoint(run, model, opt)
+    out["one_replica"] = len(opt._hsdp_outer.wire.residuals)
+    return out
+
+
 def _worker(rank: int, world: int, tmp: str) -> dict:
     run, plain_run = os.path.join(tmp, "diloco"), os.path.join(tmp, "plain")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"int8": _int8(rank, os.path.join(tmp, "int8"))}
     model, opt = _build(_diloco(), seed=0)
     out["replica"], out["shard"] = model.mesh.replicate_rank, model.mesh.shard_rank
     out["losses"] = train_steps(model, opt, rank, range(SAVE))
@@ -183,6 +208,14 @@ def test_another_replica_count_starts_every_replica_from_the_global_copy(results
         assert _equal(got["outer"]["momentum"], saved["momentum"])
         assert got["outer"]["phase"] == 0
     assert any("a DiLoCo run of 2 replica(s) loaded on 1" in w for w in results[0]["one_replica"]["warnings"])
+
+
+def test_int8_wire_residuals_resume_mid_phase_bitwise(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        int8 = r["int8"]
+        assert int8["nonzero"] and int8["restored"], rank
+        assert _equal(int8["resumed_end"], int8["end"]), rank
+        assert int8["one_replica"] == 0, rank  # replicas have no identity across replica counts
 
 
 def test_state_dicts_that_would_keep_one_replica_are_refused(results: list[dict]) -> None:

@@ -51,6 +51,22 @@ def test_a_sync_sends_the_model_once_and_a_step_one_hth_of_it(nodes: int, gpus: 
     assert d.tokens_per_s == pytest.approx(plain.global_batch * model.seq_len / d.mean_step_s, rel=1e-12)
 
 
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_the_int8_wire_all_gathers_blocks_and_scales(nodes: int, capsys: pytest.CaptureFixture) -> None:
+    # DiLoCo(wire_dtype=torch.int8): every replica's int8 blocks and one fp32 scale per 256, all-gathered.
+    cluster, model, r = _cluster(nodes, 8), _model(), nodes
+    plain = estimate_layout(model, cluster, 8, TrainOptions())
+    d = estimate_diloco(plain, model, cluster, TrainOptions(), DiLoCoOptions(10, "int8"))
+    fp32 = estimate_diloco(plain, model, cluster, TrainOptions(), DiLoCoOptions(10))
+    assert d.sync_bytes == pytest.approx((r - 1) * P * (1 + 4 / 256), rel=1e-12)
+    assert d.sync_bytes / fp32.sync_bytes == pytest.approx(r / 2 * (1 + 4 / 256) / 4, rel=1e-12)  # R = 2: 0.254
+    assert main(["plan", "--model", "7b", "--nodes", str(nodes), "--inter-node-bandwidth", "10Gbit/s",
+                 "--degrees", "8", "--diloco-every", "40", "--diloco-wire-dtype", "int8"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(int8 pseudo-gradients)" in text and "all-gathered: (R-1) x P x (1 + 4/256)" in text
+    assert "DiLoCo(every=40, wire_dtype=torch.int8)" in text and "parallel.diloco_wire_dtype=int8" in text
+
+
 def test_the_sync_takes_its_bytes_over_the_link_and_the_outer_step() -> None:
     # No latency or per-call overhead: the all-reduces' time is the node's bytes over its inter-node rate, all of
     # it on the link; the outer step costs the optimizer's seconds per element over the rank's P / S elements.
@@ -97,8 +113,8 @@ def test_only_layouts_with_replicas_are_estimated_and_bad_options_refused() -> N
     assert [d.plain.layout.label for d in estimates] == ["4x8", "2x16"]  # 1x32 has nothing to sync
     with pytest.raises(ValueError, match="--diloco-every 0: give the inner steps between syncs"):
         DiLoCoOptions(0)
-    with pytest.raises(ValueError, match="--diloco-wire-dtype 'int8': choose one of"):
-        DiLoCoOptions(4, "int8")
+    with pytest.raises(ValueError, match="--diloco-wire-dtype 'fp16': choose one of"):
+        DiLoCoOptions(4, "fp16")
     with pytest.raises(ValueError, match="turn shard_optimizer_across_replicas off"):
         TrainOptions(shard_optimizer_across_replicas=True, inter_node_hop=False)
 

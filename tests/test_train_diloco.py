@@ -23,11 +23,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from harness import run_distributed
 
 from hsdp.apps.train.command import main
 from hsdp.apps.train.config_io import resolve_config
 from hsdp.apps.train.metrics import read_metrics
+from hsdp.apps.train.replica_sync import policy
 
 # sharding_degree 2: R = 2 replicas of the 4 ranks (the harness's ranks all look like one node's).
 QUIET = ["parallel.sharding_degree=2", "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1",
@@ -76,11 +78,12 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
                    "train.resume=true")
     bf16 = _job(base / "bf16", "train.steps=2", "train.grad_accum=2", "parallel.diloco_every=2",
                 "parallel.diloco_wire_dtype=bf16")
+    int8 = _job(base / "int8", "train.steps=2", "parallel.diloco_every=2", "parallel.diloco_wire_dtype=int8")
     stream = _job(base / "stream", *STREAM)
     # Stopped after step 5: the newest checkpoint (step 4) holds fragment 1's all-reduce in flight.
     _job(base / "stream_resumed", *STREAM, "train.stop_after=5")
     _job(base / "stream_resumed", *STREAM, "train.resume=true")
-    return {"fp32": fp32, "resumed": resumed, "bf16": bf16, "stream": stream}
+    return {"fp32": fp32, "resumed": resumed, "bf16": bf16, "int8": int8, "stream": stream}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +146,19 @@ def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
     assert same == [False, True]
 
 
+def test_an_int8_wire_sends_about_a_quarter_of_fp32(jobs: tuple[list[dict], Path]) -> None:
+    results, base = jobs
+    records = read_metrics(str(base / "int8"))
+    summary, same = results[0]["int8"]
+    params = summary["ranks"][0]["params"]  # fp32 bytes: what an fp32 sync sends at R = 2
+    assert [r["synced"] for r in records] == [False, True] and records[0]["replicate_bytes"] == 0
+    # One byte per element, an fp32 scale per 256 and the last block's padding (measured in tests/test_diloco_int8.py).
+    assert params / 4 < records[1]["replicate_bytes"] < 0.27 * params
+    assert same == [False, True]
+    floor = json.loads((base / "int8" / "summary.json").read_text())["replica_sync"]["inter_node_floor_bytes_per_sync"]
+    assert floor == pytest.approx(summary["model"]["params"] * (1 + 4 / 256))  # (R-1) x P x (1 + 4/256)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["parallel.replica_hop=bf16", *DILOCO], "parallel.replica_hop = 'bf16': does not combine with "
                                              "parallel.replica_sync = 'diloco'"),
@@ -153,7 +169,7 @@ def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
     (["parallel.diloco_every=0", *DILOCO], "parallel.diloco_every = 0: the inner steps between syncs"),
     (["parallel.diloco_outer_lr=0", *DILOCO], "parallel.diloco_outer_lr = 0.0: must be positive"),
     (["parallel.diloco_outer_momentum=1", *DILOCO], "parallel.diloco_outer_momentum = 1.0: must lie in [0, 1)"),
-    (["parallel.diloco_wire_dtype=fp16", *DILOCO], "choose one of ['fp32', 'bf16']"),
+    (["parallel.diloco_wire_dtype=fp16", *DILOCO], "choose one of ['fp32', 'bf16', 'int8']"),
     (["parallel.diloco_every=4", "parallel.diloco_fragments=5", *DILOCO], "parallel.diloco_fragments = 5: each "
                                                                           "fragment syncs at its own step"),
     (["parallel.diloco_every=4", "parallel.diloco_delay=4", *DILOCO], "parallel.diloco_delay = 4: a fragment's "
@@ -177,6 +193,8 @@ def test_the_defaults_and_the_options_are_read(tmp_path: Path, monkeypatch: pyte
                                 "parallel.diloco_outer_momentum=0", "parallel.diloco_wire_dtype=bf16"]).parallel
     assert (par.replica_sync, par.diloco_every, par.diloco_outer_lr, par.diloco_outer_momentum,
             par.diloco_wire_dtype) == ("diloco", 5, 0.5, 0.0, "bf16")
+    int8 = resolve_config(None, [*DILOCO, "parallel.diloco_wire_dtype=int8"]).parallel
+    assert policy(int8).wire_dtype == torch.int8  # DiLoCo(wire_dtype=torch.int8): tests/test_diloco_int8.py
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
 

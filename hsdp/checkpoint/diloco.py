@@ -14,18 +14,21 @@ DiLoCo checkpoint holds::
     diloco.phase                               inner steps since the last sync
     diloco.replica.<q>.model.<param>           replica q's weights, for every replica q
     diloco.replica.<q>.optim.state.<param>.<n> replica q's inner optimizer state, for q >= 1
+    diloco.replica.<q>.residual.<param>        replica q's int8-wire residuals (``DiLoCo(wire_dtype=torch.int8)``)
 
 (``hsdp/engine/optim/outer_checkpoint.py`` cuts the global copy and outer state into the parameters'
 chunks.) Every tensor has the parameter's name and shape, so the checkpoint reshards to any shard degree. The
 ``model`` and ``optim`` sections are what a model without DiLoCo loads: the global copy's weights and replica
 0's inner optimizer state (``hsdp export`` writes the global copy too). Loading into a DiLoCo model:
 
-* a DiLoCo checkpoint of as many replicas: replica q reads its own weights and inner state (every replica reads
+* a DiLoCo checkpoint of as many replicas: replica q reads its own weights, inner state and int8-wire residuals
+  (every replica reads
   its ``diloco.replica.<q>`` entries itself; nothing of it is broadcast), and every replica the global copy,
   outer state and phase: training continues bit for bit;
 * a DiLoCo checkpoint of another number of replicas: every replica starts from the global copy with replica 0's
   inner state, the outer state kept and phase 0: the state just after the last sync, the inner steps since
-  then dropped (a warning says so); replicas have no identity across replica counts;
+  then dropped (a warning says so); replicas have no identity across replica counts (int8-wire residuals start
+  from zero);
 * a checkpoint without DiLoCo: every replica loads its weights and inner state; the global copy becomes the
   weights, the phase 0 and the outer momentum starts fresh (``ShardedOptimizer.load_state_dict``).
 
@@ -40,7 +43,13 @@ from typing import Any
 from hsdp.checkpoint.dcp_io import Entry
 from hsdp.checkpoint.names import DILOCO, MODEL, OPTIM
 from hsdp.engine.model import ShardedModel
-from hsdp.engine.optim.outer_checkpoint import check_savable, global_weights, outer_state_dict
+from hsdp.engine.optim.outer_checkpoint import (
+    RESIDUAL,
+    check_savable,
+    global_weights,
+    outer_state_dict,
+    residual_state_dict,
+)
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 
 REPLICA = "replica"
@@ -81,6 +90,9 @@ def save_state(model: ShardedModel, optimizer: ShardedOptimizer) -> dict[str, An
     else:  # replica 0's state sits in ``optim``; the others' must not collide with it
         optim = {k: v for k, v in inner.items() if k != "state"}
         mine[OPTIM] = {"state": inner["state"]}
+    residuals = residual_state_dict(outer)
+    if residuals:
+        mine[RESIDUAL] = residuals
     diloco = {**outer_state_dict(outer), REPLICA: {str(replica): mine}}
     return {MODEL: model_sd, OPTIM: optim, DILOCO: diloco}
 
@@ -126,6 +138,9 @@ def _replica_entries(where: str, diloco: dict[tuple, Entry], params: list, repli
                 raise ValueError(f"checkpoint {where}: replica {q}'s weights of {p.fqn} are missing or of another "
                                  f"shape: it is of another model, or damaged")
             out += [_json(e, (MODEL, slot.fqn), q) for slot in p.slots]
+            residual = diloco.get((REPLICA, str(q), RESIDUAL, p.fqn))
+            if residual is not None and tuple(residual.shape) == tuple(p.layout.dtensor_shape):
+                out.append(_json(residual, (DILOCO, RESIDUAL, p.fqn), q))
         if q > 0:
             out += [_json(e, path[2:], q) for path, e in sorted(diloco.items())
                     if path[:4] == (REPLICA, str(q), OPTIM, "state")]

@@ -22,7 +22,8 @@ MODEL = "model"
 OPTIM = "optim"
 DILOCO = "diloco"  # a DiLoCo model's global copy, outer state and every replica's state (diloco.py)
 # Entries stored per parameter, sharded like it: (path[0], path[1]); the parameter's name is path[2].
-PER_PARAM = {(OPTIM, "state"), (OPTIM, "hop_residuals"), (DILOCO, "global"), (DILOCO, "outer")}
+PER_PARAM = {(OPTIM, "state"), (OPTIM, "hop_residuals"), (DILOCO, "global"), (DILOCO, "outer"),
+             (DILOCO, "residual")}
 
 
 def check_types(model: Any, optimizer: Any) -> None:

@@ -120,7 +120,8 @@ def add_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="also estimate each layout under DiLoCo (ShardedModel(replica_sync=hsdp.DiLoCo(every=H))): "
                         "no per-step inter-node hop, the weights all-reduced every H steps; not DDP's math")
     p.add_argument("--diloco-wire-dtype", default="fp32", choices=sorted(WIRE_BYTES),
-                   help="with --diloco-every: the dtype of the sync's all-reduce (bf16: half the bytes)")
+                   help="with --diloco-every: the dtype of the sync's pseudo-gradients (bf16: half the "
+                        "bytes; int8: error feedback, about a quarter with 2 replicas)")
     p.add_argument("--diloco-fragments", type=int, default=1, metavar="F",
                    help="with --diloco-every: Streaming DiLoCo, the model synced in F fragments at staggered steps")
     p.add_argument("--diloco-delay", type=int, default=0, metavar="TAU",

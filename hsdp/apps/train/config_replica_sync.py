@@ -33,16 +33,24 @@ class SyncFields(Protocol):
 
 
 REPLICA_SYNCS = ("every_step", "diloco")
-DILOCO_WIRE_DTYPES = ("fp32", "bf16")
+DILOCO_WIRE_DTYPES = ("fp32", "bf16", "int8")
 DILOCO_FIELDS = ("diloco_every", "diloco_outer_lr", "diloco_outer_momentum", "diloco_wire_dtype", "diloco_fragments",
                  "diloco_delay", "diloco_mix")
-WIRE_BYTES = {"fp32": 4, "bf16": 2}
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256}  # int8: one byte per element, an fp32 scale per 256
 
 Problem = tuple[str, Any, str]  # (field, value, why and the fix) in the parallel section
 
 
 def is_diloco(par: SyncFields) -> bool:
     return par.replica_sync == "diloco"
+
+
+def sync_floor(wire_dtype: str, replicas: int, n_params: int) -> float:
+    """Inter-node bytes a node sends per sync of the whole model: an all-reduce in the wire dtype,
+    ``2(R-1)/R x P x b``; the int8 wire all-gathers every replica's blocks and scales, ``(R-1) x P x (1 + 4/256)``."""
+    if wire_dtype == "int8":
+        return (replicas - 1) * n_params * WIRE_BYTES[wire_dtype]
+    return 2 * (replicas - 1) / replicas * n_params * WIRE_BYTES[wire_dtype]
 
 
 def _defaults(par: SyncFields) -> dict[str, Any]:
@@ -101,5 +109,5 @@ def _combination_problem(par: SyncFields) -> Problem | None:
         return "replica_hop", par.replica_hop, (
             "does not combine with parallel.replica_sync = 'diloco': DiLoCo sends no per-step inter-node hop to "
             "compress: set parallel.replica_hop = 'fp32' (parallel.diloco_wire_dtype = 'bf16' halves the sync's "
-            "bytes), or parallel.replica_sync = 'every_step'")
+            "bytes, 'int8' quarters them), or parallel.replica_sync = 'every_step'")
     return None

@@ -25,7 +25,7 @@ from rich.text import Text
 
 import hsdp
 from hsdp.apps.train.config import RunConfig
-from hsdp.apps.train.config_replica_sync import WIRE_BYTES, is_diloco
+from hsdp.apps.train.config_replica_sync import is_diloco, sync_floor
 from hsdp.apps.train.metrics import peak_memory_bytes
 from hsdp.apps.train.replica_sync import summary_fields
 from hsdp.apps.train.result import LoopResult
@@ -66,10 +66,10 @@ def inter_node_floor(cfg: RunConfig, n_params: int, replicas: int) -> float | No
     ``parallel.shard_optimizer_across_replicas`` ``(R-1)/R x P x (b + 4)``: a reduce-scatter in the hop
     dtype, then an all-gather of the stepped slices in the parameter dtype (fp32 shards); with
     ``parallel.replica_sync = "diloco"`` one all-reduce of the weights per H = ``diloco_every`` steps, in the
-    DiLoCo wire dtype: ``2(R-1)/R x P x b / H``, the mean step's."""
+    DiLoCo wire dtype: ``2(R-1)/R x P x b / H``, the mean step's (int8 all-gathers: ``(R-1) x P x (1 + 4/256)
+    / H``)."""
     if is_diloco(cfg.parallel):
-        return 2 * (replicas - 1) / replicas * n_params * WIRE_BYTES[cfg.parallel.diloco_wire_dtype] \
-            / cfg.parallel.diloco_every
+        return sync_floor(cfg.parallel.diloco_wire_dtype, replicas, n_params) / cfg.parallel.diloco_every
     wire = _WIRE_BYTES.get(cfg.parallel.replica_hop)
     if wire is None:
         return None

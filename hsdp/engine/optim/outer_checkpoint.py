@@ -22,6 +22,12 @@ as already reduced, so each lands at the same step with the same values: the res
 the phase (another replica count: every replica restarts from the global copy) drops them with the inner steps
 since the last sync. The fragments must be split as saved (the same units and ``fragments``).
 
+Under ``DiLoCo(wire_dtype=torch.int8)`` each rank's residuals (``outer_wire.py``) are state of its replica, not
+shared: :func:`residual_state_dict` gives them by parameter name (sharded like the parameter), the checkpoint
+layer files them under the replica's own keys, and :func:`load_outer_state_dict` takes them back under
+``sd["residual"]``; a load without them (another replica count, a checkpoint of another wire) starts them from
+zero.
+
 ``OuterState.restart`` is what loading state without DiLoCo's part means: the global copy becomes the model's
 current weights, the phase 0 and the outer optimizer's state (its momentum) starts fresh, as at the optimizer's
 construction. ``ShardedOptimizer.load_state_dict`` calls it after loading the inner state, and the next inner
@@ -38,9 +44,11 @@ from typing import Any
 import torch
 
 from hsdp.engine.optim.outer_step import OuterState, PendingSync, chunks
+from hsdp.engine.optim.outer_wire import residual_flat, set_residual_flat
 from hsdp.engine.runtime.origin import stamp
 
 PENDING, LEFT = "pending_pseudo_gradient", "pending_steps_left"  # see [Note: syncs in flight]
+RESIDUAL = "residual"  # the int8 wire's residuals: per replica, under its own keys (``outer_wire.py``)
 
 
 def global_weights(outer: OuterState) -> dict[str, torch.Tensor]:
@@ -127,7 +135,38 @@ def load_outer_state_dict(outer: OuterState, sd: dict[str, Any]) -> None:
     phase = sd.get("phase")
     outer.inner_steps = 0 if phase is None else int(phase)
     outer.pending = [] if phase is None else _pending(outer, in_flight)
+    _load_residuals(outer, sd.get(RESIDUAL, {}))
     outer.mark_written()  # the model's weights were loaded with this state: no restart at the next step
+
+
+def residual_state_dict(outer: OuterState) -> dict[str, torch.Tensor]:
+    """This rank's int8-wire residuals by parameter name, each a DTensor placed like the parameter (``{}`` for a
+    float wire, and for units before their first sync): its replica's own state, not the shared outer state."""
+    out: dict[str, torch.Tensor] = {}
+    if outer.wire is None:
+        return out
+    for i, unit in enumerate(outer.units):
+        flat = residual_flat(outer.wire, unit, outer.piece_plan(unit))
+        if flat is not None:
+            for p, chunk in chunks(outer, i, flat):
+                out[p.fqn] = stamp(p.to_dtensor(chunk))
+    return out
+
+
+def _load_residuals(outer: OuterState, saved: dict[str, Any]) -> None:
+    """The int8 wire's residuals from :func:`residual_state_dict`'s layout (this rank's replica's); zero where
+    none is saved. Ignored under a float wire."""
+    if outer.wire is None:
+        return
+    outer.wire.residuals = {}
+    for i, unit in enumerate(outer.units):
+        if not any(p.fqn in saved for p in unit.params):
+            continue
+        flat = torch.zeros_like(outer.global_copy[i])  # padding rows: zero, as every pseudo-gradient's
+        for p, chunk in chunks(outer, i, flat):
+            if p.fqn in saved:
+                chunk.copy_(_local(saved[p.fqn]))
+        set_residual_flat(outer.wire, unit, outer.piece_plan(unit), flat)
 
 
 def _pending(outer: OuterState, in_flight: dict[int, tuple[int, torch.Tensor]]) -> list[PendingSync]:

@@ -5,7 +5,8 @@ it, never a full copy), and the outer optimizer's state (its momentum) is sharde
 parameters are split into ``fragments`` contiguous fragments (:func:`split_fragments`; one fragment: all of
 them). After the inner step (``ShardedOptimizer.step``) that brings the phase to a fragment's offset
 (``DiLoCo.offset``), the fragment's sync is *started*: pseudo-gradient = global - local, all-reduced (average) over
-the replicate group in the wire dtype, asynchronously ([Note: pieces and weights]). ``delay`` inner steps later it
+the replicate group in the wire dtype, asynchronously ([Note: pieces and weights]; ``wire_dtype=torch.int8``:
+quantised with error feedback and all-gathered, ``outer_wire.py``). ``delay`` inner steps later it
 *lands*: the all-reduce is waited, the mean is set as the fragment's global copies' gradient, the outer optimizer
 steps (torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
 state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a plain
@@ -56,6 +57,7 @@ import torch.distributed as dist
 
 from hsdp.engine.collectives import Handle
 from hsdp.engine.hops import AllReduceHop
+from hsdp.engine.optim.outer_wire import wire_hop, wire_key
 from hsdp.engine.replica_sync import DiLoCo
 from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
 from hsdp.engine.runtime.piece_plan import PiecePlan
@@ -151,6 +153,7 @@ class OuterState:
         for unit in self.units:  # the reductions add each backward's weight ([Note: pieces and weights])
             unit.phase_weight = torch.zeros((), dtype=torch.float64, device=unit.sharded_flat.device)
         self.global_copy = [u.sharded_flat.detach().float().clone() for u in self.units]
+        self.wire = wire_hop(policy)  # the int8 wire's quantiser and residuals (``outer_wire.py``); None for floats
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
@@ -181,6 +184,8 @@ class OuterState:
         for unit, flat in zip(self.units, self.global_copy, strict=True):
             flat.copy_(unit.sharded_flat)
         self.outer.state.clear()
+        if self.wire is not None:
+            self.wire.residuals = {}  # error feedback of the pseudo-gradients toward the old copy: gone
         for unit in self.units:
             _take_weight(unit)
         self.inner_steps = 0
@@ -247,7 +252,7 @@ class OuterState:
             weight = _take_weight(unit)
             if weighted:  # [Note: pieces and weights]
                 delta = torch.cat([delta.mul_(weight), weight.to(delta.dtype).reshape(1)])
-            buffer = delta if wire is None else delta.to(wire)
+            buffer = delta if wire is None or self.wire is not None else delta.to(wire)  # int8: the hop's
             handles.append(self._average(unit, buffer, int(weighted)))
             sent.append(buffer)
         return PendingSync(fragment, self.policy.delay, handles, sent, weighted)
@@ -255,13 +260,21 @@ class OuterState:
     def _average(self, unit: ShardUnit, buffer: torch.Tensor, n_extra: int) -> Handle:
         """Start the average of ``buffer`` (laid out like the unit's flat shard, then ``n_extra`` values) over the
         replicas: one all-reduce on a grid, one per bucket of pieces across replicas of different degrees."""
-        comm, label = self.model.comm, f"{unit.name} pseudo-gradient"
-        plan = plan_of(comm, unit.params, slot_offsets(unit.params), n_extra, buffer.numel() - n_extra,
-                       self._plans[n_extra])
+        comm, label = self.model.comm, wire_key(unit)
+        plan = self.piece_plan(unit, n_extra)
+        if plan is None and self.wire is not None:
+            return self.wire.start(buffer, n_extra, comm, label)
         if plan is None:
             return comm.all_reduce(buffer, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=label)
         # Scale 1: each replica's pseudo-gradient counts once (the gradients' pre-scale weighs ranks, not replicas).
-        return start_piece_hops(AllReduceHop(), buffer, dataclasses.replace(plan, scale=1.0), comm, label)
+        hop = AllReduceHop() if self.wire is None else self.wire
+        return start_piece_hops(hop, buffer, dataclasses.replace(plan, scale=1.0), comm, label)
+
+    def piece_plan(self, unit: ShardUnit, n_extra: int = 0) -> PiecePlan | None:
+        """The unit's piece plan across replicas of different degrees for a buffer laid out like its flat shard
+        then ``n_extra`` values (``None`` on a grid); the same pieces whatever ``n_extra``."""
+        return plan_of(self.model.comm, unit.params, slot_offsets(unit.params), n_extra, unit.sharded_flat.numel(),
+                       self._plans[n_extra])
 
     def _land_due(self) -> list[int]:
         """Land the syncs due, in the order started; their fragments."""

@@ -131,7 +131,12 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
         "tests/test_tensor_parallel.py::test_diloco_under_tensor_parallel_equals_two_simulated_workers"),
     (F.DILOCO, F.SLICED_OPTIMIZER): _refused("DiLoCo's inner optimizer state is per replica by definition",
                                              _DILOCO_TEST, permanent=True),
-    (F.DILOCO, F.INT8_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (its wire dtype is DiLoCo's own)"),
+    (F.DILOCO, F.INT8_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop; its own int8 wire, "
+                                                   "DiLoCo(wire_dtype=torch.int8), quantises the pseudo-gradients "
+                                                   "with error feedback (the int8 hop's quantiser, residuals per "
+                                                   "replica, any degrees, batch weights, Streaming)",
+                                 ("tests/test_diloco_int8.py::test_int8_wire_equals_two_simulated_workers_with_error_"
+                                  "feedback",)),
     (F.DILOCO, F.BF16_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (DiLoCo(wire_dtype=bf16) halves "
                                                    "its syncs)"),
     (F.DILOCO, F.BATCH_WEIGHTS): _supported(

@@ -23,7 +23,9 @@ is the slowest such step; the mean adds every fragment's cost once per H steps.
 
 Inter-node bytes of the busiest node per step: the inner step's plus one sync's over H. With shard groups inside a
 node (S replicate rings, each leaving every node once) a sync sends ``2(R-1)/R x P x w``, the model in the wire
-dtype ``w``: ``2(R-1)/R x P x w / H`` per step, against plain HSDP's ``2(R-1)/R x P x b`` every step. Memory per
+dtype ``w``: ``2(R-1)/R x P x w / H`` per step, against plain HSDP's ``2(R-1)/R x P x b`` every step. The int8
+wire (``DiLoCo(wire_dtype=torch.int8)``, error feedback) all-gathers every replica's int8 blocks and fp32 scales
+instead: ``(R-1) x P x (1 + 4/256)`` per sync, about a quarter of fp32's at R = 2, growing with R. Memory per
 rank: the layout's without the optimizer sharded across replicas (DiLoCo refuses it) plus the global copy (fp32,
 4 B per flat-shard element) and the outer momentum (4 B more when the outer optimizer has momentum).
 
@@ -46,15 +48,17 @@ from hsdp.tools.planner.model import ComputeProfile, ModelSpec, UnitSpec
 from hsdp.tools.planner.options import TrainOptions
 from hsdp.tools.planner.tensor_parallel import local_model
 
-WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0}  # DiLoCo(wire_dtype=None) is fp32; torch.bfloat16 halves it
+# Bytes per element of the sync's buffer: DiLoCo(wire_dtype=None) is fp32, torch.bfloat16 halves it, torch.int8
+# sends one byte per element and one fp32 scale per block of 256 (all-gathered: see sync_collective).
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
 GLOBAL_COPY_BYTES = 4  # the fp32 global copy per flat-shard element
 MOMENTUM_BYTES = 4  # the outer SGD's momentum buffer per element (0 without momentum)
 
 
 @dataclass(frozen=True)
 class DiLoCoOptions:
-    """``every``: H, inner steps per sync; ``wire_dtype``: the pseudo-gradient's dtype across nodes (``fp32`` or
-    ``bf16``); ``outer_momentum``: whether the outer optimizer keeps a momentum buffer (memory only);
+    """``every``: H, inner steps per sync; ``wire_dtype``: the pseudo-gradient's dtype across nodes (``fp32``,
+    ``bf16`` or ``int8``); ``outer_momentum``: whether the outer optimizer keeps a momentum buffer (memory only);
     ``fragments``, ``delay``: Streaming DiLoCo's F and tau (``hsdp.DiLoCo``'s, with its rules)."""
 
     every: int
@@ -79,6 +83,13 @@ class DiLoCoOptions:
     @property
     def wire_bytes(self) -> float:
         return WIRE_BYTES[self.wire_dtype]
+
+    def sync_collective(self, elements: float, replicas: int) -> tuple[str, float]:
+        """The collective that syncs ``elements`` of a rank's flat shard over ``replicas`` and its buffer's bytes:
+        an all-reduce in the wire dtype, or (int8) an all-gather of every replica's blocks and scales."""
+        if self.wire_dtype == "int8":
+            return "all_gather", replicas * elements * self.wire_bytes
+        return "all_reduce", elements * self.wire_bytes
 
     @property
     def state_bytes(self) -> int:
@@ -214,11 +225,11 @@ def _sync_cost(units: list[UnitSpec], cluster: ClusterSpec, shard: int, diloco: 
     links = group_links(cluster, shard, "replicate", tp)
     comm = link_s = node = intra = inter = 0.0
     for u in units:
-        nbytes = u.slot(shard) * diloco.wire_bytes
-        comm += collective_seconds(links, cluster, "all_reduce", nbytes)
-        link_s += link_seconds(links, cluster, "all_reduce", nbytes)
-        node += node_bytes(links, cluster, "all_reduce", nbytes)
-        a, b = rank_split_bytes(links, cluster, "all_reduce", nbytes)
+        op, nbytes = diloco.sync_collective(u.slot(shard), links.size)
+        comm += collective_seconds(links, cluster, op, nbytes)
+        link_s += link_seconds(links, cluster, op, nbytes)
+        node += node_bytes(links, cluster, op, nbytes)
+        a, b = rank_split_bytes(links, cluster, op, nbytes)
         intra, inter = intra + a, inter + b
     per_element = profile.optimizer_s_per_element if profile is not None else cluster.optimizer_s_per_element
     host = cluster.host_s_per_intra_byte * intra + cluster.host_s_per_inter_byte * inter

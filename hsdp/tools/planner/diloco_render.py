@@ -47,8 +47,9 @@ def diloco_rows(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | None
 
 
 def _settings(diloco: DiLoCoOptions) -> str:
-    wire = ", wire_dtype=torch.bfloat16" if diloco.wire_dtype == "bf16" else ""
-    train = " parallel.diloco_wire_dtype=bf16" if diloco.wire_dtype == "bf16" else ""
+    dtype = {"bf16": "bfloat16", "int8": "int8"}.get(diloco.wire_dtype)
+    wire = f", wire_dtype=torch.{dtype}" if dtype else ""
+    train = f" parallel.diloco_wire_dtype={diloco.wire_dtype}" if dtype else ""
     if diloco.fragments > 1 or diloco.delay:
         wire += f", fragments={diloco.fragments}, delay={diloco.delay}"
         train += f" parallel.diloco_fragments={diloco.fragments} parallel.diloco_delay={diloco.delay}"
@@ -72,13 +73,19 @@ def diloco_lines(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | Non
         f"all-reduce across nodes; plain HSDP's step {format_seconds(d.plain.step.step_s)} sends "
         f"{_gb(d.plain.step.inter_node_bytes)} GB per node), and once every {h} steps {what} "
         f"{format_seconds(max(d.waits))}{behind} (the largest is {format_seconds(d.sync_link_s)} on the inter-node "
-        f"link at {format_rate(inter_bandwidth)}; all together {_gb(d.sync_bytes)} GB per node, the model in "
-        f"{diloco.wire_dtype} x 2(R-1)/R), so the mean step is {format_seconds(d.mean_step_s)}, {d.speedup:.2f}x "
+        f"link at {format_rate(inter_bandwidth)}; all together {_gb(d.sync_bytes)} GB per node, "
+        f"{_sync_form(diloco)}), so the mean step is {format_seconds(d.mean_step_s)}, {d.speedup:.2f}x "
         f"plain's tokens/s, at "
         f"{_gb(d.inter_node_bytes)} GB per node per step; DiLoCo's global copy and outer momentum add "
         f"{diloco.state_bytes} B per parameter / S to each GPU ({'fits' if d.fits else 'does NOT fit'}). "
         f"Settings: {_settings(diloco)}.")
     return lines
+
+
+def _sync_form(diloco: DiLoCoOptions) -> str:
+    if diloco.wire_dtype == "int8":
+        return "the model in int8 blocks with fp32 scales, all-gathered: (R-1) x P x (1 + 4/256)"
+    return f"the model in {diloco.wire_dtype} x 2(R-1)/R"
 
 
 def print_diloco(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | None, diloco: DiLoCoOptions,
