@@ -60,7 +60,7 @@ def finish_step(model: ShardedModel) -> bool:
     if not committed:
         for p in model.parameters():
             p.grad = None
-        restore_hops(model._hsdp_state.hop_snapshot)  # the residuals of a step never applied: as before it
+        restore_hops(model._hsdp_state.step.hop_snapshot)  # the residuals of a step never applied: as before it
     return committed
 
 

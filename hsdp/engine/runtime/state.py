@@ -47,10 +47,9 @@ from hsdp.engine.collectives import Comm
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.batch_weight import Weight
 from hsdp.engine.runtime.buffers import BufferSync
-from hsdp.engine.runtime.hop_transaction import HopSnapshot, snapshot_hops
-from hsdp.engine.runtime.reduction import Reduction, reduce_grads
 from hsdp.engine.runtime.slice_gather import SliceGathers
 from hsdp.engine.runtime.step_read import StepRead
+from hsdp.engine.runtime.step_reductions import StepReductions
 from hsdp.engine.runtime.streams import Streams
 from hsdp.engine.runtime.unit import ShardedState, ShardUnit
 
@@ -98,19 +97,15 @@ class HSDPState:
         self.requires_all_reduce = True
         self.batch_weight: Weight | None = None  # ShardedModel.set_batch_weight (batch_weight.py)
         self.prefetch = 1  # how many units ahead to all-gather (0: none), see ShardedModel.set_prefetch
-        self._pending: list[Reduction] = []
         self.step_read = StepRead()  # the step's one host read, if any (step_read.py)
-        self.hop_snapshot: HopSnapshot = []  # stateful hops' state before this step (hop_transaction.py)
+        # This backward's reductions, the step's transaction with the replicate layer (step_reductions.py).
+        self.step = StepReductions(mesh, units, self.buffers, self.step_read,
+                                   hops_on_device=mesh.device.type != "cpu" or self.streams.enabled)
         if mesh.replicas.transactional:
             self.step_read.sharded_optimizer_only = "is elastic (a step the coordinator discards must not be applied)"
         self.replica_sync: Any = None  # ShardedModel(replica_sync=hsdp.DiLoCo(...)), stepped by ShardedOptimizer
         self.outer: Any = None  # DiLoCo's OuterState once a ShardedOptimizer exists (check_replicas compares it)
         self.loads = 0  # weights written from outside training (load_state_dict, load_pretrained, materialize)
-        # Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter.
-        # Where it blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and
-        # gloo's reduce-scatter work reports completion only once waited: nothing to poll), the mesh's hop
-        # worker thread waits for it instead and issues the hop the moment it completes (hop_worker.py).
-        self._hops_queue_on_device = mesh.device.type != "cpu" or self.streams.enabled
         self._callback_queued = False  # a backward started and its end-of-backward has not run yet
         # Registered post_backwards whose backward has neither run nor been freed: token -> unit. Each is
         # counted in its unit's ``pending_post_backward``; whichever of "ran" and "freed" comes first
@@ -164,10 +159,7 @@ class HSDPState:
                 self._repair_torn_step()
                 self._in_forward = True
                 if torch.is_grad_enabled():
-                    # A training step (not an evaluation or a sample): elastic's coordinator gathers its quorum now.
-                    self.mesh.replicas.begin_step()
-                    if self.mesh.replicas.transactional:  # the step may be discarded: so must its residuals be
-                        self.hop_snapshot = snapshot_hops(self.units)
+                    self.step.begin()  # a training step (not an evaluation or a sample): the replicas' too
                 self.buffers.pre_forward()
                 self._pre_seen, self._post_seen = [], []
             args, kwargs = unit.policy.cast_inputs(args, kwargs)
@@ -284,6 +276,9 @@ class HSDPState:
             return  # used again earlier in forward: its backward is still to come
         self._reduce(unit)  # reshards the unit too
 
+    def _reduce(self, unit: ShardUnit) -> None:
+        self.step.add(unit, self.requires_gradient_sync, self.requires_all_reduce, self.batch_weight)
+
     def _forget(self, token: int) -> bool:
         """Uncount one post_backward registration (its backward ran, or its graph was freed)."""
         unit = self._live.pop(token, None)
@@ -292,65 +287,18 @@ class HSDPState:
         unit.pending_post_backward -= 1
         return True
 
-    def _reduce(self, unit: ShardUnit) -> None:
-        if self._pending:
-            self._pending[-1].release_input()  # before this unit allocates its own (reduction.release_input)
-        reduction = reduce_grads(unit, self.requires_gradient_sync, self.requires_all_reduce, self.batch_weight)
-        unit.used_in_grad_forward = False
-        if reduction is None:
-            return
-        self._pending.append(reduction)
-        if self._hops_queue_on_device:
-            reduction.start_replica_hop()  # chained right behind its reduce-scatter: a wait on the hop stream
-        else:
-            reduction.chain_hop()  # the host's hop stream: a worker thread waits for it (hop_worker.py)
-
     def _finalize_backward(self) -> None:
         for unit in reversed(self.units):
             has_leftover = any(p.unsharded.grad is not None for p in unit.params)
             if unit.used_in_grad_forward or has_leftover:
                 self._reduce(unit)
-        try:
-            self._finish_hops()
-        except RuntimeError as e:
-            if not self.mesh.replicas.step_failed(f"{type(e).__name__}: {e}"):
-                raise
-            self._drop_failed_hops()  # a member left mid-step: the step is discarded at the optimizer
+        if not self.step.finish_hops():  # raises where the replicate layer cannot discard the step
+            self._reset_step()  # discarded on every member: ShardedOptimizer.step applies nothing
             return
-        self._sync_buffers()  # the step's gradients are synced: so are the buffers (buffers.py)
         try:
-            self.step_read.after_backward(self._pending, self.batch_weight)  # may raise a deferred check
+            self.step.conclude(self.batch_weight)  # buffers, then the step's host read (may raise a deferred check)
         finally:
-            self._pending.clear()
             self._reset_step()
-
-    def _finish_hops(self) -> None:
-        # Every hop in flight before waiting for any: the last units' hops overlap each other.
-        for reduction in self._pending:
-            reduction.start_replica_hop()
-        for reduction in self._pending:
-            reduction.finish()
-
-    def _sync_buffers(self) -> None:
-        """Broadcast the buffers at the end of a backward (``buffers.py``); where the replicate layer discards a
-        step whose member was lost meanwhile (elastic), it fails the step instead, as a failed hop does, and the
-        buffers stay due."""
-        try:
-            self.buffers.after_backward()
-        except RuntimeError as e:
-            if not self.mesh.replicas.step_failed(f"buffer broadcast: {type(e).__name__}: {e}"):
-                raise
-
-    def _drop_failed_hops(self) -> None:
-        """An inter-node collective of this step failed (a peer replica died or stopped) and the replicate layer
-        discards the step (elastic). Every reduction is waited for and dropped, and the backward returns
-        normally: the coordinator aborts the step on every member, and ``ShardedOptimizer.step`` applies nothing."""
-        for reduction in self._pending:
-            reduction.abandon(quiet=True)
-        self._pending.clear()
-        for unit in self.units:
-            unit.partial = None
-        self._reset_step()
 
     def _reset_step(self) -> None:
         for unit in self.units:
@@ -391,11 +339,8 @@ class HSDPState:
             "hsdp: the previous backward did not finish (an exception inside backward?): its gradients and "
             "the micro-batch gradients accumulated since the last synchronised step were discarded; call "
             "optimizer.zero_grad() after such an exception, as for a plain model", RuntimeWarning, stacklevel=2)
-        for reduction in self._pending:
-            reduction.abandon()
-        self._pending.clear()
+        self.step.abandon()
         for unit in self.units:
-            unit.partial = None
             for p in unit.params:
                 p.unsharded.grad = None
                 p.grad_acc = None
@@ -427,7 +372,7 @@ class HSDPState:
             self.slice_gathers.append(unit)
 
     def is_idle(self) -> bool:
-        return all(u.state is ShardedState.SHARDED for u in self.units) and not self._pending
+        return all(u.state is ShardedState.SHARDED for u in self.units) and not self.step.pending
 
 
 def _compiled_autograd_active() -> bool:
