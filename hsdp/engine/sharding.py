@@ -95,9 +95,9 @@ class UnitOptions:
         if self.shard_optimizer_across_replicas and not can_scatter(self.replica_hop):
             raise ValueError(
                 f"shard_optimizer_across_replicas reduce-scatters gradients across replicas, which "
-                f"{type(self.replica_hop).__name__} cannot do (it all-gathers its payload): use "
-                f"replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes), or "
-                f"turn shard_optimizer_across_replicas off")
+                f"{type(self.replica_hop).__name__} cannot do (it has no start_scatter): use "
+                f"replica_hop=hsdp.AllReduceHop(), AllReduceHop(torch.bfloat16) (half the inter-node bytes) or "
+                f"hsdp.Int8ErrorFeedbackHop() (a quarter), or turn shard_optimizer_across_replicas off")
 
 
 class Sharded(NamedTuple):

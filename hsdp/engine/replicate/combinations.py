@@ -148,9 +148,10 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.TENSOR_PARALLEL, F.BATCH_WEIGHTS): _supported(
         "tests/test_tensor_parallel.py::test_batch_weights_under_tensor_parallel_equal_one_process_over_the_"
         "concatenated_batches"),
-    (F.SLICED_OPTIMIZER, F.INT8_HOP): _refused("the int8 hop cannot reduce-scatter across replicas",
-                                               "tests/test_replica_sharded_optimizer.py::test_refusals_name_the_fix",
-                                               permanent=True),
+    (F.SLICED_OPTIMIZER, F.INT8_HOP): _supported(
+        "tests/test_sliced_int8.py::test_int8_reduce_scatter_equals_the_simulated_error_feedback_mean",
+        "tests/test_sliced_int8.py::test_int8_reduce_scatter_sends_a_quarter_of_fp32",
+        "tests/test_sliced_int8.py::test_int8_residuals_across_replicas_checkpoint"),
     (F.SLICED_OPTIMIZER, F.BF16_HOP): _supported(
         "tests/test_replica_sharded_optimizer.py::test_parity_and_the_bf16_hop"),
     (F.SLICED_OPTIMIZER, F.BATCH_WEIGHTS): _supported(_WEIGHTS_TEST),

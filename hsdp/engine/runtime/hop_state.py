@@ -36,6 +36,7 @@ from hsdp.engine.replicate.pieces import chunk_rows
 from hsdp.engine.runtime.piece_hop import bucket_key, state_segments
 from hsdp.engine.runtime.piece_plan import plan_pieces
 from hsdp.engine.runtime.reduction import reduced_params, slot_offsets
+from hsdp.engine.runtime.replica_slice import SliceLayout, pack_chunks, packed_numel, replicated_columns, unpack_slices
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
 
@@ -52,6 +53,8 @@ def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor 
         if flat is None:
             continue
         params = reduced_params(unit)
+        if _sliced(params):
+            flat = _slot_of_rows(params, flat, unit.sharded_flat.device)
         for p, off in zip(params, slot_offsets(params), strict=True):
             local = flat[off: off + p.layout.local_numel].view(p.layout.local_shape)
             out[p.fqn] = _residual_sharded(local, p, mesh) if mesh.heterogeneous else _residual_dtensor(local, p, mesh)
@@ -82,10 +85,45 @@ def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str,
             flat[off: off + p.layout.local_numel] = local.reshape(-1)
         # Read next by the hop stream, which replaces it with the next residual: without this the allocator
         # could hand the block to a later unit's backward before the hop stream has read it.
+        if _sliced(params):
+            flat = _rows_of_slot(params, flat)
         state = _buckets_of_slot(unit, mesh, flat) if mesh.heterogeneous else {unit.key: flat}
         for residual in state.values():
             unit.streams.release_after(residual, "replica_hop")
         unit.hop.load_state_dict(state)
+
+
+def _sliced(params: list[ShardedParam]) -> bool:
+    """Whether the unit's residuals are per replica row (``shard_optimizer_across_replicas``: the hop's
+    ``start_scatter`` keeps one per row of the packed slices, ``replica_slice.py``)."""
+    return params[0].slice is not None
+
+
+def _chunks(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:
+    return [flat[off: off + p.layout.local_numel].view(p.layout.local_shape)
+            for p, off in zip(params, slot_offsets(params), strict=True)]
+
+
+def _slot_of_rows(params: list[ShardedParam], rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A replica-sharded unit's residual ``(R, packed slices)`` in the slot layout: row ``q`` holds what this
+    rank failed to send replica ``q`` of its slice of every chunk, so together the rows hold one value per
+    element of the rank's chunks, as an all-gathering hop's slot does (0-d parameters cross exactly: zero)."""
+    flat = torch.zeros(slot_offsets(params)[-1] + params[-1].layout.padded_numel, device=device)
+    unpack_slices(rows, _slice_layouts(params), _chunks(params, flat))
+    return flat
+
+
+def _rows_of_slot(params: list[ShardedParam], flat: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_slot_of_rows` (a residual saved with or without the option loads either way)."""
+    slices = _slice_layouts(params)
+    rows = torch.zeros(slices[0].replicas, packed_numel(slices), device=flat.device)
+    pack_chunks(_chunks(params, flat), slices, rows)
+    rows[:, list(replicated_columns(slices))] = 0.0  # sent exactly: no residual
+    return rows
+
+
+def _slice_layouts(params: list[ShardedParam]) -> list[SliceLayout]:
+    return [p.slice for p in params]  # type: ignore[misc]
 
 
 def _unit_plan(unit: ShardUnit, mesh: HSDPMesh) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:

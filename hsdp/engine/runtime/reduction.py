@@ -34,7 +34,7 @@ from hsdp.engine.hops import NoHop, start_split_over_tp
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.batch_weight import SLOTS, Weight
 from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
-from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel
+from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel, replicated_columns
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
 
@@ -275,7 +275,9 @@ class Reduction:
         unit = self.unit
         packed = self.output.view(unit.comm.size("replicate"), -1)
         self._set_output(self.output.new_empty(packed.shape[1]))
-        return unit.hop.start_scatter(self.output, packed, unit.comm, unit.key)
+        # 0-d parameters sit whole in every replica's part: a lossy hop must send them exactly (hops.py).
+        exact = replicated_columns(_slices(self.params))  # type: ignore[arg-type]
+        return unit.hop.start_scatter(self.output, packed, self.n_extra, unit.comm, unit.key, exact)
 
     def abandon(self, quiet: bool = False) -> None:
         """Wait for the collective in flight and drop its result (the backward that started it raised; ``quiet``:
