@@ -33,6 +33,7 @@ from hsdp.engine.replicate.combinations import Feature, refused
 from hsdp.engine.runtime.buffers import move_buffers
 from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.piece_plan import holder_tuples
+from hsdp.engine.runtime.piece_slice import piece_slice
 from hsdp.engine.runtime.replica_slice import SliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.state import HSDPState
@@ -186,10 +187,12 @@ def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
         return
     if not mesh.heterogeneous:
         return
-    degrees = list(mesh.replicas.degrees)
-    if options.shard_optimizer_across_replicas and refused(Feature.HETEROGENEOUS, Feature.SLICED_OPTIMIZER):
-        raise ValueError(f"shard_optimizer_across_replicas is not supported on replicas of different shard degrees "
-                         f"(sharding_degree={degrees}): turn it off, or give every replica the same degree")
+    if options.shard_optimizer_across_replicas and options.replica_hop.state_dict() is not None:
+        raise ValueError(f"shard_optimizer_across_replicas with a stateful replica_hop "
+                         f"({type(options.replica_hop).__name__}) is not supported on replicas of different shard "
+                         f"degrees (sharding_degree={list(mesh.replicas.degrees)}) yet: its residuals per bucket of "
+                         f"pieces do not checkpoint; use replica_hop=hsdp.AllReduceHop() or "
+                         f"AllReduceHop(torch.bfloat16), or give every replica the same degree")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -296,6 +299,9 @@ def _build_unit(module: nn.Module, assigned: list[ParamAssignment], values: list
     params = [_sharded_param(a, mesh, policy) for a in assigned]
     if options.shard_optimizer_across_replicas and mesh.replicate_degree > 1:  # R = 1: nothing to split
         for p in params:
+            if mesh.heterogeneous:  # each replica's part of every piece (runtime/piece_slice.py)
+                p.slice = piece_slice(p.layout, mesh.replicas.degrees, mesh.replicate_rank)
+                continue
             p.slice = SliceLayout(p.layout, mesh.replicate_degree, mesh.replicate_rank)
             p.slice_mesh = mesh.device_mesh
     unit = ShardUnit(module, params, comm, options.reshard_after_forward, key, policy, options.replica_hop)
