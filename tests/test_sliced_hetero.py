@@ -4,12 +4,14 @@
 One 3-rank gloo spawn, nodes of 2 + 1 ranks (one replica per node). Every piece of a chunk (rows held by one rank
 per replica) is reduce-scattered over its holders, each holder steps its part (``runtime/piece_slice.py``), and the
 parts are all-gathered back over the same holders (``runtime/piece_scatter.py``). Checked:
-- AdamW with ``hsdp.clip_grad_norm_`` equals one plain process on the global batch, every rank, replicas identical;
-  a bf16 hop stays within bf16 of it; an unused parameter keeps no gradient;
+- AdamW with ``hsdp.clip_grad_norm_`` equals one plain process on the global batch, every rank, replicas identical,
+  with batch weights and two micro-batches too; a bf16 hop stays within bf16 of it; an unused parameter keeps no
+  gradient;
 - optimizer state per rank falls by about R = 2 against the unsliced run, inter-node bytes stay at the all-reduce
   floor (a reduce-scatter plus an all-gather per piece);
 - checkpoints: a run saved at step 2 resumes exactly in fresh objects, the same checkpoint loads into an unsliced
-  model and continues alike, and on disk (read in one process) the AdamW moments are one process's;
+  model (and an unsliced one into a sliced model) and continues alike, and on disk (read in one process) the AdamW
+  moments are one process's;
 - a stateful hop (int8) is refused with the option on such a mesh, naming the fix.
 """
 
@@ -28,6 +30,7 @@ import hsdp
 from hsdp.engine.mesh import init_mesh
 
 STEPS, SAVE_AT, LR, MAX_NORM = 3, 2, 1e-2, 1.0
+SIZES = [[1, 1], [2, 2], [3, 3]]  # per rank, the samples of each of two micro-batches (the weighted run)
 NODES = {0: (0, 2), 1: (1, 2), 2: (0, 1)}  # rank -> (LOCAL_RANK, LOCAL_WORLD_SIZE): nodes of 2 and 1 ranks
 WORLD = 3
 
@@ -51,13 +54,19 @@ def _sgd(params: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)  # type: ignore[arg-type]
 
 
-def _plain(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _parts(step: int, weighted: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if weighted:
+        return [batch(10 * step + m, r, per_rank=n) for r in range(WORLD) for m, n in enumerate(SIZES[r])]
+    return [batch(step, r) for r in range(WORLD)]
+
+
+def _plain(steps: int = STEPS, weighted: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process on the global batch: the weights, and the AdamW ``exp_avg`` of each parameter."""
     torch.manual_seed(0)
     model = Net()
     opt = _adamw(model.parameters())
     for step in range(steps):
-        parts = [batch(step, r) for r in range(WORLD)]
+        parts = _parts(step, weighted)
         loss_fn(model(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
@@ -116,6 +125,23 @@ def _train(mesh: hsdp.HSDPMesh, folder: str | None, sliced: bool = True, **kwarg
             "trainable_bytes": sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)}
 
 
+def _weighted(mesh: hsdp.HSDPMesh) -> dict[str, torch.Tensor]:
+    """Batch weights and two micro-batches (the hop deferred to the second): one process's mean-loss gradient over
+    the concatenated uneven batches."""
+    model, opt = _build(mesh)
+    rank = mesh.data_parallel_rank
+    for step in range(STEPS):
+        for m, n in enumerate(SIZES[rank]):
+            model.set_batch_weight(n)
+            model.set_requires_all_reduce(m == len(SIZES[rank]) - 1)
+            x, y = batch(10 * step + m, rank, per_rank=n)
+            loss_fn(model(x), y).backward()
+        _clip(model)
+        opt.step()
+        opt.zero_grad()
+    return _full(model)
+
+
 def _resumed(mesh: hsdp.HSDPMesh, folder: str, sliced: bool) -> dict[str, torch.Tensor]:
     """Fresh objects (with or without the option) loading the step-2 checkpoint, then the last step."""
     model, opt = _build(mesh, sliced)
@@ -136,10 +162,12 @@ def _worker(rank: int, world: int, folder: str) -> dict:
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = map(str, NODES[rank])
     mesh = init_mesh()  # nodes of 2 and 1 ranks: one replica per node, [2, 1]
     assert mesh.replicas.degrees == (2, 1)
-    return {"sliced": _train(mesh, folder), "plain": _train(mesh, None, sliced=False),
+    plain_folder = os.path.join(folder, "plain")
+    return {"sliced": _train(mesh, folder), "plain": _train(mesh, plain_folder, sliced=False),
             "bf16": _train(mesh, None, optimizer=_sgd, replica_hop=hsdp.AllReduceHop(torch.bfloat16)),
+            "weighted": _weighted(mesh),
             "resumed": _resumed(mesh, folder, sliced=True), "unsliced": _resumed(mesh, folder, sliced=False),
-            "refusal": _refusal(mesh)}
+            "from_unsliced": _resumed(mesh, plain_folder, sliced=True), "refusal": _refusal(mesh)}
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +202,7 @@ def test_sliced_optimizer_on_degrees_2_1_matches_one_process(results: list[dict]
             torch.testing.assert_close(r["sliced"]["full"][name], value, rtol=1e-5, atol=1e-5,
                                        msg=f"rank {rank} {name}")
         assert r["sliced"]["unused_grad"] is None
+        assert _distance(r["weighted"], _plain(weighted=True)[0]) < 1e-5, rank
         # bf16 on the wire: within bf16 of exact SGD, replicas identical (check_replicas in _full).
         assert 1e-7 < _distance(r["bf16"]["full"], _plain_sgd()) < 2e-2
     # The check can fail: a step less is far from it.
@@ -197,7 +226,9 @@ def test_sliced_optimizer_on_degrees_2_1_checkpoints(results: list[dict]) -> Non
     for rank, r in enumerate(results):
         for name, value in r["sliced"]["full"].items():
             assert torch.equal(r["resumed"][name], value), (rank, name)
+        # The same checkpoint into a model without the option, and one saved without it into a model with it.
         assert _distance(r["unsliced"], r["sliced"]["full"]) < 1e-6, rank
+        assert _distance(r["from_unsliced"], r["plain"]["full"]) < 1e-6, rank
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
