@@ -12,7 +12,9 @@ parts are all-gathered back over the same holders (``runtime/piece_scatter.py``)
 - checkpoints: a run saved at step 2 resumes exactly in fresh objects, the same checkpoint loads into an unsliced
   model (and an unsliced one into a sliced model) and continues alike, and on disk (read in one process) the AdamW
   moments are one process's;
-- a stateful hop (int8) is refused with the option on such a mesh, naming the fix.
+- the int8 hop: each bucket of pieces is reduce-scattered in int8 with a residual per bucket row; the weights
+  equal a one-process simulation of that error feedback (which is far from exact training and from int8 without
+  the residuals), and the residuals come back exactly through ``save_checkpoint`` / ``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import run_distributed
-from models import ParityNet, batch, loss_fn
+from models import DIM, VOCAB, Block, ParityNet, batch, loss_fn
+from torch import nn
 
 import hsdp
 from hsdp.engine.mesh import init_mesh
@@ -150,12 +153,122 @@ def _resumed(mesh: hsdp.HSDPMesh, folder: str, sliced: bool) -> dict[str, torch.
     return _full(model)
 
 
-def _refusal(mesh: hsdp.HSDPMesh) -> str:
-    try:
-        _build(mesh, replica_hop=hsdp.Int8ErrorFeedbackHop())
-        return "accepted"
-    except ValueError as e:
-        return str(e)
+class WideNet(nn.Module):
+    """The int8 run's model: rows of 17, 16, 3 and 256, two units, a 0-d parameter (in the tail: exact)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.block = Block()
+        self.wide = nn.Linear(DIM, 256)
+        self.head = nn.Linear(256, VOCAB)
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wide(self.block(self.embed(ids))))) * self.temperature
+
+
+INT8_LR, BLOCK = 0.5, 64
+
+
+def _units(model: WideNet) -> list[list[str]]:
+    """Each unit's parameters in slot order (a unit's module's own parameters first): the block's, the root's."""
+    return [[f"block.{n}" for n, _ in model.block.named_parameters()],
+            ["temperature", "embed.weight", "wide.weight", "wide.bias", "head.weight", "head.bias"]]
+
+
+def _int8(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 in blocks of ``BLOCK`` with one fp32 scale each, dequantised."""
+    n = x.numel()
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
+    padded[:n] = x
+    blocks = padded.view(-1, BLOCK)
+    scale = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+    return (torch.round(blocks / scale[:, None]).clamp(-127, 127) * scale[:, None]).view(-1)[:n]
+
+
+def _part(rows: int, q: int) -> tuple[int, int, int]:
+    """``(first row, rows, padded rows)`` of replica ``q``'s part of a piece of ``rows`` rows."""
+    step = -(-rows // 2)
+    first = min(q * step, rows)
+    return first, min(step, rows - first), step
+
+
+def _simulate_int8(hop: str) -> dict[str, torch.Tensor]:
+    """One process: each replica's mean gradient scaled by ``d_q R / W``; on ``[2, 1]`` piece ``j`` of a parameter
+    is replica 0's chunk ``j`` (holders ``(j, 0)``). Per unit and bucket ``j``, each replica's row ``q`` (part
+    ``q`` of piece ``j`` of every parameter, padded) plus its residual is quantised (``hop``: ``"int8"``,
+    ``"int8-no-feedback"``, ``"fp32"``) and averaged over the replicas into part ``q`` of the gradient; 0-d exact."""
+    torch.manual_seed(0)
+    model = WideNet()
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=INT8_LR)
+    residual: dict[tuple[int, int, int], torch.Tensor] = {}
+    for step in range(STEPS):
+        grads = []
+        for r in range(WORLD):
+            model.zero_grad()
+            loss_fn(model(batch(step, r)[0]), batch(step, r)[1]).backward()
+            grads.append({n: p.grad.clone() for n, p in params.items()})
+        replicas = [{n: (grads[0][n] + grads[1][n]) / 2 * (2 * 2 / WORLD) for n in params},
+                    {n: grads[2][n] * (1 * 2 / WORLD) for n in params}]
+        mean = {n: torch.stack([replicas[0][n], replicas[1][n]]).mean(dim=0) for n in params}
+        for u, names in enumerate(_units(model)):
+            for j in range(2):
+                pieces = [(n, torch.chunk(params[n], 2)[j].shape[0], j * -(-params[n].shape[0] // 2))
+                          for n in names if params[n].dim() > 0 and j < len(torch.chunk(params[n], 2))]
+                rows = []
+                for r in range(2):
+                    row = torch.stack([torch.cat([_padded_part(replicas[r][n], start, k, q) for n, k, start in pieces])
+                                       for q in range(2)])
+                    if hop != "fp32":
+                        row = row + residual.get((u, r, j), 0) if hop == "int8" else row
+                        sent = torch.stack([_int8(x) for x in row])
+                        residual[(u, r, j)], row = row - sent, sent
+                    rows.append(row)
+                avg = torch.stack(rows).mean(dim=0)
+                for q in range(2):
+                    at = 0
+                    for n, k, start in pieces:
+                        first, m, pad = _part(k, q)
+                        rn = params[n][0].numel()
+                        if hop != "fp32":
+                            value = avg[q, at: at + m * rn].view(m, *params[n].shape[1:])
+                            mean[n][start + first: start + first + m] = value
+                        at += pad * rn
+        for n, p in params.items():
+            p.grad = mean[n]
+        opt.step()
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def _padded_part(g: torch.Tensor, start: int, rows: int, q: int) -> torch.Tensor:
+    first, m, pad = _part(rows, q)
+    out = torch.zeros(pad, *g.shape[1:])
+    out[:m] = g[start + first: start + first + m]
+    return out.reshape(-1)
+
+
+def _int8_run(mesh: hsdp.HSDPMesh, folder: str) -> dict:
+    """SGD with the int8 hop; then save, forget the residuals, load: they come back exactly."""
+    torch.manual_seed(0)
+    hop = hsdp.Int8ErrorFeedbackHop(block_size=BLOCK)
+    model = hsdp.ShardedModel(WideNet(), mesh=mesh, wrap={Block}, replica_hop=hop,
+                              shard_optimizer_across_replicas=True)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.SGD(model.parameters(), lr=INT8_LR))
+    for step in range(STEPS):
+        x, y = batch(step, mesh.data_parallel_rank)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    full = _full(model)
+    saved = {k: v.clone() for k, v in hop.residuals.items()}
+    hsdp.save_checkpoint(os.path.join(folder, "int8"), model, opt)
+    hop.residuals.clear()
+    hsdp.load_checkpoint(os.path.join(folder, "int8"), model, opt)
+    restored = saved.keys() == hop.residuals.keys() and all(torch.equal(saved[k], hop.residuals[k]) for k in saved)
+    return {"full": full, "residuals": {k: tuple(v.shape) for k, v in saved.items()}, "restored": restored,
+            "nonzero": all(bool(v.abs().sum() > 0) for v in saved.values() if v.numel())}
 
 
 def _worker(rank: int, world: int, folder: str) -> dict:
@@ -167,7 +280,7 @@ def _worker(rank: int, world: int, folder: str) -> dict:
             "bf16": _train(mesh, None, optimizer=_sgd, replica_hop=hsdp.AllReduceHop(torch.bfloat16)),
             "weighted": _weighted(mesh),
             "resumed": _resumed(mesh, folder, sliced=True), "unsliced": _resumed(mesh, folder, sliced=False),
-            "from_unsliced": _resumed(mesh, plain_folder, sliced=True), "refusal": _refusal(mesh)}
+            "from_unsliced": _resumed(mesh, plain_folder, sliced=True), "int8": _int8_run(mesh, folder)}
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +356,15 @@ def test_sliced_state_on_disk_is_one_process_s(results: list[dict]) -> None:
         torch.testing.assert_close(value, moments[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_stateful_hop_is_refused_naming_the_fix(results: list[dict]) -> None:
-    for r in results:
-        assert "Int8ErrorFeedbackHop" in r["refusal"] and "AllReduceHop" in r["refusal"], r["refusal"]
+def test_int8_hop_with_the_sliced_optimizer_on_degrees_2_1_equals_the_simulated_error_feedback(
+        results: list[dict]) -> None:
+    expected = _simulate_int8("int8")
+    for rank, r in enumerate(results):
+        for name, value in expected.items():
+            torch.testing.assert_close(r["int8"]["full"][name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+        # A residual per unit and bucket this rank holds, (R, bucket row); restored exactly from the checkpoint.
+        assert r["int8"]["restored"] and r["int8"]["nonzero"], rank
+        assert all(shape[0] == 2 for shape in r["int8"]["residuals"].values()), r["int8"]["residuals"]
+    # The check can fail: the simulation is far from exact training and from int8 without the residuals.
+    exact, forgetful = _simulate_int8("fp32"), _simulate_int8("int8-no-feedback")
+    assert _distance(expected, exact) > 5e-5 and _distance(expected, forgetful) > 5e-5

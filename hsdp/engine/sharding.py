@@ -178,21 +178,11 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
 
 
 def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
-    """What replicas of different shard degrees, or elastic ones, do not compose with yet, refused before any
-    collective."""
-    if mesh.elastic is not None:
-        if options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER):
-            raise ValueError("an elastic mesh's replicas come and go, so optimizer state split across them would "
-                             "leave with a dead replica: turn shard_optimizer_across_replicas off")
-        return
-    if not mesh.heterogeneous:
-        return
-    if options.shard_optimizer_across_replicas and options.replica_hop.state_dict() is not None:
-        raise ValueError(f"shard_optimizer_across_replicas with a stateful replica_hop "
-                         f"({type(options.replica_hop).__name__}) is not supported on replicas of different shard "
-                         f"degrees (sharding_degree={list(mesh.replicas.degrees)}) yet: its residuals per bucket of "
-                         f"pieces do not checkpoint; use replica_hop=hsdp.AllReduceHop() or "
-                         f"AllReduceHop(torch.bfloat16), or give every replica the same degree")
+    """What elastic replicas do not compose with, refused before any collective."""
+    elastic = mesh.elastic is not None
+    if elastic and options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER):
+        raise ValueError("an elastic mesh's replicas come and go, so optimizer state split across them would "
+                         "leave with a dead replica: turn shard_optimizer_across_replicas off")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
