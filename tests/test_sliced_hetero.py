@@ -9,7 +9,8 @@ parts are all-gathered back over the same holders (``runtime/piece_scatter.py``)
   gradient;
 - optimizer state per rank falls by about R = 2 against the unsliced run, inter-node bytes stay at the all-reduce
   floor (a reduce-scatter plus an all-gather per piece);
-- checkpoints: a run saved at step 2 resumes exactly in fresh objects, the same checkpoint loads into an unsliced
+- checkpoints: ``optimizer.load_state_dict(optimizer.state_dict())`` mid-run changes nothing; a run saved at step 2
+  resumes exactly in fresh objects, the same checkpoint loads into an unsliced
   model (and an unsliced one into a sliced model) and continues alike, and on disk (read in one process) the AdamW
   moments are one process's;
 - the int8 hop: each bucket of pieces is reduce-scattered in int8 with a residual per bucket row; the weights
@@ -115,6 +116,8 @@ def _train(mesh: hsdp.HSDPMesh, folder: str | None, sliced: bool = True, **kwarg
     _steps(model, opt, range(SAVE_AT))
     if folder is not None:
         hsdp.save_checkpoint(folder, model, opt)
+    # In memory too: a slice's state goes out as a ShardedTensor of every rank's runs and comes back as the slice.
+    opt.load_state_dict(opt.state_dict())
     _steps(model, opt, range(SAVE_AT, STEPS - 1))
     x, y = batch(STEPS - 1, mesh.data_parallel_rank)
     loss_fn(model(x), y).backward()

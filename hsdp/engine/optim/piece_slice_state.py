@@ -67,7 +67,7 @@ def piece_slice_state(value: Any, sp: ShardedParam) -> Any:
     assert isinstance(piece, PieceSliceLayout)
     shape = sp.layout.global_shape
     if isinstance(value, ShardedTensor):
-        if tuple(value.shape) != shape:
+        if tuple(value.metadata().size) != shape:
             return value
         parts = [s.tensor for s in sorted(value.local_shards(), key=lambda s: s.metadata.shard_offsets[0])]
         local = torch.cat(parts) if parts else torch.empty((0, *shape[1:]), dtype=value.dtype)
