@@ -344,3 +344,15 @@ def test_padded_sequences_give_the_unpadded_logits() -> None:
         idx = torch.randint(0, 32, (2, t))
         assert torch.allclose(padded(idx), lm.logits(model, idx), atol=1e-6)
     assert lengths == [4, 4, 4, 8]
+
+
+def test_the_int8_hop_has_an_inter_node_floor_only_when_it_reduce_scatters() -> None:
+    from hsdp.apps.train.summary import inter_node_floor
+
+    def floor(*overrides: str) -> float | None:
+        return inter_node_floor(resolve_config(None, list(overrides)), 1000, 2)
+
+    assert floor("parallel.replica_hop=int8") is None  # an all-gather: its bytes grow with R
+    # (R-1)/R x P x (int8 blocks with a scale per 256, then the fp32 all-gather of the stepped slices).
+    assert floor("parallel.replica_hop=int8", "parallel.shard_optimizer_across_replicas=true") == \
+        pytest.approx(1 / 2 * 1000 * (1 + 4 / 256 + 4))
