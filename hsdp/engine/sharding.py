@@ -178,11 +178,19 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
 
 
 def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
-    """What elastic replicas do not compose with, refused before any collective."""
+    """What elastic replicas, or replicas of different degrees, do not compose with, refused before any
+    collective."""
     elastic = mesh.elastic is not None
     if elastic and options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER):
         raise ValueError("an elastic mesh's replicas come and go, so optimizer state split across them would "
                          "leave with a dead replica: turn shard_optimizer_across_replicas off")
+    if mesh.heterogeneous and mesh.tp_degree > 1 and options.shard_optimizer_across_replicas:
+        # Each pair works; the three together are not built: a slice of pieces is kept and checkpointed per
+        # TP-local piece without the tp coordinate (runtime/piece_slice.py, optim/piece_slice_state.py).
+        raise ValueError(f"shard_optimizer_across_replicas with tensor parallelism on replicas of different shard "
+                         f"degrees (sharding_degree={list(mesh.replicas.degrees)}) is not supported yet: turn "
+                         f"shard_optimizer_across_replicas off, give every replica the same degree, or use "
+                         f"tensor_parallel_degree=1")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

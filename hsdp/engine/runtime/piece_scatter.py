@@ -98,6 +98,8 @@ def start_piece_gathers(unit: Any, params: list[ShardedParam]) -> tuple[Handle, 
     """Start the all-gathers of the stepped slices of ``params`` (one unit's, trainable, not 0-d ones only: those
     every rank steps alike); the callable writes every replica's parts into the chunks once the handle is
     waited."""
+    if not params:  # only 0-d parameters: nothing to gather
+        return Handle(), lambda: None
     slices = _slices(params)
     replicas = slices[0].replicas
     handles, pending = [], []
