@@ -20,6 +20,7 @@ parts are all-gathered back over the same holders (``runtime/piece_scatter.py``)
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 
@@ -64,6 +65,7 @@ def _parts(step: int, weighted: bool) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [batch(step, r) for r in range(WORLD)]
 
 
+@functools.cache  # pure: each test reads the same simulation
 def _plain(steps: int = STEPS, weighted: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process on the global batch: the weights, and the AdamW ``exp_avg`` of each parameter."""
     torch.manual_seed(0)
@@ -197,6 +199,7 @@ def _part(rows: int, q: int) -> tuple[int, int, int]:
     return first, min(step, rows - first), step
 
 
+@functools.cache  # pure: each test reads the same simulation
 def _simulate_int8(hop: str) -> dict[str, torch.Tensor]:
     """One process: each replica's mean gradient scaled by ``d_q R / W``; on ``[2, 1]`` piece ``j`` of a parameter
     is replica 0's chunk ``j`` (holders ``(j, 0)``). Per unit and bucket ``j``, each replica's row ``q`` (part
@@ -297,6 +300,7 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
+@functools.cache  # pure: each test reads the same simulation
 def _plain_sgd() -> dict[str, torch.Tensor]:
     """One process with the bf16 run's SGD (exact wire): what the bf16 hop approximates."""
     torch.manual_seed(0)

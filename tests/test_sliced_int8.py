@@ -18,6 +18,7 @@ Checked against a one-process simulation of that math (its own quantiser and pac
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 
@@ -77,6 +78,7 @@ def _slices(p: torch.Tensor, s: int) -> list[tuple[int, int, int]]:
     return [(s * c + min(q * step, k), max(0, min(step, k - q * step)), pad) for q in range(R)]
 
 
+@functools.cache  # pure: each test reads the same simulation
 def _simulate(hop: str, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process: each replica's mean gradient (the reduce-scatter inside the node), then per unit and shard
     rank ``s`` each replica's packed row ``q`` (its slice ``q`` of chunk ``s`` of every parameter, padded), plus
