@@ -17,9 +17,9 @@ One 3-rank gloo spawn, nodes of 2 + 1 ranks (torchrun's ``LOCAL_RANK`` / ``LOCAL
 - ``load_pretrained`` into a meta-built model reads every rank's own rows; ``materialize`` initialises the
   same values on both replicas;
 - ``distributed_sampler(weights=[2, 1])``: one weight per replica spread over its ranks;
-- refused with a ``ValueError`` before any collective: the replica-sharded optimizer, a list that puts one
-  replica on two nodes (on every rank, after the node sizes' all-gather). DiLoCo on ``[2, 1]``:
-  ``tests/test_diloco_compose.py``; the int8 hop: ``tests/test_int8_compose.py``.
+- refused with a ``ValueError`` before any collective: a list that puts one replica on two nodes (on every rank,
+  after the node sizes' all-gather). DiLoCo on ``[2, 1]``: ``tests/test_diloco_compose.py``; the int8 hop:
+  ``tests/test_int8_compose.py``; the replica-sharded optimizer: ``tests/test_sliced_hetero.py``.
 The pure checks (a list's entries, tensor-parallel groups that do not divide the world or a node, a sum that is not
 the world) need no process.
 """
@@ -164,12 +164,6 @@ def _materialized(mesh: hsdp.HSDPMesh) -> dict[str, torch.Tensor]:
 
 def _refusals(mesh: hsdp.HSDPMesh) -> dict[str, str]:
     out = {}
-    for name, kwargs in (("sliced", {"shard_optimizer_across_replicas": True}),):
-        try:
-            hsdp.ShardedModel(Net(), mesh=mesh, **kwargs)
-            out[name] = "accepted"
-        except ValueError as e:
-            out[name] = str(e)
     try:
         init_mesh([1, 2], fault_policy=None)  # replica 1 = ranks 1, 2: nodes 0 and 1
         out["straddle"] = "accepted"
@@ -280,7 +274,6 @@ def test_pretrained_materialize_and_sampler(results: list[dict]) -> None:
 
 def test_refusals_name_the_fix(results: list[dict]) -> None:
     for r in results:
-        assert "shard_optimizer_across_replicas is not supported on replicas of different" in r["refusals"]["sliced"]
         assert "replica 1 of sharding_degree=[1, 2] (ranks 1..2) spans nodes 0 and 1" in r["refusals"]["straddle"]
 
 

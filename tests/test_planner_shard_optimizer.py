@@ -1,5 +1,5 @@
 """The planner with ``shard_optimizer_across_replicas``: closed forms for memory, inter-node bytes and the
-optimizer step, the int8 refusal, and when the recommendation uses the option.
+optimizer step, the int8 hop's reduce-scatter, and when the recommendation uses the option.
 
 Pure arithmetic and in-process ``hsdp plan``: no processes. ``P`` parameters, ``R`` replicas, ``S`` shards.
 """
@@ -84,14 +84,15 @@ def test_optimizer_step_is_one_rth_and_r_1_changes_nothing() -> None:
     assert estimate_step(_model(), one, 8, SLICED) == estimate_step(_model(), one, 8, TrainOptions())
 
 
-def test_int8_hop_is_refused_with_the_option_and_skipped_by_auto() -> None:
-    with pytest.raises(ValueError, match="int8 hop cannot"):
-        TrainOptions(replicate_dtype="int8", shard_optimizer_across_replicas=True)
-    cluster = replace(_cluster(4, 8), gpu_memory=80 * 2**30)
-    plan = make_plan(_model(), cluster, TrainOptions(replicate_dtype="int8"))
-    assert not plan.alternatives and not any(e.shard_optimizer for e in plan.layouts)
-    with pytest.raises(ValueError, match="int8 hop cannot"):
-        make_plan(_model(), cluster, TrainOptions(replicate_dtype="int8"), shard_optimizer="on")
+def test_int8_hop_reduce_scatters_int8_blocks_with_the_option() -> None:
+    # The int8 hop's reduce-scatter is an all-to-all of int8 blocks, one fp32 scale per 256, whatever R (its
+    # all-gathering form grows with R); the refresh after the step is the fp32 parameters'.
+    r, cluster = 4, replace(_cluster(4, 8), gpu_memory=80 * 2**30)
+    int8 = TrainOptions(replicate_dtype="int8", shard_optimizer_across_replicas=True)
+    step = estimate_step(_model(), cluster, 8, int8)
+    assert step.inter_node_bytes == pytest.approx((r - 1) / r * P * (1 + 4 / 256 + 4), rel=1e-3)
+    plan = make_plan(_model(), cluster, TrainOptions(replicate_dtype="int8"), shard_optimizer="on")
+    assert all(e.shard_optimizer for e in plan.layouts if e.layout.replicate > 1)
 
 
 H100_70B = ["plan", "--model", "70b", "--nodes", "64", "--gpus-per-node", "8", "--gpu", "h100",

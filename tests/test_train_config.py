@@ -69,9 +69,9 @@ def test_overrides_are_typed_and_applied_in_order() -> None:
     (["optim.min_lr=1.0"], r"optim\.min_lr = 1\.0: must not exceed optim\.lr"),
     (["train.stop_after=500"], r"train\.stop_after = 500: exceeds train\.steps"),
     (["parallel.replica_hop=fp8"], r"parallel\.replica_hop = 'fp8'"),
-    (["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"],
-     r"parallel\.replica_hop = 'int8': does not combine with parallel\.shard_optimizer_across_replicas = true: "
-     r"the int8 hop cannot reduce-scatter.*'fp32' or 'bf16'"),
+    (["parallel.shard_optimizer_across_replicas=true", "parallel.replica_sync=diloco"],
+     r"parallel\.shard_optimizer_across_replicas = True: does not combine with parallel\.replica_sync = 'diloco': "
+     r"DiLoCo's inner optimizer state is per replica.*parallel\.replica_sync = 'every_step'"),
     (["parallel.tensor_parallel=0"], r"parallel\.tensor_parallel = 0: must be at least 1"),
     (["parallel.tensor_parallel=2", "model.kind=hf-gpt2"],
      r"parallel\.tensor_parallel = 2: Hugging Face GPT-2 has no tensor-parallel plan.*set model\.kind = 'gpt'"),
@@ -84,10 +84,10 @@ def test_bad_values_name_the_field(overrides: list[str], message: str) -> None:
         resolve_config(None, overrides)
 
 
-def test_shard_optimizer_across_replicas_is_read_and_refused_with_int8_before_spawning(
+def test_shard_optimizer_across_replicas_is_read_and_refused_with_diloco_before_spawning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    cfg = resolve_config(None, ["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=bf16"])
-    assert cfg.parallel.shard_optimizer_across_replicas is True
+    cfg = resolve_config(None, ["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"])
+    assert cfg.parallel.shard_optimizer_across_replicas is True and cfg.parallel.replica_hop == "int8"
     assert RunConfig().parallel.shard_optimizer_across_replicas is False
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -96,9 +96,9 @@ def test_shard_optimizer_across_replicas_is_read_and_refused_with_int8_before_sp
         raise AssertionError("ranks were started")
 
     monkeypatch.setattr("hsdp.tools.launch.launch_local", spawn)
-    bad = ["parallel.shard_optimizer_across_replicas=true", "parallel.replica_hop=int8"]
+    bad = ["parallel.shard_optimizer_across_replicas=true", "parallel.replica_sync=diloco"]
     assert main([*bad, f"train.out_dir={tmp_path / 'run'}"]) == 2
-    assert "parallel.replica_hop to 'fp32' or 'bf16'" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert "parallel.replica_sync = 'every_step'" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 def test_toml_file_then_overrides_and_file_errors(tmp_path: Path) -> None:
@@ -344,3 +344,15 @@ def test_padded_sequences_give_the_unpadded_logits() -> None:
         idx = torch.randint(0, 32, (2, t))
         assert torch.allclose(padded(idx), lm.logits(model, idx), atol=1e-6)
     assert lengths == [4, 4, 4, 8]
+
+
+def test_the_int8_hop_has_an_inter_node_floor_only_when_it_reduce_scatters() -> None:
+    from hsdp.apps.train.summary import inter_node_floor
+
+    def floor(*overrides: str) -> float | None:
+        return inter_node_floor(resolve_config(None, list(overrides)), 1000, 2)
+
+    assert floor("parallel.replica_hop=int8") is None  # an all-gather: its bytes grow with R
+    # (R-1)/R x P x (int8 blocks with a scale per 256, then the fp32 all-gather of the stepped slices).
+    assert floor("parallel.replica_hop=int8", "parallel.shard_optimizer_across_replicas=true") == \
+        pytest.approx(1 / 2 * 1000 * (1 + 4 / 256 + 4))

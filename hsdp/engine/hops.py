@@ -14,9 +14,9 @@ but convergent). A hop that keeps state across steps (the int8 hop's residuals) 
 reshards with the checkpoint (``runtime/hop_state.py``).
 
 With ``shard_optimizer_across_replicas`` the hop reduce-scatters instead (``start_scatter``): each replica
-keeps the average of its slice only (``runtime/replica_slice.py``). :class:`AllReduceHop` does both, in its
-wire dtype; a hop without ``start_scatter`` (the int8 hop, whose payload is all-gathered) is refused for
-that mode when the model is wrapped.
+keeps the average of its slice only (``runtime/replica_slice.py``). Both built-ins do both: :class:`AllReduceHop`
+in its wire dtype, :class:`Int8ErrorFeedbackHop` as an all-to-all of int8 blocks with error feedback per row; a
+hop without ``start_scatter`` is refused for that mode when the model is wrapped.
 """
 
 from __future__ import annotations
@@ -71,9 +71,12 @@ class AllReduceHop:
         handle = comm.all_reduce(wire, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=_label(key))
         return handle.then(lambda: buffer.copy_(wire))
 
-    def start_scatter(self, output: torch.Tensor, packed: torch.Tensor, comm: Comm, key: str) -> Handle:
+    def start_scatter(self, output: torch.Tensor, packed: torch.Tensor, n_flags: int, comm: Comm, key: str,
+                      exact: tuple[int, ...] = ()) -> Handle:
         """Begin the average over the replicate group of ``packed`` ``(R, n)``, row ``q`` landing in replica
-        ``q``'s ``output`` ``(n,)``: the first half of the all-reduce, in the wire dtype."""
+        ``q``'s ``output`` ``(n,)``: the first half of the all-reduce, in the wire dtype. ``n_flags`` and
+        ``exact`` (see :meth:`Int8ErrorFeedbackHop.start_scatter`) need nothing special here: every column is
+        reduced the same way in every row."""
         if self.dtype is None or self.dtype == packed.dtype:
             return comm.reduce_scatter(output, packed.view(-1), "replicate", op=dist.ReduceOp.AVG, async_op=True,
                                        label=_label(key))
@@ -100,7 +103,8 @@ class Int8ErrorFeedbackHop:
     apply the same gradient. Inter-node bytes: ``(R-1) * n * (1 + 4/block_size)`` per rank versus
     ``2 (R-1)/R * n * 4`` for an fp32 all-reduce and half that in bf16: an all-gather grows with R, so it
     wins only for small replica counts (below about R=5 against a bf16 hop, R=9 against fp32) and on
-    links slow enough to pay for the quantisation's compute.
+    links slow enough to pay for the quantisation's compute. With ``shard_optimizer_across_replicas`` it
+    reduce-scatters instead (:meth:`start_scatter`): ``(R-1)/R * n * (1 + 4/block_size)``, whatever R.
     """
 
     block_size: int = 256
@@ -114,13 +118,10 @@ class Int8ErrorFeedbackHop:
             return Handle()
         n = buffer.numel() - n_flags
         x = buffer[:n].float() + self.residuals.get(key, 0)
-        n_blocks = -(-n // self.block_size)
-        padded = torch.zeros(n_blocks * self.block_size, device=buffer.device)
-        padded[:n] = x
-        blocks = padded.view(n_blocks, self.block_size)
-        scale = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-        q = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.residuals[key] = x - (q.float() * scale[:, None]).view(-1)[:n]
+        q, scale, sent = _quantise(x.view(1, n), self.block_size)
+        q, scale = q[0], scale[0]
+        n_blocks = scale.numel()
+        self.residuals[key] = x - sent[0]
         meta = torch.cat([scale, buffer[n:].float()])
         q_all = torch.empty(r * q.numel(), dtype=torch.int8, device=buffer.device)
         meta_all = torch.empty(r * meta.numel(), device=buffer.device)
@@ -135,6 +136,44 @@ class Int8ErrorFeedbackHop:
 
         return Handle.all(handles, on_done=decompress)
 
+    def start_scatter(self, output: torch.Tensor, packed: torch.Tensor, n_flags: int, comm: Comm, key: str,
+                      exact: tuple[int, ...] = ()) -> Handle:
+        """The reduce-scatter of ``shard_optimizer_across_replicas`` with error feedback: ``packed`` ``(R, m)``
+        holds this rank's values for replica ``q`` in row ``q``. Each row plus its residual is quantised in int8
+        blocks (one fp32 scale each), the new rounding error kept as the row's residual (``{key: (R, m -
+        n_flags)}``), and an all-to-all sends row ``q``'s blocks and scales to replica ``q``, which dequantises
+        what every replica sent and averages it in fp32 into ``output`` ``(m,)``. Inter-node bytes: ``(R-1)/R``
+        of the int8 payload, about a quarter of an fp32 reduce-scatter's.
+
+        The last ``n_flags`` columns (flags, batch weights) and the columns ``exact`` (0-d parameters, which
+        every row carries whole) cross in fp32 without a residual: quantised per row, their copies would land
+        differently on each replica, which must all step them alike."""
+        r, m = comm.size("replicate"), packed.shape[1]
+        n, keep = m - n_flags, list(exact)
+        x = packed[:, :n].float() + self.residuals.get(key, 0)
+        exact_values = torch.cat([x[:, keep], packed[:, n:].float()], dim=1)
+        x[:, keep] = 0.0  # no residual either: the exact columns are not quantised
+        q, scale, sent = _quantise(x, self.block_size)
+        self.residuals[key] = x - sent
+        meta = torch.cat([scale, exact_values], dim=1)
+        n_blocks, width = scale.shape[1], q.shape[1]
+        q_recv = torch.empty(r * width, dtype=torch.int8, device=packed.device)
+        meta_recv = torch.empty(r * meta.shape[1], device=packed.device)
+        handles = [comm.all_to_all(q_recv, q.reshape(-1), [width] * r, [width] * r, "replicate", async_op=True,
+                                   label=_label(key)),
+                   comm.all_to_all(meta_recv, meta.reshape(-1), [meta.shape[1]] * r, [meta.shape[1]] * r,
+                                   "replicate", async_op=True, label=f"{_label(key)} scales")]
+
+        def decompress() -> None:
+            metas = meta_recv.view(r, -1)
+            values = q_recv.view(r, n_blocks, self.block_size).float() * metas[:, :n_blocks, None]
+            mean, exact_mean = values.mean(dim=0).view(-1)[:n], metas[:, n_blocks:].mean(dim=0)
+            mean[keep] = exact_mean[: len(keep)]
+            output[:n].copy_(mean)
+            output[n:].copy_(exact_mean[len(keep):])
+
+        return Handle.all(handles, on_done=decompress)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The residuals, ``{unit key: 1-D tensor}`` (saved with the optimizer state by ``save_checkpoint``)."""
         return dict(self.residuals)
@@ -142,6 +181,21 @@ class Int8ErrorFeedbackHop:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore (some units') residuals returned by :meth:`state_dict`."""
         self.residuals.update(state)
+
+
+def _quantise(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of each row of ``x`` ``(rows, n)`` in blocks of ``block_size`` (the last zero-padded):
+    the int8 blocks ``(rows, n_blocks * block_size)``, their fp32 scales ``(rows, n_blocks)`` and the
+    dequantised values ``(rows, n)``."""
+    rows, n = x.shape
+    n_blocks = -(-n // block_size)
+    padded = torch.zeros(rows, n_blocks * block_size, device=x.device)
+    padded[:, :n] = x
+    blocks = padded.view(rows, n_blocks, block_size)
+    scale = blocks.abs().amax(dim=2).clamp_min(1e-30) / 127.0
+    q = torch.round(blocks / scale[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    sent = (q.float() * scale[:, :, None]).view(rows, -1)[:, :n]
+    return q.view(rows, -1), scale, sent
 
 
 @dataclass

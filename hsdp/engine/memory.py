@@ -46,6 +46,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     """This rank's model-state bytes, for a ShardedModel or a plain module."""
     if isinstance(model, ShardedModel):
         params = sum(_nbytes(u.sharded_flat) for u in model.units)
+        # Replicas of different degrees with the optimizer sharded across them: each slice's own value buffer.
+        params += sum(_nbytes(p.slice_values) for p in model.sharded_params() if p.slice_values is not None)
         grads = sum(_nbytes(g) for g in (p.grad_local for p in model.sharded_params()) if g is not None)
     else:
         params = sum(_nbytes(p) for p in model.parameters())

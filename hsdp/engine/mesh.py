@@ -281,8 +281,8 @@ def init_mesh(
     rank) unless ``allow_cross_node_shards``: a *heterogeneous* mesh, for nodes of different sizes or memory.
     Under torchrun with nodes of different sizes (``--nproc-per-node`` differing per node) and no degree
     given, the default is one replica per node. Every replica is evenly sharded inside; the gradient of each
-    row is averaged over one rank per replica (``replica_layer.py``). The replica-sharded optimizer and the
-    int8 hop are refused on such a mesh (``ValueError``); equal entries make a grid. With
+    row is averaged over one rank per replica (``replica_layer.py``); the replica-sharded optimizer slices
+    each piece over its holders (``runtime/piece_slice.py``). Equal entries make a grid. With
     ``tensor_parallel_degree=T`` the list counts data-parallel positions of T adjacent ranks each
     (``[2, 1]`` with T = 2: ranks 0-3 and 4-5), summing to the world size / T; every replica has the same T,
     and its pieces are reduced per tp coordinate.

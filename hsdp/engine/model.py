@@ -82,7 +82,8 @@ class ShardedModel(nn.Module):
         shards and overlaps the next forward. Same inter-node bytes, optimizer state / R, optimizer step / R.
         Gradients and optimizer state are DTensors of the global shape, placements
         ``(_StridedShard(0, split_factor=S), Shard(0))``; checkpoints move freely between the modes. Needs an
-        element-wise optimizer and a hop that can reduce-scatter (not the int8 hop). Between
+        element-wise optimizer and a hop that can reduce-scatter (both built-ins: the int8 hop as an all-to-all
+        of int8 blocks with error feedback per replica row). Between
         ``optimizer.step()`` and the next forward the shards are refreshed lazily: ``parameters()``,
         ``state_dict()``, ``reshard()`` and the hsdp helpers wait for the refresh; a module attribute read
         directly (``model.fc.weight``) right after the step may be stale, so call ``model.reshard()`` first.

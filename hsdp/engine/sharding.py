@@ -33,6 +33,7 @@ from hsdp.engine.replicate.combinations import Feature, refused
 from hsdp.engine.runtime.buffers import move_buffers
 from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.piece_plan import holder_tuples
+from hsdp.engine.runtime.piece_slice import piece_slice
 from hsdp.engine.runtime.replica_slice import SliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.state import HSDPState
@@ -95,9 +96,9 @@ class UnitOptions:
         if self.shard_optimizer_across_replicas and not can_scatter(self.replica_hop):
             raise ValueError(
                 f"shard_optimizer_across_replicas reduce-scatters gradients across replicas, which "
-                f"{type(self.replica_hop).__name__} cannot do (it all-gathers its payload): use "
-                f"replica_hop=hsdp.AllReduceHop() or AllReduceHop(torch.bfloat16) (half the inter-node bytes), or "
-                f"turn shard_optimizer_across_replicas off")
+                f"{type(self.replica_hop).__name__} cannot do (it has no start_scatter): use "
+                f"replica_hop=hsdp.AllReduceHop(), AllReduceHop(torch.bfloat16) (half the inter-node bytes) or "
+                f"hsdp.Int8ErrorFeedbackHop() (a quarter), or turn shard_optimizer_across_replicas off")
 
 
 class Sharded(NamedTuple):
@@ -177,19 +178,19 @@ def _check_meta(assignments: list[ParamAssignment]) -> None:
 
 
 def _check_replica_options(mesh: HSDPMesh, options: UnitOptions) -> None:
-    """What replicas of different shard degrees, or elastic ones, do not compose with yet, refused before any
+    """What elastic replicas, or replicas of different degrees, do not compose with, refused before any
     collective."""
-    if mesh.elastic is not None:
-        if options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER):
-            raise ValueError("an elastic mesh's replicas come and go, so optimizer state split across them would "
-                             "leave with a dead replica: turn shard_optimizer_across_replicas off")
-        return
-    if not mesh.heterogeneous:
-        return
-    degrees = list(mesh.replicas.degrees)
-    if options.shard_optimizer_across_replicas and refused(Feature.HETEROGENEOUS, Feature.SLICED_OPTIMIZER):
-        raise ValueError(f"shard_optimizer_across_replicas is not supported on replicas of different shard degrees "
-                         f"(sharding_degree={degrees}): turn it off, or give every replica the same degree")
+    elastic = mesh.elastic is not None
+    if elastic and options.shard_optimizer_across_replicas and refused(Feature.ELASTIC, Feature.SLICED_OPTIMIZER):
+        raise ValueError("an elastic mesh's replicas come and go, so optimizer state split across them would "
+                         "leave with a dead replica: turn shard_optimizer_across_replicas off")
+    if mesh.heterogeneous and mesh.tp_degree > 1 and options.shard_optimizer_across_replicas:
+        # Each pair works; the three together are not built: a slice of pieces is kept and checkpointed per
+        # TP-local piece without the tp coordinate (runtime/piece_slice.py, optim/piece_slice_state.py).
+        raise ValueError(f"shard_optimizer_across_replicas with tensor parallelism on replicas of different shard "
+                         f"degrees (sharding_degree={list(mesh.replicas.degrees)}) is not supported yet: turn "
+                         f"shard_optimizer_across_replicas off, give every replica the same degree, or use "
+                         f"tensor_parallel_degree=1")
 
 
 def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -296,6 +297,9 @@ def _build_unit(module: nn.Module, assigned: list[ParamAssignment], values: list
     params = [_sharded_param(a, mesh, policy) for a in assigned]
     if options.shard_optimizer_across_replicas and mesh.replicate_degree > 1:  # R = 1: nothing to split
         for p in params:
+            if mesh.heterogeneous:  # each replica's part of every piece (runtime/piece_slice.py)
+                p.slice = piece_slice(p.layout, mesh.replicas.degrees, mesh.replicate_rank)
+                continue
             p.slice = SliceLayout(p.layout, mesh.replicate_degree, mesh.replicate_rank)
             p.slice_mesh = mesh.device_mesh
     unit = ShardUnit(module, params, comm, options.reshard_after_forward, key, policy, options.replica_hop)

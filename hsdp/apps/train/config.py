@@ -194,15 +194,15 @@ class ParallelConfig:
     launch``. ``sharding_degree`` 0 means the ranks per node (HSDP); 1 is DDP, the world size full
     sharding. ``mixed_precision`` ``bf16`` computes and reduces in bfloat16 over fp32 master shards;
     ``replica_hop`` picks the inter-node gradient hop (``int8`` compresses with error feedback).
-    ``shard_optimizer_across_replicas`` splits gradients and AdamW state over all R x S ranks (parameters
-    stay split over S): optimizer state and step / R, the same inter-node bytes with an fp32 hop (with a
-    bf16 hop the all-gather after the step stays fp32: 1.5x); not with the int8 hop, which cannot
-    reduce-scatter. No effect with one replica. ``tensor_parallel`` T > 1 also splits each block's layers over T
-    adjacent ranks of a node (Megatron-style, with sequence parallel norms: :mod:`hsdp.tp_plans`) on an R x S x T
-    mesh; the T ranks read the same batch (R x S data-parallel readers). T must divide ``nproc_per_node`` and
-    ``sharding_degree`` x T fit in a node (``sharding_degree`` 0 then means ``nproc_per_node`` / T); only for
-    hsdp's GPT (``model.kind = "gpt"``), with a context divisible by T, the ``fp32`` or ``bf16`` hop and
-    without ``shard_optimizer_across_replicas``.
+    ``shard_optimizer_across_replicas`` splits gradients and AdamW state over all R x S ranks (parameters stay split
+    over S): optimizer state and step / R, the same inter-node bytes with an fp32 hop (with a bf16 hop the
+    all-gather after the step stays fp32: 1.5x; with the int8 hop the reduce-scatter is int8 blocks with error
+    feedback, the all-gather fp32). No effect with one replica. ``tensor_parallel`` T > 1 also splits each block's
+    layers over T adjacent ranks of a node (Megatron-style, with sequence parallel norms: :mod:`hsdp.tp_plans`) on
+    an R x S x T mesh; the T ranks read the same batch (R x S data-parallel readers). T must divide
+    ``nproc_per_node`` and ``sharding_degree`` x T fit in a node (``sharding_degree`` 0 then means
+    ``nproc_per_node`` / T); only for hsdp's GPT (``model.kind = "gpt"``), with a context divisible by T, the
+    ``fp32`` or ``bf16`` hop and without ``shard_optimizer_across_replicas``.
 
     Heterogeneous clusters: ``sharding_degree`` may be a list, one degree per replica in rank order
     (``[8, 4, 4]``: a replica of 8 ranks, then two of 4; their sum is the world), passed as it is to

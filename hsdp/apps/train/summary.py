@@ -61,18 +61,20 @@ def replica_count(mesh: hsdp.HSDPMesh) -> int:
 
 
 def inter_node_floor(cfg: RunConfig, n_params: int, replicas: int) -> float | None:
-    """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop (P: all
-    the model's parameters, whatever tensor parallelism splits: a node holds all of them); with
-    ``parallel.shard_optimizer_across_replicas`` ``(R-1)/R x P x (b + 4)``: a reduce-scatter in the hop
-    dtype, then an all-gather of the stepped slices in the parameter dtype (fp32 shards); with
-    ``parallel.replica_sync = "diloco"`` one all-reduce of the weights per H = ``diloco_every`` steps, in the
+    """``2(R-1)/R x P x b``: the inter-node bytes one node sends per step with a plain all-reduce hop (P: all the
+    model's parameters, whatever tensor parallelism splits: a node holds all of them); with
+    ``parallel.shard_optimizer_across_replicas`` ``(R-1)/R x P x (b + 4)``: a reduce-scatter in the hop dtype (the
+    int8 hop's: ``b = 1 + 4/256``), then an all-gather of the stepped slices in the parameter dtype (fp32 shards);
+    with ``parallel.replica_sync = "diloco"`` one all-reduce of the weights per H = ``diloco_every`` steps, in the
     DiLoCo wire dtype: ``2(R-1)/R x P x b / H``, the mean step's (int8 all-gathers: ``(R-1) x P x (1 + 4/256)
     / H``)."""
     if is_diloco(cfg.parallel):
         return sync_floor(cfg.parallel.diloco_wire_dtype, replicas, n_params) / cfg.parallel.diloco_every
     wire = _WIRE_BYTES.get(cfg.parallel.replica_hop)
+    if cfg.parallel.replica_hop == "int8" and cfg.parallel.shard_optimizer_across_replicas:
+        wire = 1 + 4 / hsdp.Int8ErrorFeedbackHop().block_size  # its reduce-scatter: int8 blocks, one fp32 scale each
     if wire is None:
-        return None
+        return None  # the all-gathering int8 hop's bytes grow with R: no floor
     if cfg.parallel.mixed_precision == "bf16" and cfg.parallel.replica_hop == "fp32":
         wire = 2  # the hop inherits bf16 from the reduce dtype
     if cfg.parallel.shard_optimizer_across_replicas:

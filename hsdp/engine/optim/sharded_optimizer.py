@@ -20,9 +20,11 @@ from hsdp.engine.optim.elastic_heal import attach_heal, finish_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.optim.outer_step import OuterState, SyncStep
+from hsdp.engine.optim.piece_slice_state import is_piece_sliced, piece_slice_state, piece_sliced_tensor
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
 from hsdp.engine.runtime.origin import check_origin, stamp
+from hsdp.engine.runtime.piece_slice import PieceSliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.step_guard import refusal
 
@@ -156,6 +158,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         each unit's slice all-gather as soon as its slices are stepped, so the first units' gathers (what the
         next forward needs first) overlap the optimizer's work on the rest, then that forward."""
         model = self._hsdp_model
+        for sp in model.sharded_params():
+            sp.refresh_slice()  # replicas of different degrees: the slice's own buffer, from the chunk
         unit_of = {id(p.sharded): unit for unit in model.units for p in unit.params}
         groups = [list(g["params"]) for g in self.param_groups]
         with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
@@ -197,9 +201,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _index_state_dict(self) -> dict[str, Any]:
         raw = super().state_dict()
         # Per-parameter state is already DTensor (built like the DTensor parameters): stamp each chunk with its
-        # rank's coordinates (see [Note: pickled chunks] in runtime/origin.py).
-        state = {idx: {k: stamp(v) for k, v in entries.items()} for idx, entries in raw["state"].items()}
+        # rank's coordinates (see [Note: pickled chunks] in runtime/origin.py). A slice of pieces (replicas of
+        # different degrees) becomes a ShardedTensor of every rank's runs (piece_slice_state.py).
+        by_param = _sharded_by_param(self._hsdp_model)
+        params = self._index_params()
+        state = {idx: {k: self._exported(by_param[id(params[idx])], v) for k, v in entries.items()}
+                 for idx, entries in raw["state"].items()}
         return {"state": state, "param_groups": raw["param_groups"]}
+
+    def _exported(self, sp: ShardedParam, value: Any) -> Any:
+        if is_piece_sliced(sp) and isinstance(value, DTensor) and value.dim() > 0:
+            mesh = self._hsdp_model.mesh
+            return piece_sliced_tensor(value.to_local(), sp, mesh.replicas.degrees, mesh.rank)
+        return stamp(value)
 
     def named_state_dict(self) -> dict[str, Any]:
         """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` (plus
@@ -280,12 +294,19 @@ def _slice_chunk_grads(model: ShardedModel) -> None:
         grad = sp.sharded.grad
         if sp.slice is None or not isinstance(grad, DTensor):
             continue
-        if grad.device_mesh == sp.device_mesh and tuple(grad.placements) == tuple(sp.layout.placements):
+        if isinstance(sp.slice, PieceSliceLayout):
+            # Its slices are DTensors placed like the chunk (sharded_param.to_opt_dtensor): tell by the shape.
+            chunk_shaped = tuple(grad.to_local().shape) == sp.layout.local_shape != sp.slice.local_shape
+        else:
+            chunk_shaped = grad.device_mesh == sp.device_mesh and tuple(grad.placements) == sp.layout.placements
+        if chunk_shaped:
             sp.sharded.grad = sp.to_opt_dtensor(sp.slice.of_chunk(grad.to_local()))
 
 
 def _as_state(optimizer: ShardedOptimizer, sp: ShardedParam, key: str, value: Any) -> Any:
     """One loaded state entry in the layout this optimizer keeps (the chunk, or the replica slice)."""
+    if isinstance(sp.slice, PieceSliceLayout):
+        return piece_slice_state(value, sp)
     if sp.slice is not None:
         check_origin(value, sp.slice_mesh, f"optimizer state {key!r} of {sp.fqn!r}")
         return as_slice_state(value, sp.layout, sp.slice, sp.slice_mesh)

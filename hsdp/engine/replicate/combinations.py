@@ -81,7 +81,6 @@ class Rule:
 
 
 F = Feature
-_HETERO_TEST = "tests/test_hetero_mesh.py::test_refusals_name_the_fix"
 _ELASTIC_TEST = "tests/test_elastic_bad_input.py::test_an_elastic_replica_refuses_what_it_cannot_do_naming_the_fix"
 _ELASTIC_CONFIG_TEST = "tests/test_train_elastic.py::test_elastic_refusals_before_anything_starts"
 _WEIGHTS_TEST = "tests/test_batch_weights.py::test_weighted_backwards_equal_one_process_over_the_concatenated_batches"
@@ -105,8 +104,10 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
         "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1"),
     (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _supported(
         "tests/test_tp_hetero.py::test_tp_on_heterogeneous_replicas_matches_one_process"),
-    (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _refused("the replicas' slices of a shard are cut by one degree",
-                                                    _HETERO_TEST),
+    (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _supported(
+        "tests/test_sliced_hetero.py::test_sliced_optimizer_on_degrees_2_1_matches_one_process",
+        "tests/test_sliced_hetero.py::test_sliced_optimizer_on_degrees_2_1_halves_the_state_at_the_all_reduce_floor",
+        "tests/test_sliced_hetero.py::test_sliced_optimizer_on_degrees_2_1_checkpoints"),
     (F.HETEROGENEOUS, F.INT8_HOP): _supported(
         "tests/test_int8_compose.py::test_int8_hop_on_hetero_degrees_equals_the_simulated_error_feedback_mean",
         "tests/test_int8_compose.py::test_int8_hop_on_hetero_degrees_sends_a_quarter_of_fp32",
@@ -153,9 +154,12 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.TENSOR_PARALLEL, F.BATCH_WEIGHTS): _supported(
         "tests/test_tensor_parallel.py::test_batch_weights_under_tensor_parallel_equal_one_process_over_the_"
         "concatenated_batches"),
-    (F.SLICED_OPTIMIZER, F.INT8_HOP): _refused("the int8 hop cannot reduce-scatter across replicas",
-                                               "tests/test_replica_sharded_optimizer.py::test_refusals_name_the_fix",
-                                               permanent=True),
+    (F.SLICED_OPTIMIZER, F.INT8_HOP): _supported(
+        "tests/test_sliced_int8.py::test_int8_reduce_scatter_equals_the_simulated_error_feedback_mean",
+        "tests/test_sliced_int8.py::test_int8_reduce_scatter_sends_a_quarter_of_fp32",
+        "tests/test_sliced_int8.py::test_int8_residuals_across_replicas_checkpoint",
+        "tests/test_sliced_hetero.py::test_int8_hop_with_the_sliced_optimizer_on_degrees_2_1_equals_the_simulated_error_"
+        "feedback"),
     (F.SLICED_OPTIMIZER, F.BF16_HOP): _supported(
         "tests/test_replica_sharded_optimizer.py::test_parity_and_the_bf16_hop"),
     (F.SLICED_OPTIMIZER, F.BATCH_WEIGHTS): _supported(_WEIGHTS_TEST),

@@ -13,6 +13,11 @@ over, each is saved as a ``ShardedTensor`` of the same global shape ``(replicas,
 rank ``s`` holds rows ``[q, q + 1) x`` its own chunk, so the replicas' chunks tile the tensor without overlap
 (``ReplicaSavePlanner`` keeps them all). The same file loads on any mesh with the same replica count.
 
+With ``shard_optimizer_across_replicas`` the hop reduce-scatters and keeps a residual per replica row of what it
+sends (``hops.Int8ErrorFeedbackHop.start_scatter``): one per unit on a grid, one per bucket of pieces on a
+heterogeneous mesh. Together a rank's rows still hold one value per element of its chunk, so they are put back into
+the slot layout and saved as above: the same file loads with or without the option.
+
 An elastic replica saves alone (its peers are other jobs): its checkpoint cannot hold the other replicas'
 residuals, and one replica's would be another's error. So none are saved there, and a replica resumed from a
 checkpoint starts them from zero, as a joiner does (``hop_transaction.py``).
@@ -35,7 +40,9 @@ from hsdp.engine.replicate.degrees import replica_starts
 from hsdp.engine.replicate.pieces import chunk_rows
 from hsdp.engine.runtime.piece_hop import bucket_key, state_segments
 from hsdp.engine.runtime.piece_plan import plan_pieces
+from hsdp.engine.runtime.piece_slice import PieceSliceLayout, bucket_width, buckets, pack_bucket, unpack_bucket
 from hsdp.engine.runtime.reduction import reduced_params, slot_offsets
+from hsdp.engine.runtime.replica_slice import SliceLayout, pack_chunks, packed_numel, replicated_columns, unpack_slices
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
 
@@ -47,8 +54,7 @@ def hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh) -> dict[str, DTensor 
     if mesh.elastic is not None:
         return out  # per replica, and this checkpoint is this replica's alone (module docstring)
     for unit in units:
-        state = unit.hop.state_dict() or {}
-        flat = _slot_of_buckets(unit, mesh, state) if mesh.heterogeneous else state.get(unit.key)
+        flat = _slot(unit, mesh, unit.hop.state_dict() or {})
         if flat is None:
             continue
         params = reduced_params(unit)
@@ -82,10 +88,48 @@ def load_hop_state_dict(units: list[ShardUnit], mesh: HSDPMesh, saved: dict[str,
             flat[off: off + p.layout.local_numel] = local.reshape(-1)
         # Read next by the hop stream, which replaces it with the next residual: without this the allocator
         # could hand the block to a later unit's backward before the hop stream has read it.
-        state = _buckets_of_slot(unit, mesh, flat) if mesh.heterogeneous else {unit.key: flat}
+        if _sliced(params) and mesh.heterogeneous:
+            state = _piece_rows_of_slot(unit, params, flat)
+        elif _sliced(params):
+            state = {unit.key: _rows_of_slot(params, flat)}
+        else:
+            state = _buckets_of_slot(unit, mesh, flat) if mesh.heterogeneous else {unit.key: flat}
         for residual in state.values():
             unit.streams.release_after(residual, "replica_hop")
         unit.hop.load_state_dict(state)
+
+
+def _sliced(params: list[ShardedParam]) -> bool:
+    """Whether the unit's residuals are per replica row (``shard_optimizer_across_replicas``: the hop's
+    ``start_scatter`` keeps one per row of the packed slices, ``replica_slice.py``)."""
+    return params[0].slice is not None
+
+
+def _chunks(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:
+    return [flat[off: off + p.layout.local_numel].view(p.layout.local_shape)
+            for p, off in zip(params, slot_offsets(params), strict=True)]
+
+
+def _slot_of_rows(params: list[ShardedParam], rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A replica-sharded unit's residual ``(R, packed slices)`` in the slot layout: row ``q`` holds what this
+    rank failed to send replica ``q`` of its slice of every chunk, so together the rows hold one value per
+    element of the rank's chunks, as an all-gathering hop's slot does (0-d parameters cross exactly: zero)."""
+    flat = torch.zeros(slot_offsets(params)[-1] + params[-1].layout.padded_numel, device=device)
+    unpack_slices(rows, _slice_layouts(params), _chunks(params, flat))
+    return flat
+
+
+def _rows_of_slot(params: list[ShardedParam], flat: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_slot_of_rows` (a residual saved with or without the option loads either way)."""
+    slices = _slice_layouts(params)
+    rows = torch.zeros(slices[0].replicas, packed_numel(slices), device=flat.device)
+    pack_chunks(_chunks(params, flat), slices, rows)
+    rows[:, list(replicated_columns(slices))] = 0.0  # sent exactly: no residual
+    return rows
+
+
+def _slice_layouts(params: list[ShardedParam]) -> list[SliceLayout]:
+    return [p.slice for p in params]  # type: ignore[misc]
 
 
 def _unit_plan(unit: ShardUnit, mesh: HSDPMesh) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
@@ -96,6 +140,49 @@ def _unit_plan(unit: ShardUnit, mesh: HSDPMesh) -> list[tuple[tuple[int, ...], l
                        mesh.replicas)
     assert plan is not None  # a heterogeneous mesh always has one
     return state_segments(plan)
+
+
+def _slot(unit: ShardUnit, mesh: HSDPMesh, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The unit's residuals in the slot layout, whichever way its hop keeps them; ``None`` before any."""
+    params = reduced_params(unit)
+    if _sliced(params) and mesh.heterogeneous:
+        return _slot_of_piece_rows(unit, params, state)
+    flat = _slot_of_buckets(unit, mesh, state) if mesh.heterogeneous else state.get(unit.key)
+    if flat is not None and _sliced(params):
+        flat = _slot_of_rows(params, flat, unit.sharded_flat.device)
+    return flat
+
+
+def _slot_of_piece_rows(unit: ShardUnit, params: list[ShardedParam], state: dict[str, torch.Tensor]) \
+        -> torch.Tensor | None:
+    """Replicas of different degrees with the optimizer sharded across them: each bucket's residual ``(R, width)``
+    (row ``q``: part ``q`` of each of its pieces, ``piece_slice.py``) back into the pieces' rows of the slot."""
+    slices = _piece_layouts(params)
+    found = [(state.get(bucket_key(unit.key, h)), entries) for h, entries in sorted(buckets(slices).items())]
+    if all(residual is None for residual, _ in found):
+        return None
+    flat = torch.zeros(slot_offsets(params)[-1] + params[-1].layout.padded_numel, device=unit.sharded_flat.device)
+    chunks = _chunks(params, flat)
+    for residual, entries in found:
+        if residual is not None and residual.numel():
+            unpack_bucket(residual.view(slices[0].replicas, -1), entries, slices, chunks)
+    return flat
+
+
+def _piece_rows_of_slot(unit: ShardUnit, params: list[ShardedParam], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_slot_of_piece_rows`: each bucket's residual cut from a slot-layout one."""
+    slices = _piece_layouts(params)
+    chunks = _chunks(params, flat)
+    out = {}
+    for holders, entries in buckets(slices).items():
+        rows = torch.zeros(slices[0].replicas, bucket_width(entries, slices), device=flat.device)
+        pack_bucket(entries, slices, chunks, rows)
+        out[bucket_key(unit.key, holders)] = rows
+    return out
+
+
+def _piece_layouts(params: list[ShardedParam]) -> list[PieceSliceLayout]:
+    return [p.slice for p in params]  # type: ignore[misc]
 
 
 def _slot_of_buckets(unit: ShardUnit, mesh: HSDPMesh, state: dict[str, torch.Tensor]) -> torch.Tensor | None:

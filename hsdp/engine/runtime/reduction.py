@@ -34,7 +34,9 @@ from hsdp.engine.hops import NoHop, start_split_over_tp
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.batch_weight import SLOTS, Weight
 from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
-from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel
+from hsdp.engine.runtime.piece_scatter import start_piece_scatters
+from hsdp.engine.runtime.piece_slice import PieceSliceLayout
+from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel, replicated_columns
 from hsdp.engine.runtime.sharded_param import ShardedParam
 from hsdp.engine.runtime.unit import ShardUnit
 
@@ -134,7 +136,7 @@ class Reduction:
         flags = batch_weight.extras(_flags(grads, dtype, device), weight, window)
         missing = any(g is None for g in grads)
         slices = _slices(params)
-        if slices is None:
+        if slices is None or isinstance(slices[0], PieceSliceLayout):  # pieces: sliced after the node's reduction
             rs_input = _chunked_input(params, grads, flags, in_dtype, dtype, device, s)
         else:
             rs_input = _packed_input(params, slices, grads, flags, dtype, device, s)
@@ -273,9 +275,17 @@ class Reduction:
         (``_packed_input``), across replicas; ``output`` becomes this replica's part: its slices, then the
         flags."""
         unit = self.unit
+        slices = _slices(self.params)
+        if isinstance(slices[0], PieceSliceLayout):  # replicas of different degrees: piece by piece
+            handle, result = start_piece_scatters(unit.hop, self.output, self.params, self.n_extra,
+                                                  unit.comm.mesh.replicas, unit.comm, unit.key)
+            self._set_output(result)
+            return handle
         packed = self.output.view(unit.comm.size("replicate"), -1)
         self._set_output(self.output.new_empty(packed.shape[1]))
-        return unit.hop.start_scatter(self.output, packed, unit.comm, unit.key)
+        # 0-d parameters sit whole in every replica's part: a lossy hop must send them exactly (hops.py).
+        exact = replicated_columns(slices)  # type: ignore[arg-type]
+        return unit.hop.start_scatter(self.output, packed, self.n_extra, unit.comm, unit.key, exact)
 
     def abandon(self, quiet: bool = False) -> None:
         """Wait for the collective in flight and drop its result (the backward that started it raised; ``quiet``:
@@ -364,7 +374,7 @@ def _flags(grads: list[torch.Tensor | None], dtype: torch.dtype, device: torch.d
     return flags
 
 
-def _slices(params: list[ShardedParam]) -> list[SliceLayout] | None:
+def _slices(params: list[ShardedParam]) -> list[SliceLayout] | list[PieceSliceLayout] | None:
     """The replica slices of a unit's reduced parameters; ``None`` without replica sharding (all or none)."""
     slices = [p.slice for p in params]
     return None if slices[0] is None else slices  # type: ignore[return-value]

@@ -115,6 +115,20 @@ def packed_numel(slices: list[SliceLayout]) -> int:
     return sum(s.padded_numel for s in slices)
 
 
+def slice_offsets(slices: list[SliceLayout]) -> list[int]:
+    """Where each parameter's padded slice starts in a packed row."""
+    offsets, at = [], 0
+    for s in slices:
+        offsets.append(at)
+        at += s.padded_numel
+    return offsets
+
+
+def replicated_columns(slices: list[SliceLayout]) -> tuple[int, ...]:
+    """The columns of a packed row that hold a 0-d parameter: whole in every replica's row."""
+    return tuple(o for o, s in zip(slice_offsets(slices), slices, strict=True) if s.replicated)
+
+
 def pack_chunks(chunks: list[torch.Tensor], slices: list[SliceLayout], out: torch.Tensor) -> None:
     """Copy every chunk (shaped like its shard chunk) into ``out`` ``(R, >= packed_numel)``, replica ``q``'s
     slice of each into row ``q``; a replicated (0-d) value goes to every row. ``out``'s padding must be zero."""

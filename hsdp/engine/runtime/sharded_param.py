@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.engine.runtime.dtensor import local_of, sharded_parameter, to_sharded_dtensor, tp_dtensor, tp_local
 from hsdp.engine.runtime.layout import ShardLayout
+from hsdp.engine.runtime.piece_slice import PieceSliceLayout
 from hsdp.engine.runtime.replica_slice import SliceLayout
 
 
@@ -63,7 +64,11 @@ class ShardedParam:
         self.tp_mesh = tp_mesh
         # Set when the optimizer state is sharded across replicas too: the rows of the chunk this replica
         # reduces and steps (``replica_slice.py``); ``None``: it steps the whole chunk.
-        self.slice: SliceLayout | None = None
+        # On replicas of different degrees a ``PieceSliceLayout`` (``piece_slice.py``): its part of each piece.
+        self.slice: SliceLayout | PieceSliceLayout | None = None
+        # A piece slice's own buffer of its parameter values (see opt_local): 1/R of the chunk, counted by
+        # hsdp.state_bytes as parameter bytes.
+        self.slice_values: torch.Tensor | None = None
         # The ("replicate", "shard") grid a slice's DTensors live on (a slice is split across replicas too).
         self.slice_mesh: DeviceMesh | None = None
         self.sharded: nn.Parameter  # DTensor; set by bind_sharded
@@ -141,8 +146,30 @@ class ShardedParam:
     # -- what the optimizer steps: the chunk, or this replica's slice of it ------------------------------
     @property
     def opt_local(self) -> torch.Tensor:
-        """The part of the parameter this rank's optimizer updates (a view into the flat shard buffer)."""
-        return self.sharded_local if self.slice is None else self.slice.of_chunk(self.sharded_local)
+        """The part of the parameter this rank's optimizer updates: a view into the flat shard buffer, or for a
+        slice of pieces (not one run of the chunk's rows) a buffer of its own, filled by :meth:`refresh_slice`
+        and written back by the all-gather after the step."""
+        if self.slice is None:
+            return self.sharded_local
+        if isinstance(self.slice, PieceSliceLayout) and not self.slice.replicated:
+            if self.slice_values is None:
+                self.refresh_slice()
+            assert self.slice_values is not None
+            return self.slice_values
+        return self.slice.of_chunk(self.sharded_local)
+
+    def refresh_slice(self) -> None:
+        """Copy a piece slice's rows out of the chunk into its buffer (before a step: the chunk may have been
+        loaded or changed since); nothing to do for a view."""
+        if not isinstance(self.slice, PieceSliceLayout) or self.slice.replicated:
+            return
+        values = self.slice_values
+        chunk = self.sharded_local.detach()
+        if values is None or values.dtype != chunk.dtype or values.device != chunk.device:
+            self.slice_values = self.slice.of_chunk(chunk).clone()
+        else:
+            with torch.no_grad():
+                values.copy_(self.slice.of_chunk(chunk))
 
     @property
     def opt_shape(self) -> tuple[int, ...]:
@@ -151,6 +178,11 @@ class ShardedParam:
     def to_opt_dtensor(self, local: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like :attr:`opt_local` (a gradient, a moment) as a DTensor of the global shape."""
         if self.slice is None:
+            return self.to_dtensor(local)
+        if isinstance(self.slice, PieceSliceLayout):
+            # No placement describes a rank's parts of several pieces: the DTensor carries the global shape for
+            # the parameter's ``.grad`` and state; its local tensor is the slice (what hsdp reads, and what the
+            # optimizer state dict turns into a ShardedTensor of every rank's runs).
             return self.to_dtensor(local)
         assert self.slice_mesh is not None
         return to_sharded_dtensor(local, self.slice_mesh, self.layout.dtensor_shape, self.slice.placements)

@@ -13,12 +13,15 @@ sits below ``unit.py``, which calls :meth:`SliceGathers.settle` before any read 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hsdp.engine.collectives import Handle
+from hsdp.engine.runtime.piece_scatter import start_piece_gathers
+from hsdp.engine.runtime.piece_slice import PieceSliceLayout
 from hsdp.engine.runtime.replica_slice import SliceLayout, pack_own, packed_numel, unpack_slices
 from hsdp.engine.runtime.sharded_param import ShardedParam
 
@@ -28,8 +31,9 @@ IN_FLIGHT = 2  # slice all-gathers running at once (each holds R packed slices o
 @dataclass
 class _Gather:
     handle: Handle
-    received: torch.Tensor  # (R * packed_numel,): every replica's packed slices
+    received: torch.Tensor | None  # (R * packed_numel,): every replica's packed slices
     params: list[ShardedParam]
+    land: Callable[[], None] | None = None  # replicas of different degrees: writes the parts into the chunks
 
 
 def stepped_params(unit: Any) -> list[ShardedParam]:
@@ -78,6 +82,9 @@ def _slices(params: list[ShardedParam]) -> list[SliceLayout]:
 
 def _start(unit: Any) -> _Gather:
     params = stepped_params(unit)
+    if isinstance(params[0].slice, PieceSliceLayout):  # replicas of different degrees: bucket by bucket
+        handle, land = start_piece_gathers(unit, [p for p in params if not p.layout.replicated])
+        return _Gather(handle, None, params, land)
     slices = _slices(params)
     mine = unit.sharded_flat.new_zeros(packed_numel(slices))
     pack_own([p.sharded_local for p in params], slices, mine)
@@ -88,6 +95,10 @@ def _start(unit: Any) -> _Gather:
 
 def _finish(unit: Any, gather: _Gather) -> None:
     gather.handle.wait()
+    if gather.land is not None:
+        gather.land()
+        return
+    assert gather.received is not None
     with torch.no_grad():
         unpack_slices(gather.received.view(unit.comm.size("replicate"), -1), _slices(gather.params),
                       [p.sharded_local for p in gather.params])

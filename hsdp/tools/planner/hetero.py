@@ -306,7 +306,10 @@ def make_hetero_plan(model: ModelSpec, groups: list[NodeGroup], options: TrainOp
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom} must be in [0, 1): the fraction of GPU memory kept free")
     if options.shard_optimizer_across_replicas:
-        raise ValueError("a heterogeneous plan keeps the optimizer sharded over each replica only: pass "
+        # The engine runs it (runtime/piece_slice.py), but each type's degree is chosen here on its own, and the
+        # slices' size depends on every type's choice (the replica count): not estimated yet.
+        raise ValueError("a heterogeneous plan does not estimate the optimizer sharded across replicas yet (each "
+                         "type's degree is chosen alone, the slices depend on the replica count): pass "
                          "--shard-optimizer-across-replicas off (or auto)")
     weights = speed_weights(groups)
     sizes = weighted_split(weights, model.micro_batch)

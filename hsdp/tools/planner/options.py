@@ -81,7 +81,8 @@ class TrainOptions:
     ``shard_optimizer_across_replicas``: gradients, optimizer state (and a master copy) sharded over all
     R x S ranks, parameters still over S; the inter-node all-reduce becomes a reduce-scatter (hop dtype)
     plus, after the step, an all-gather of the stepped slices in the *parameter* dtype. It changes nothing
-    when R = 1; the int8 hop cannot reduce-scatter, so the two are refused together.
+    when R = 1. With the int8 hop the reduce-scatter is an all-to-all of int8 blocks (``1 + 4/256`` bytes per
+    element, whatever R).
     ``inter_node_hop=False``: no gradient hop across replicas at all (DiLoCo's inner steps, whose replicas sync
     their weights every H steps instead: :mod:`hsdp.tools.planner.diloco`).
     """
@@ -104,19 +105,10 @@ class TrainOptions:
         if self.replicate_dtype not in REPLICATE_DTYPES:
             raise ValueError(f"replicate_dtype={self.replicate_dtype!r}: choose one of {REPLICATE_DTYPES}")
         # The pairs refused by the one table of combinations (hsdp/engine/replicate/combinations.py).
-        if self.shard_optimizer_across_replicas and not self.hop_can_scatter \
-                and refused(Feature.SLICED_OPTIMIZER, Feature.INT8_HOP):
-            raise ValueError("shard_optimizer_across_replicas reduce-scatters gradients across replicas, which the "
-                             "int8 hop cannot do: use replicate_dtype 'bf16' or 'fp32', or turn the option off")
         if self.shard_optimizer_across_replicas and not self.inter_node_hop \
                 and refused(Feature.SLICED_OPTIMIZER, Feature.DILOCO):
             raise ValueError("without an inter-node hop (DiLoCo) each replica steps its own whole optimizer state: "
                              "turn shard_optimizer_across_replicas off")
-
-    @property
-    def hop_can_scatter(self) -> bool:
-        """Whether the inter-node hop can reduce-scatter (what ``shard_optimizer_across_replicas`` needs)."""
-        return self.replicate_dtype != "int8"
 
     def shards_optimizer(self, replicate: int) -> bool:
         """Whether the option is in effect on a layout with ``replicate`` replicas (R = 1: nothing to split)."""

@@ -12,8 +12,8 @@ Breaking ties by memory alone would pick full sharding: the most traffic of all.
 
 Each layout with R > 1 is also estimated with the optimizer sharded across replicas
 (``shard_optimizer_across_replicas``: gradients and optimizer state / R, an all-gather across replicas in
-the parameter dtype after the step; not with the int8 hop, which cannot reduce-scatter). The choice runs
-over both variants of every layout by the rules above, the plainer setting winning a tie of equal traffic.
+the parameter dtype after the step; with the int8 hop the reduce-scatter is an all-to-all of int8 blocks). The
+choice runs over both variants of every layout by the rules above, the plainer setting winning a tie of equal traffic.
 The table shows each layout with the option when it fits only with it or is more than the tie faster with
 it (and the recommended variant). So the option is recommended when it lets a faster layout fit (typically
 a smaller shard degree, whose traffic stays inside nodes) or makes one faster (the optimizer step covers
@@ -117,8 +117,8 @@ def _variants(options: TrainOptions, replicate: int, mode: str, tp: int = 1) -> 
     if mode == "off" or replicate == 1 or tp > 1:
         return [off]
     if mode == "on":
-        return [replace(options, shard_optimizer_across_replicas=True)]  # refuses the int8 hop
-    return [off, replace(options, shard_optimizer_across_replicas=True)] if options.hop_can_scatter else [off]
+        return [replace(options, shard_optimizer_across_replicas=True)]
+    return [off, replace(options, shard_optimizer_across_replicas=True)]
 
 
 def _use(plain: LayoutEstimate, sliced: LayoutEstimate) -> LayoutEstimate:
@@ -152,7 +152,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
     ``"auto"``. ``tensor_parallel``: the TP degrees to consider (default ``(1,)``: no TP; each ``T > 1``
     with every ``S`` of ``degrees`` whose ``S x T`` lies inside a node or spans whole nodes). ``ValueError``
     when a degree does not divide the world size, a TP degree does not divide the ranks per node,
-    ``headroom`` is outside [0, 1) or ``"on"`` meets the int8 hop.
+    or ``headroom`` is outside [0, 1).
     """
     world = cluster.world_size
     if not 0 <= headroom < 1:
@@ -355,7 +355,7 @@ def _advice(best: LayoutEstimate, model: ModelSpec, cluster: ClusterSpec, option
     if s.exposed_comm_s < 0.15 * s.step_s or best.layout.replicate == 1:
         return None
     gains = []
-    for dtype in ("bf16", "int8") if not best.shard_optimizer else ("bf16",):  # int8 cannot reduce-scatter
+    for dtype in ("bf16", "int8"):
         variant = replace(options, replicate_dtype=dtype, shard_optimizer_across_replicas=best.shard_optimizer,
                           micro_batches=best.micro_batches)
         if variant.replicate_bytes >= options.replicate_bytes and dtype != "int8":

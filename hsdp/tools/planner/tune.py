@@ -40,8 +40,7 @@ class TuneRun:
     degree in ``degrees`` (default: every divisor of the world size). ``emulation``: ``"require"`` (network
     namespaces with shaped links; fail without root), ``"auto"`` (fall back to loopback) or ``"none"``.
     ``shard_optimizer``: ``"auto"`` measures every degree with R > 1 both without and with the optimizer
-    sharded across replicas, ``"on"``/``"off"`` only one way (the built-in workload measures an int8 hop
-    without it, which cannot reduce-scatter, and its metrics say so)."""
+    sharded across replicas, ``"on"``/``"off"`` only one way."""
 
     script_args: tuple[str, ...] = DEFAULT_SCRIPT
     nodes: int = 2

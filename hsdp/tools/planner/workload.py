@@ -8,8 +8,7 @@ unwrapped model with every rank busy at once::
     hsdp launch --nodes 2 --nproc-per-node 2 -- -m hsdp.tools.planner.workload --preset small --steps 5
 
 ``$HSDP_SHARD_OPTIMIZER_ACROSS_REPLICAS=1`` (``hsdp tune`` sets it per candidate) wraps the model with
-``shard_optimizer_across_replicas=True``, unless the hop cannot reduce-scatter (int8): then the run
-measures the plain layout and its metrics say so.
+``shard_optimizer_across_replicas=True`` (every built-in hop reduce-scatters across replicas, int8 included).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import hsdp
-from hsdp.engine.hops import HOP_NAMES, can_scatter, named_hop
+from hsdp.engine.hops import HOP_NAMES, named_hop
 from hsdp.models import GPT, preset
 from hsdp.tools.planner.metrics import StepRecorder, profile_ranks
 from hsdp.tools.planner.model import ComputeProfile
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
     profile, rank_compute = _profile(mesh, model, _batches(cfg, args, g)[0])
     hop = named_hop(args.hop)
-    sliced = os.environ.get(SHARD_OPTIMIZER_ENV) == "1" and can_scatter(hop)
+    sliced = os.environ.get(SHARD_OPTIMIZER_ENV) == "1"
     sharded = hsdp.ShardedModel(model, mesh=mesh, replica_hop=hop, shard_optimizer_across_replicas=sliced,
                                 reshard_after_forward=not args.no_reshard_after_forward)
     optimizer = hsdp.ShardedOptimizer(sharded, torch.optim.AdamW(sharded.parameters(), lr=3e-4, foreach=True))
