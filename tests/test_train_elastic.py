@@ -9,7 +9,8 @@ every run takes the same path whatever the machine's speed. Checked:
   logged once, with ``committed`` false, by the survivor, which writes the run alone from then on (the lease
   passes to it at once), checkpoints included; the restarted replica rejoins at a step boundary, healed, and
   writes again (the lowest id); the job finishes with status 0 on every rank; ``metrics.jsonl`` holds each step
-  exactly once, with the members, the batch really averaged and the writer the rule names, and tokens counting
+  exactly once, with the members, the batch really averaged (batch weights 1 : 3 per replica: each member's
+  share of the global batch) and the writer the rule names, and tokens counting
   the committed steps only; the summary counts committed and discarded steps and the membership changes; the
   checkpoints load into the model, and no lease is left behind;
 - below the minimum (2 of 2 replicas, one killed) the survivor raises ``QuorumLost``, checkpoints its last
@@ -159,6 +160,12 @@ def _held_at(coord: Coordinator, probe: dist.Store, step: int, replicas: tuple[i
         [key(JOB, "want", step, r) for r in replicas])
 
 
+def summary_batch(run: Path) -> dict:
+    """What ``summary.json`` says about the split of the global batch."""
+    batch = json.loads((run / "summary.json").read_text())["batch_weights"]
+    return {"weights": batch["weights"], "batch_sizes": batch["batch_sizes"]}
+
+
 def _loads(ckpt: Path) -> None:
     cfg = resolve_config(None, [f"model.block_size={BLOCK}"])
     model = GPT(cfg.model.shape(256))
@@ -168,7 +175,9 @@ def _loads(ckpt: Path) -> None:
 def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_again_after_rejoining(
         tmp_path: Path) -> None:
     ranks, steps = 2, 12
-    args = _args(tmp_path, steps, checkpoint_every=4)
+    # Batch weights 1 : 3 per replica: replica 0's ranks read 1 sequence each of the global batch of 8, replica
+    # 1's 3; a step's gradient weighs its members' pieces only.
+    args = [*_args(tmp_path, steps, checkpoint_every=4), "parallel.batch_weights=[1,3]"]
     deadline = time.monotonic() + 150
     with _coordinator(replicas=2, min_replicas=1) as (coord, address, probe):
         coord.decision_gate = 4  # elastic step 4 = train step 5: hold its decision
@@ -190,8 +199,9 @@ def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_ag
     both, alone = [0, 1], [1]
     assert [(r["committed"], r["replicas"], r["writer"]) for r in records] == (
         [(True, both, 0)] * 4 + [(False, both, 1)] + [(True, alone, 1)] * 3 + [(True, both, 0)] * 4)
-    sequences = BATCH * ranks  # per replica and step
-    assert [r["global_batch"] for r in records] == [2 * sequences] * 4 + [0] + [sequences] * 3 + [2 * sequences] * 4
+    whole, ones = BATCH * ranks * 2, 3 * BATCH * ranks * 2 // 4  # the global batch; replica 1's share alone
+    assert [r["global_batch"] for r in records] == [whole] * 4 + [0] + [ones] * 3 + [whole] * 4
+    assert summary_batch(run) == {"weights": [0.5, 0.5, 1.5, 1.5], "batch_sizes": [1, 1, 3, 3]}
     assert records[4]["grad_norm"] is None and all(r["grad_norm"] > 0 for r in records if r["committed"])
     assert records[-1]["tokens"] == sum(r["global_batch"] for r in records) * BLOCK
     assert records[5]["eval_loss"] is not None and records[11]["eval_loss"] is not None
@@ -243,14 +253,15 @@ def test_below_the_minimum_every_rank_stops_and_the_survivor_checkpoints_its_las
 
 def test_elastic_refusals_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    for override, fix in [("parallel.tensor_parallel=2", "set parallel.tensor_parallel = 1"),
-                          ("parallel.sharding_degree=[2,1]", "give one integer"),
-                          ("parallel.shard_optimizer_across_replicas=true", "shard_optimizer_across_replicas = false"),
-                          ("parallel.batch_weights=auto", "set parallel.batch_weights = 'even'"),
-                          ("parallel.batch_weights=[1,2]", "set parallel.batch_weights = 'even'")]:
+    for override, fix in [("parallel.sharding_degree=[2,1]", "give one integer"),
+                          ("parallel.shard_optimizer_across_replicas=true", "shard_optimizer_across_replicas = false")]:
         with pytest.raises(ValueError, match=f"does not combine with parallel.elastic = true.*{fix}.*"
                                              f"or parallel.elastic = false"):
             resolve_config(None, ["parallel.elastic=true", override])
+    # Batch weights as a list combine with elastic (tests/test_elastic.py); "auto" calibrates over every rank.
+    with pytest.raises(ValueError, match=r"parallel.batch_weights = 'auto': not with parallel.elastic = true.*"
+                                         r"give the weights as a list"):
+        resolve_config(None, ["parallel.elastic=true", "parallel.batch_weights=auto"])
     with pytest.raises(ValueError, match=r"train.resume = True: not with parallel.elastic = true yet.*--out.*"
                                          r"hsdp train --resume parallel.elastic=false"):
         resolve_config(None, ["parallel.elastic=true", "train.resume=true"])

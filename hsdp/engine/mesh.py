@@ -358,8 +358,8 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
     if sharding_degree not in (None, degree):
         per_tp = f" / tensor_parallel_degree={tp_degree}" if tp_degree else ""
         raise ValueError(f"sharding_degree={sharding_degree}: an elastic replica is one torchrun job sharded over "
-                         f"all its {world} ranks{per_tp}; drop sharding_degree or start {sharding_degree} x "
-                         f"{tp_degree or 1} ranks per job")
+                         f"all its {world} ranks{per_tp}; drop sharding_degree or start "
+                         f"{sharding_degree * (tp_degree or 1)} ranks per job")
     device_type = device_type_for(str(dist.get_backend()), torch.cuda.is_available())
     if device_type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -96,6 +96,11 @@ class ElasticLayer:
         return self.configured * self.degree
 
     @property
+    def data_parallel_degrees(self) -> tuple[int, ...]:
+        """Every configured replica, present or not: a replica's data does not move when others leave."""
+        return (self.degree,) * self.configured
+
+    @property
     def job_degrees(self) -> tuple[int, ...]:
         return (self.degree,)  # this replica's torchrun job is its own world
 
