@@ -118,7 +118,9 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.ELASTIC, F.DILOCO): _refused("a sync is not a transaction over the replicas present yet", _DILOCO_TEST),
     (F.ELASTIC, F.TENSOR_PARALLEL): _supported(
         "tests/test_elastic.py::test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart",
-        "tests/test_elastic.py::test_a_replica_restarted_after_the_job_completed_ends_cleanly"),
+        "tests/test_elastic.py::test_a_replica_restarted_after_the_job_completed_ends_cleanly",
+        "tests/test_train_elastic.py::test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_"
+        "again_after_rejoining"),
     (F.ELASTIC, F.SLICED_OPTIMIZER): _refused("a dead replica would take its slice of the optimizer state with it",
                                               _ELASTIC_TEST, permanent=True),
     (F.ELASTIC, F.INT8_HOP): _supported(
