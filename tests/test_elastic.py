@@ -21,9 +21,10 @@ torchrun's 30 s SIGTERM grace), with no checkpoint. Checked:
 The ``kill`` case also weights every backward by its rows (``model.set_batch_weight``), 2, 4 and 6 per rank on
 replicas 0, 1, 2: each committed step's gradient is the weighted mean over that step's members only, which the
 replay on the concatenated batches of the members is, and an unweighted replay is not (checked to differ). The
-starved replica's job and the one restarted after the job completed run tensor parallelism (2 ranks: one shard
-position of two tp ranks, ``init_mesh(elastic=True, tensor_parallel_degree=2)``): the replicate groups and the
-heal are per (shard, tp) position.
+``stop`` case (a stopped replica restarted and healed), the starved replica's job (dropped alive, healed without
+a restart) and the one restarted after the job completed (killed in backward) run tensor parallelism: each
+replica's 2 ranks are one shard position of two tp ranks (``init_mesh(elastic=True, tensor_parallel_degree=2)``),
+and the replicate groups and the heal are per (shard, tp) position.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ HEARTBEAT_TIMEOUT_S = 4  # the coordinator's: above its default 3 s, which a bus
 WEIGHTED_ROWS = "2,4,6"  # the kill case: rows per rank of replicas 0, 1, 2, and the batch weight of each
 TP = {"ELASTIC_TP": "2"}  # the starve and completed cases: each replica one shard position of two tp ranks
 CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS},
-         "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2"},
+         "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2", **TP},
          "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15"}}
 RUN_TIMEOUT_S = 300
 
@@ -138,6 +139,8 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
     if fault == "stop":  # the stopped rank 0 hosts its replica's store: rank 1's watchdog ends the replica
         assert "the job's store has not answered for" in output, output[-6000:]
     logs = _records(tmp_path)
+    if "ELASTIC_TP" in CASES[fault]:
+        _check_tensor_parallel(logs)
     survivor = _survivor(logs)
     fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
     _check_one_step_lost(survivor, fault_at)

@@ -117,6 +117,7 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.HETEROGENEOUS, F.BATCH_WEIGHTS): _supported("tests/test_hetero_mesh.py::test_training_matches_one_process"),
     (F.ELASTIC, F.DILOCO): _refused("a sync is not a transaction over the replicas present yet", _DILOCO_TEST),
     (F.ELASTIC, F.TENSOR_PARALLEL): _supported(
+        "tests/test_elastic.py::test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer",
         "tests/test_elastic.py::test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart",
         "tests/test_elastic.py::test_a_replica_restarted_after_the_job_completed_ends_cleanly",
         "tests/test_train_elastic.py::test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_"
