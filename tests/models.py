@@ -57,6 +57,20 @@ class BNNet(nn.Module):
         return self.out(torch.relu(self.bn(self.inp(x))))
 
 
+def tiny_gpt() -> nn.Module:
+    """hsdp's GPT over :data:`VOCAB` tokens, small enough for a CPU test and splittable by ``hsdp.tp_plans.gpt_plan``
+    over 2 tp ranks (sequences of an even length under its sequence parallelism); call it through :func:`logits`."""
+    from hsdp.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=DIM))
+
+
+def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The logits of ``model`` on ``x``: what it returns, or the first item of GPT's ``(logits, loss)``."""
+    out = model(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def batch(step: int, rank: int, per_rank: int = 4, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     ids = torch.randint(0, VOCAB, (per_rank, seq + 1), generator=g)

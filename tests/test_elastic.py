@@ -18,19 +18,29 @@ checkpoint. Checked:
 - no step is applied twice or partially: every rank's losses and the final parameters equal one plain process
   replaying exactly the committed steps, each on the concatenated batches of the replicas it lists (1e-5);
 - the replica-sharded optimizer is refused on an elastic mesh, before any collective.
+
+The ``kill`` case also weights every backward by its rows (``model.set_batch_weight``), 2, 4 and 6 per rank on
+replicas 0, 1, 2: each committed step's gradient is the weighted mean over that step's members only, which the
+replay on the concatenated batches of the members is, and an unweighted replay is not (checked to differ). The
+``stop`` case (a stopped replica restarted and healed), the starved replica's job (dropped alive, healed without
+a restart) and the one restarted after the job completed (killed in backward) run tensor parallelism: each
+replica's 2 ranks are one shard position of two tp ranks (``init_mesh(elastic=True, tensor_parallel_degree=2)``),
+and the replicate groups and the heal are per (shard, tp) position.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from launched import run_launch
-from models import ParityNet, batch, loss_fn
+from models import ParityNet, batch, logits, loss_fn, tiny_gpt
 
 from hsdp.tools.launch.netns import find_tools, list_namespaces
 
@@ -40,8 +50,10 @@ HEARTBEAT_TIMEOUT_S = 4  # the coordinator's: above its default 3 s, which a bus
 # Each case's fault and worker settings: the stopped rank 0 also accumulates two micro-batches per step; a
 # stopped rank 1 leaves its replica's rank 0 beating while it waits in the reduce-scatter inside the node, and
 # the watchdog's bound (what ended that replica and so the survivors' wait before every rank beat) is 15 s there.
-CASES = {"kill": {"ELASTIC_FAULT": "kill"},
-         "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2"},
+WEIGHTED_ROWS = "2,4,6"  # the kill case: rows per rank of replicas 0, 1, 2, and the batch weight of each
+TP = {"ELASTIC_TP": "2"}  # the starve and completed cases: each replica one shard position of two tp ranks
+CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS},
+         "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2", **TP},
          "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15"}}
 RUN_TIMEOUT_S = 300
 KILL_RECOVERY_S = 1.0  # a SIGKILL to the survivors' next committed step
@@ -73,26 +85,47 @@ def _records(out: Path) -> dict[tuple[int, int], list[list[dict]]]:
     return logs
 
 
-def _replay(steps: list[dict], accum: int) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], list[float]]]:
-    """One process: every committed step on the concatenated batches of its replicas (and micro-batches, all of
-    one size: the mean over them is the mean of their means); the losses each rank saw."""
+def _worker() -> ModuleType:
+    """The worker program as a module (its optimizer choice)."""
+    spec = importlib.util.spec_from_file_location("elastic_worker", PROGRAM)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _replay(steps: list[dict], case: dict[str, str], weighted: bool = True
+            ) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], list[float]]]:
+    """One process: every committed step on the concatenated batches of its replicas (and micro-batches, of one
+    size per replica: the mean over every row is the mean of the batches' mean losses weighted by their rows,
+    what ``set_batch_weight(rows)`` asks for); not ``weighted``: the plain mean of the batches' mean losses.
+    The losses each rank saw, by (step, replica, rank in the replica's job)."""
+    accum, tp = int(case.get("ELASTIC_ACCUM", "1")), int(case.get("ELASTIC_TP", "1"))
+    rows = [int(n) for n in case.get("ELASTIC_ROWS", "4,4,4").split(",")]
+    seq, positions = (4 if tp > 1 else 5), RANKS // tp
     torch.manual_seed(0)  # the first quorum healed every replica from replica 0
-    model = ParityNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = tiny_gpt() if tp > 1 else ParityNet()
+    opt = _worker().optimizer(model.parameters(), tp)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits(model, x), y)
+
     losses = {}
     for record in steps:
         k, members = record["step"], record["replicas"]
-        parts = {(r, s, m): batch(1000 * m + k, REPLICAS * r + s)
-                 for r in range(REPLICAS) for s in range(RANKS) for m in range(accum)}
+        parts = {(r, s, m): batch(1000 * m + k, REPLICAS * r + s, rows[r], seq)
+                 for r in range(REPLICAS) for s in range(positions) for m in range(accum)}
         with torch.no_grad():
             for r in range(REPLICAS):
-                for s in range(RANKS):
-                    losses[(k, r, s)] = [loss_fn(model(parts[(r, s, m)][0]), parts[(r, s, m)][1]).item()
-                                         for m in range(accum)]
+                for rank in range(RANKS):
+                    losses[(k, r, rank)] = [loss_of(*parts[(r, rank // tp, m)]).item() for m in range(accum)]
         if not record["committed"]:
             continue
-        chosen = [parts[(r, s, m)] for r in members for s in range(RANKS) for m in range(accum)]
-        loss_fn(model(torch.cat([x for x, _ in chosen])), torch.cat([y for _, y in chosen])).backward()
+        chosen = [parts[(r, s, m)] for r in members for s in range(positions) for m in range(accum)]
+        if weighted:
+            loss_of(torch.cat([x for x, _ in chosen]), torch.cat([y for _, y in chosen])).backward()
+        else:
+            (sum(loss_of(x, y) for x, y in chosen) / len(chosen)).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
@@ -108,6 +141,8 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
     if fault == "stop":  # the stopped rank 0 hosts its replica's store: rank 1's watchdog ends the replica
         assert "the job's store has not answered for" in output, output[-6000:]
     logs = _records(tmp_path)
+    if "ELASTIC_TP" in CASES[fault]:
+        _check_tensor_parallel(logs)
     survivor = _survivor(logs)
     fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
     # A killed replica's liveness ports refuse the coordinator's probe at once: the survivors go on within a
@@ -123,16 +158,21 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
             mine = [r for r in logs[(replica, rank)][-1] if "step" in r]
             assert [(r["step"], r["committed"], r["replicas"]) for r in mine] == [
                 (r["step"], r["committed"], r["replicas"]) for r in survivor if r["step"] >= mine[0]["step"]]
-    _check_replay(tmp_path, logs, survivor, int(CASES[fault].get("ELASTIC_ACCUM", "1")), range(REPLICAS))
+    params = _check_replay(tmp_path, logs, survivor, CASES[fault], range(REPLICAS))
+    if "ELASTIC_ROWS" in CASES[fault]:  # the weights mattered: ignoring them would fail the replay
+        unweighted, _ = _replay(survivor, CASES[fault], weighted=False)
+        assert max((params[n] - unweighted[n]).abs().max().item() for n in params) > 1e-3
 
 
 def test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart(tmp_path: Path) -> None:
-    output = _run(tmp_path, {"ELASTIC_FAULT": "starve"})  # its ranks hold the GIL 6 s after step 10
+    case = {"ELASTIC_FAULT": "starve", **TP}
+    output = _run(tmp_path, case)  # its ranks hold the GIL 6 s after step 10
     assert f"hsdp elastic: replica {VICTIM} (incarnation 1) is alive but the coordinator dropped it" in output
     assert re.search(rf"\[coordinator\] .*replica {VICTIM} left", output), output[-6000:]
     assert re.search(rf"\[coordinator\] .*replica {VICTIM} rejoined \(incarnation 2, healed from replica 0\)",
                      output), output[-6000:]
     logs = _records(tmp_path)
+    _check_tensor_parallel(logs)
     assert all(len(logs[(VICTIM, rank)]) == 1 for rank in range(RANKS))  # one process each: no restart
     survivor = _survivor(logs, lost=None)  # it starved before asking for step 11: the others only waited for it
     fault_at = next(r["t"] for r in logs[(VICTIM, 0)][0] if "fault" in r)
@@ -146,20 +186,29 @@ def test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart
         # What it took part in, as everyone saw it: every step up to the fault, then every one from the heal.
         assert [step for step, _, _ in mine] == [*range(FAULT_STEP + 1), *range(healed, mine[-1][0] + 1)]
         assert mine == [(step, by_step[step]["committed"], by_step[step]["replicas"]) for step, _, _ in mine]
-    _check_replay(tmp_path, logs, survivor, 1, range(REPLICAS))
+    _check_replay(tmp_path, logs, survivor, case, range(REPLICAS))
 
 
 def test_a_replica_restarted_after_the_job_completed_ends_cleanly(tmp_path: Path) -> None:
     last = FAULT_STEP + 4  # the survivors finish while the killed replica's restart waits to start
-    output = _run(tmp_path, {"ELASTIC_FAULT": "kill", "ELASTIC_LAST_STEP": str(last)})
+    case = {"ELASTIC_FAULT": "kill", "ELASTIC_LAST_STEP": str(last), **TP}
+    output = _run(tmp_path, case)
     assert "[coordinator] " in output and f"job completed after step {last}" in output, output[-6000:]
     assert f"hsdp elastic: replica {VICTIM}: the elastic job 'default' completed" in output, output[-6000:]
     assert "start a new job from a checkpoint" not in output and "exited with status" not in output, output[-6000:]
     logs = _records(tmp_path)
+    _check_tensor_parallel(logs)
     assert len(logs[(VICTIM, 0)]) == 1  # the restart ended before it logged anything: nothing to train
     survivor = _survivor(logs)
     assert survivor[-1]["step"] == last
-    _check_replay(tmp_path, logs, survivor, 1, range(VICTIM))
+    _check_replay(tmp_path, logs, survivor, case, range(VICTIM))
+
+
+def _check_tensor_parallel(logs: dict[tuple[int, int], list[list[dict]]]) -> None:
+    """Every incarnation of every rank ran on a tp dim of 2, its blocks' layers split over it."""
+    for incarnations in logs.values():
+        for lines in incarnations:
+            assert lines[0]["tp"] == 2 and lines[0]["tp_split"] > 0, lines[0]
 
 
 def _survivor(logs: dict[tuple[int, int], list[list[dict]]], lost: int | None = FAULT_STEP) -> list[dict]:
@@ -177,11 +226,11 @@ def _check_one_step_lost(survivor: list[dict], fault_at: float, lost: int = FAUL
         after[0]["t"] - fault_at, after[0])
 
 
-def _check_replay(out: Path, logs: dict[tuple[int, int], list[list[dict]]], survivor: list[dict], accum: int,
-                  replicas: range) -> None:
+def _check_replay(out: Path, logs: dict[tuple[int, int], list[list[dict]]], survivor: list[dict],
+                  case: dict[str, str], replicas: range) -> dict[str, torch.Tensor]:
     """No step applied twice or partially: every rank's losses and the saved parameters of ``replicas`` equal one
-    process replaying exactly the committed steps."""
-    params, losses = _replay(survivor, accum)
+    process replaying exactly the committed steps (of ``case``'s worker settings); the replay's parameters."""
+    params, losses = _replay(survivor, case)
     for (replica, rank), incarnations in logs.items():
         for record in (r for lines in incarnations for r in lines if "step" in r):
             assert record["losses"] == pytest.approx(losses[(record["step"], replica, rank)], abs=1e-5), (replica, rank)
@@ -190,3 +239,4 @@ def _check_replay(out: Path, logs: dict[tuple[int, int], list[list[dict]]], surv
         saved = torch.load(out / f"params_r{replica}_s{rank}.pt")
         for name, value in params.items():
             torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-5, msg=f"{replica}/{rank} {name}")
+    return params

@@ -74,6 +74,7 @@ os.environ.update(HSDP_COORDINATOR=f"127.0.0.1:{master.port}", HSDP_ELASTIC_JOB=
 attempt("id outside", lambda: hsdp.init_mesh(elastic=policy))
 os.environ["HSDP_REPLICA_ID"] = "0"
 attempt("shard degree", lambda: hsdp.init_mesh(2, elastic=policy))
+attempt("tp degree", lambda: hsdp.init_mesh(elastic=policy, tensor_parallel_degree=2))
 mesh = hsdp.init_mesh(elastic=policy)
 for case, options in [("replica-sharded optimizer", {"shard_optimizer_across_replicas": True}),
                       ("diloco", {"replica_sync": hsdp.DiLoCo(every=4)})]:
@@ -120,6 +121,8 @@ def one_rank_replica(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, st
                    "--replicas"),
     ("shard degree", "sharding_degree=2: an elastic replica is one torchrun job sharded over all its 1 ranks; drop "
                      "sharding_degree or start 2 ranks per job"),
+    ("tp degree", "tensor_parallel_degree=2 does not divide the world size 1: every tensor-parallel group is 2 "
+                  "adjacent ranks"),
     ("replica-sharded optimizer", "turn shard_optimizer_across_replicas off"),
     ("diloco", "elastic mesh"),
     ("plain optimizer", "SGD steps the parameters of a model that is elastic (a step the coordinator discards must "

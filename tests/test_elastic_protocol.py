@@ -322,10 +322,14 @@ def test_elastic_mesh_refusals_before_any_process(monkeypatch: pytest.MonkeyPatc
     from hsdp.engine.mesh import init_mesh
     from hsdp.engine.replicate.elastic.bootstrap import elastic_env
 
-    with pytest.raises(ValueError, match="drop device_mesh, tensor_parallel_degree and per-replica degree lists"):
-        init_mesh(elastic=True, tensor_parallel_degree=2)
-    with pytest.raises(ValueError, match="drop device_mesh, tensor_parallel_degree and per-replica degree lists"):
+    with pytest.raises(ValueError, match="drop device_mesh and per-replica degree lists"):
         init_mesh([2, 1], elastic=True)
+    with monkeypatch.context() as env:  # tensor parallelism combines with elastic; a T not dividing the job does not
+        env.setenv("HSDP_COORDINATOR", "127.0.0.1:1")
+        env.setenv("HSDP_REPLICA_ID", "0")
+        env.setenv("WORLD_SIZE", "3")
+        with pytest.raises(ValueError, match="tensor_parallel_degree=2 does not divide the world size 3"):
+            init_mesh(elastic=True, tensor_parallel_degree=2)
     monkeypatch.delenv("HSDP_COORDINATOR", raising=False)
     with pytest.raises(ValueError, match=r"set HSDP_COORDINATOR=host:port .*hsdp coordinator --port PORT"):
         init_mesh(elastic=True)

@@ -5,11 +5,13 @@ store, as one torchrun per node), beside an hsdp coordinator in this process, as
 The coordinator here holds a step's quorum or decision while the test acts (kills a replica, restarts it), so
 every run takes the same path whatever the machine's speed. Checked:
 
-- a replica killed (SIGKILL, every rank) while the step it wrote was being decided: that step is discarded and
+- a replica killed (SIGKILL, every rank) while the step it wrote was being decided (each replica's 2 ranks split
+  its layers, ``parallel.tensor_parallel = 2``): that step is discarded and
   logged once, with ``committed`` false, by the survivor, which writes the run alone from then on (the lease
   passes to it at once), checkpoints included; the restarted replica rejoins at a step boundary, healed, and
   writes again (the lowest id); the job finishes with status 0 on every rank; ``metrics.jsonl`` holds each step
-  exactly once, with the members, the batch really averaged and the writer the rule names, and tokens counting
+  exactly once, with the members, the batch really averaged (batch weights 1 : 3 per replica: each member's
+  share of the global batch) and the writer the rule names, and tokens counting
   the committed steps only; the summary counts committed and discarded steps and the membership changes; the
   checkpoints load into the model, and no lease is left behind;
 - below the minimum (2 of 2 replicas, one killed) the survivor raises ``QuorumLost``, checkpoints its last
@@ -159,6 +161,12 @@ def _held_at(coord: Coordinator, probe: dist.Store, step: int, replicas: tuple[i
         [key(JOB, "want", step, r) for r in replicas])
 
 
+def summary_batch(run: Path) -> dict:
+    """What ``summary.json`` says about the split of the global batch."""
+    batch = json.loads((run / "summary.json").read_text())["batch_weights"]
+    return {"weights": batch["weights"], "batch_sizes": batch["batch_sizes"]}
+
+
 def _loads(ckpt: Path) -> None:
     cfg = resolve_config(None, [f"model.block_size={BLOCK}"])
     model = GPT(cfg.model.shape(256))
@@ -168,7 +176,10 @@ def _loads(ckpt: Path) -> None:
 def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_again_after_rejoining(
         tmp_path: Path) -> None:
     ranks, steps = 2, 12
-    args = _args(tmp_path, steps, checkpoint_every=4)
+    # Each replica's 2 ranks split its layers (tensor parallelism: one data-parallel rank per replica), and batch
+    # weights 1 : 3 per replica split the global batch of 4: replica 0 reads 1 sequence, replica 1 3; a step's
+    # gradient weighs its members' pieces only.
+    args = [*_args(tmp_path, steps, checkpoint_every=4), "parallel.batch_weights=[1,3]", "parallel.tensor_parallel=2"]
     deadline = time.monotonic() + 150
     with _coordinator(replicas=2, min_replicas=1) as (coord, address, probe):
         coord.decision_gate = 4  # elastic step 4 = train step 5: hold its decision
@@ -190,8 +201,9 @@ def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_ag
     both, alone = [0, 1], [1]
     assert [(r["committed"], r["replicas"], r["writer"]) for r in records] == (
         [(True, both, 0)] * 4 + [(False, both, 1)] + [(True, alone, 1)] * 3 + [(True, both, 0)] * 4)
-    sequences = BATCH * ranks  # per replica and step
-    assert [r["global_batch"] for r in records] == [2 * sequences] * 4 + [0] + [sequences] * 3 + [2 * sequences] * 4
+    whole, ones = BATCH * 2, 3 * BATCH * 2 // 4  # the global batch; replica 1's share alone
+    assert [r["global_batch"] for r in records] == [whole] * 4 + [0] + [ones] * 3 + [whole] * 4
+    assert summary_batch(run) == {"weights": [1.0, 3.0], "batch_sizes": [1, 3]}
     assert records[4]["grad_norm"] is None and all(r["grad_norm"] > 0 for r in records if r["committed"])
     assert records[-1]["tokens"] == sum(r["global_batch"] for r in records) * BLOCK
     assert records[5]["eval_loss"] is not None and records[11]["eval_loss"] is not None
@@ -200,12 +212,13 @@ def test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_ag
     assert summary["elastic"] == {"replica": 0, "replicas": 2, "committed": 11, "discarded": [5],
                                   "membership": [{"step": 1, "replicas": both}, {"step": 6, "replicas": alone},
                                                  {"step": 9, "replicas": both}], "writers": [0, 1]}
-    assert summary["steps"]["first"] == 9 and summary["mesh"] == {"replicas": 2, "shards": 2, "world": 2}
+    assert summary["steps"]["first"] == 9 and summary["mesh"] == {"replicas": 2, "shards": 1, "tp": 2, "world": 2}
     assert (run / "sample.txt").exists() and (run / "config.toml").exists()
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_000004", "step_000008", "step_000012"], ckpts  # by replicas 0, 1, 0
     manifest = json.loads((run / "checkpoints" / "step_000008" / "manifest.json").read_text())
-    assert manifest["world_size"] == ranks and manifest["mesh"] == [1, ranks]  # one replica's ranks saved it
+    # One replica's ranks saved it: 1 replica of 1 shard rank (x 2 tp ranks).
+    assert manifest["world_size"] == ranks and manifest["mesh"] == [1, 1]
     _loads(run / "checkpoints")
     assert not os.path.exists(lease_path(run / "checkpoints"))
     assert records[8]["loss"] < records[0]["loss"] - 0.5  # the restarted replica's own loss: healed, not new
@@ -243,14 +256,15 @@ def test_below_the_minimum_every_rank_stops_and_the_survivor_checkpoints_its_las
 
 def test_elastic_refusals_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    for override, fix in [("parallel.tensor_parallel=2", "set parallel.tensor_parallel = 1"),
-                          ("parallel.sharding_degree=[2,1]", "give one integer"),
-                          ("parallel.shard_optimizer_across_replicas=true", "shard_optimizer_across_replicas = false"),
-                          ("parallel.batch_weights=auto", "set parallel.batch_weights = 'even'"),
-                          ("parallel.batch_weights=[1,2]", "set parallel.batch_weights = 'even'")]:
+    for override, fix in [("parallel.sharding_degree=[2,1]", "give one integer"),
+                          ("parallel.shard_optimizer_across_replicas=true", "shard_optimizer_across_replicas = false")]:
         with pytest.raises(ValueError, match=f"does not combine with parallel.elastic = true.*{fix}.*"
                                              f"or parallel.elastic = false"):
             resolve_config(None, ["parallel.elastic=true", override])
+    # Batch weights as a list combine with elastic (tests/test_elastic.py); "auto" calibrates over every rank.
+    with pytest.raises(ValueError, match=r"parallel.batch_weights = 'auto': not with parallel.elastic = true.*"
+                                         r"give the weights as a list"):
+        resolve_config(None, ["parallel.elastic=true", "parallel.batch_weights=auto"])
     with pytest.raises(ValueError, match=r"train.resume = True: not with parallel.elastic = true yet.*--out.*"
                                          r"hsdp train --resume parallel.elastic=false"):
         resolve_config(None, ["parallel.elastic=true", "train.resume=true"])

@@ -98,12 +98,13 @@ def test_list_degrees_reach_init_mesh_as_a_list_and_replica_weights_spread_over_
     trainer_module._init_mesh(resolve_config(None, ["parallel.sharding_degree=[2,1]"]))
     trainer_module._init_mesh(resolve_config(None, ["parallel.sharding_degree=0"]))
     assert seen == [([2, 1], {"tensor_parallel_degree": None}), (None, {"tensor_parallel_degree": None})]
-    mesh = SimpleNamespace(data_parallel_size=3, replicas=SimpleNamespace(degrees=(2, 1)))  # what the list gives
+    # What the list gives.
+    mesh = SimpleNamespace(data_parallel_size=3, replicas=SimpleNamespace(data_parallel_degrees=(2, 1)))
     cfg = resolve_config(None, ["parallel.sharding_degree=[2,1]", "parallel.batch_weights=[3,1]"])
     assert trainer_module.initial_weights(cfg, mesh) == [1.5, 1.5, 1.0]  # per replica, over its ranks
     per_rank = resolve_config(None, ["parallel.sharding_degree=[2,1]", "parallel.batch_weights=[1,2,3]"])
     assert trainer_module.initial_weights(per_rank, mesh) == [1.0, 2.0, 3.0]
-    grid = SimpleNamespace(data_parallel_size=4, replicas=SimpleNamespace(degrees=(2, 2)))
+    grid = SimpleNamespace(data_parallel_size=4, replicas=SimpleNamespace(data_parallel_degrees=(2, 2)))
     assert trainer_module.initial_weights(resolve_config(None, ["parallel.batch_weights=[1,3]"]), grid) == [
         0.5, 0.5, 1.5, 1.5]
     assert trainer_module.initial_weights(resolve_config(None, ["parallel.batch_weights=auto"]), grid) == [1.0] * 4

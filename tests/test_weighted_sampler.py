@@ -28,7 +28,7 @@ from hsdp.data.weighted_sampler import WeightedBatchSampler, split_sizes
 def _mesh(rank: int, replicas: int, shards: int = 1) -> SimpleNamespace:
     return SimpleNamespace(data_parallel_rank=rank, data_parallel_size=replicas * shards,
                            replicate_degree=replicas, sharding_degree=shards,
-                           replicas=SimpleNamespace(degrees=(shards,) * replicas))
+                           replicas=SimpleNamespace(data_parallel_degrees=(shards,) * replicas))
 
 
 def _samplers(length: int, weights: list[float], batch_size: int, replicas: int, shards: int = 1,

@@ -102,7 +102,7 @@ def _weighted_sizes(weights: Sequence[float], batch_size: int | None, mesh: HSDP
     if batch_size is None:
         raise ValueError("weights= needs batch_size=, the global batch in samples per step, which the weights "
                          "split over the ranks")
-    replicas = mesh.replicas.degrees if mesh is not None else None
+    replicas = mesh.replicas.data_parallel_degrees if mesh is not None else None
     return checked_split_sizes(rank_weights(weights, data_parallel_size(mesh), replicas), batch_size)
 
 

@@ -297,11 +297,14 @@ def init_mesh(
     override (:func:`node_crossing_warning`).
     ``fault_policy`` starts the dead-rank watchdog (see ``hsdp.engine.faults.watchdog``); ``None`` disables it.
 
-    ``elastic=True`` (or an ``ElasticPolicy`` with its timeouts): this process's torchrun job is one replica of
-    an elastic job whose replicas come and go between steps (``hsdp/engine/replicate/elastic/``): the coordinator at
+    ``elastic=True`` (or an ``ElasticPolicy`` with its timeouts): this process's torchrun job is one replica of an
+    elastic job whose replicas come and go between steps (``hsdp/engine/replicate/elastic/``): the coordinator at
     ``coordinator`` (default ``$HSDP_COORDINATOR``), this replica's id from ``$HSDP_REPLICA_ID``. The replica's
-    ranks shard every parameter (``sharding_degree`` is the job's world size); the replica is admitted once its
-    ``ShardedOptimizer`` exists (a joiner is healed there). Tensor parallelism and a list of degrees are refused.
+    ranks shard every parameter (``sharding_degree`` is the job's world size, divided by T below); the replica is
+    admitted once its ``ShardedOptimizer`` exists (a joiner is healed there). With ``tensor_parallel_degree=T``
+    every replica's job is ``sharding_degree x T`` ranks (tp ranks adjacent), the same T in every replica: gradients
+    are reduced, and joiners healed, per (shard rank, tp rank) position across the members. A list of degrees is
+    refused.
     """
     if elastic:
         return _elastic_mesh(sharding_degree, tensor_parallel_degree, device_mesh, coordinator, timeout, fault_policy,
@@ -338,27 +341,39 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
                   coordinator: str | None, timeout: timedelta, fault_policy: FaultPolicy | None,
                   policy: ElasticPolicy) -> HSDPMesh:
     """One replica of an elastic job (see :func:`init_mesh`): checks first, then the process group of this
-    torchrun job, the coordinator's admission, and the replica's 1-D shard mesh."""
-    if device_mesh is not None or (tp_degree not in (None, 1) and refused(Feature.ELASTIC, Feature.TENSOR_PARALLEL)) \
-            or (isinstance(sharding_degree, list | tuple) and refused(Feature.ELASTIC, Feature.HETEROGENEOUS)):
+    torchrun job, the coordinator's admission, and the replica's shard mesh: 1-D ``("shard",)``, or 2-D
+    ``("shard", "tp")`` with ``tp_degree`` (tp ranks adjacent, as on a grid)."""
+    if device_mesh is not None or (isinstance(sharding_degree, list | tuple)
+                                   and refused(Feature.ELASTIC, Feature.HETEROGENEOUS)):
         raise ValueError("init_mesh(elastic=True) builds one replica per torchrun job, sharded over its ranks: drop "
-                         "device_mesh, tensor_parallel_degree and per-replica degree lists")
+                         "device_mesh and per-replica degree lists")
     found = elastic_env(coordinator)
+    world_size = int(os.environ.get("WORLD_SIZE", "0"))
+    if world_size:  # before any collective where torchrun tells the world size
+        data_parallel_world(world_size, tp_degree)
     if not dist.is_initialized():
         _init_process_group(timeout)
     world = dist.get_world_size()
-    if sharding_degree not in (None, world):
+    degree = data_parallel_world(world, tp_degree)
+    if sharding_degree not in (None, degree):
+        per_tp = f" / tensor_parallel_degree={tp_degree}" if tp_degree else ""
         raise ValueError(f"sharding_degree={sharding_degree}: an elastic replica is one torchrun job sharded over "
-                         f"all its {world} ranks; drop sharding_degree or start {sharding_degree} ranks per job")
+                         f"all its {world} ranks{per_tp}; drop sharding_degree or start "
+                         f"{sharding_degree * (tp_degree or 1)} ranks per job")
     device_type = device_type_for(str(dist.get_backend()), torch.cuda.is_available())
     if device_type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     watch_launcher(watchdog)
     client, replicas = elastic_join(found, world, policy)
-    param_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    layer = ElasticLayer(client, found.replica_id, world, replicas, dist.get_rank(), param_mesh.get_group(),
-                         param_mesh, device_type, policy)
+    if tp_degree is None:
+        param_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        tp_rank = 0
+    else:
+        param_mesh = init_device_mesh(device_type, (degree, tp_degree), mesh_dim_names=("shard", "tp"))
+        tp_rank = param_mesh.get_local_rank("tp")
+    layer = ElasticLayer(client, found.replica_id, degree, replicas, param_mesh.get_local_rank("shard"),
+                         param_mesh.get_group("shard"), param_mesh, device_type, policy, tp_rank, tp_degree or 1)
     return HSDPMesh(None, watchdog, layer=layer)
 
 

@@ -16,7 +16,6 @@ from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
 from hsdp.engine.replica_sync import DiLoCo, check_replica_sync
 from hsdp.engine.replicas import check_replica_shards
-from hsdp.engine.replicate.combinations import Feature, refused
 from hsdp.engine.replicate.layer import StepRecord
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.buffers import comparable_buffers
@@ -170,10 +169,11 @@ class ShardedModel(nn.Module):
 
         Under ``replica_sync=DiLoCo`` the inner steps take the weighted average inside each replica, and a sync
         weighs each replica's pseudo-gradient by what it processed since the last one (the sum of its ranks'
-        weights over those inner steps; ``hsdp/engine/optim/outer_step.py``)."""
-        if weight is not None and self.mesh.elastic is not None and refused(Feature.ELASTIC, Feature.BATCH_WEIGHTS):
-            raise ValueError("set_batch_weight on an elastic mesh: a split of the global batch by fixed weights does "
-                             "not follow replicas that come and go; give every rank the same batch size")
+        weights over those inner steps; ``hsdp/engine/optim/outer_step.py``).
+
+        On an elastic mesh (``init_mesh(elastic=True)``) each committed step's gradient is the weighted average
+        over the ranks of that step's members only: a replica that left weighs nothing, a joiner counts from the
+        first step it takes part in (the weights travel in the step's own reductions, over the quorum's group)."""
         self._hsdp_state.batch_weight = batch_weight.checked(weight, self.mesh.device)
 
     @contextlib.contextmanager

@@ -212,8 +212,13 @@ def _broadcast_params(comm: Comm, params: list[torch.Tensor], device: torch.devi
 def _across_replicas(comm: Comm, values: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Replica 0's values on shard rank 0 of every replica, per tp coordinate: the grid's ``"replicate"`` group;
     on replicas of different shard degrees the position group of shard rank 0 (``FixedLayer``, one per tp
-    coordinate), which the other shard ranks are not in (the shard broadcast after this reaches them)."""
+    coordinate), which the other shard ranks are not in (the shard broadcast after this reaches them). Replicas
+    outside this process group's world (elastic) send nothing here: their layer heals every joiner from a live
+    member, position by position (the first quorum heals every replica from one), and a broadcast now would
+    wait for members that are training."""
     mesh = comm.mesh
+    if mesh.replicas.outside_world:
+        return values
     if not mesh.heterogeneous:
         return _broadcast_from_rank0(comm, values, device, "replicate")
     if mesh.shard_rank != 0:

@@ -10,7 +10,11 @@ coordinator's timeout: the coordinator drops it although it lives on, and it mus
 ``ELASTIC_WATCHDOG_S``: the watchdog's bound (default 8 s).
 
 Every replica trains the same tiny model with AdamW; at step k, replica r's rank s reads batch ``(k, r, s)``
-(``ELASTIC_ACCUM`` micro-batches of it, the inter-node hop deferred to the last).
+(``ELASTIC_ACCUM`` micro-batches of it, the inter-node hop deferred to the last) of 4 rows, or, with
+``ELASTIC_ROWS=a,b,c``, of ``a``, ``b``, ``c`` rows on replica 0, 1, 2, each rank weighting its backwards by its
+rows (``model.set_batch_weight``). ``ELASTIC_TP=2``: every replica's two ranks are one shard position of two tp
+ranks (``init_mesh(elastic=True, tensor_parallel_degree=2)``), training a tiny GPT split by ``hsdp.tp_plans``
+with SGD and momentum (sequences of 4 tokens); both read the batch of that position.
 Each rank appends what ``model.last_step`` says after every optimizer step, with the loss of the step, to
 ``<out>/r<replica>_s<rank>_i<incarnation>.jsonl`` (``{"healed": k}`` instead when the step ended with this
 replica healed to go on at step k, after the coordinator had dropped it); the run stops after two consecutive
@@ -34,13 +38,16 @@ import torch
 import hsdp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import ParityNet, batch, loss_fn
+from models import ParityNet, batch, logits, loss_fn, tiny_gpt
 
 REPLICAS = 3
 MAX_STEPS = 2000  # a safety bound: the run ends once the restarted replica trained with the others
 PACE_S = 0.05  # a pause per step: survivors waiting for the restart leave the CPUs to it (2 cores in CI)
 ACCUM = int(os.environ.get("ELASTIC_ACCUM", "1"))  # micro-batches per step
 STARVE_S = 6.0  # above the coordinator's heartbeat timeout (4 s in tests/test_elastic.py), below the watchdog's
+TP = int(os.environ.get("ELASTIC_TP", "1"))
+SEQ = 4 if TP > 1 else 5  # sequence parallelism splits every sequence over the tp ranks
+ROWS = tuple(int(n) for n in os.environ.get("ELASTIC_ROWS", "").split(",") if n)  # per replica: weighted
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
 
@@ -81,20 +88,26 @@ def main() -> None:
         _wait_for_the_others(out, replica)
     # The watchdog's bound: a stopped rank of the own replica ends it.
     watchdog = float(os.environ.get("ELASTIC_WATCHDOG_S", "8"))
-    mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=watchdog, interval=0.5))
+    mesh = hsdp.init_mesh(elastic=POLICY, tensor_parallel_degree=TP if TP > 1 else None,
+                          fault_policy=hsdp.FaultPolicy(timeout=watchdog, interval=0.5))
     try:  # refused before any collective: replica-split state does not survive membership changes
         hsdp.ShardedModel(ParityNet(), mesh=mesh, shard_optimizer_across_replicas=True)
         refused = ""
     except ValueError as e:
         refused = str(e)
     torch.manual_seed(replica)  # replicas start different: the first quorum heals them all from replica 0
-    model = hsdp.ShardedModel(ParityNet(), mesh=mesh)
-    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    rank = mesh.shard_rank
+    module = tiny_gpt() if TP > 1 else ParityNet()
+    if TP > 1:
+        hsdp.tp_plans.gpt_plan(module, mesh.tp_mesh)
+    model = hsdp.ShardedModel(module, mesh=mesh)
+    opt = hsdp.ShardedOptimizer(model, optimizer(model.parameters(), TP))
+    rank, position = mesh.rank, mesh.shard_rank  # the rank in the replica's job; the data it reads
+    rows = ROWS[replica] if ROWS else 4
     incarnation = mesh.elastic.client.incarnation  # 0 on ranks but the leader
     log = open(os.path.join(out, f"r{replica}_s{rank}_i{os.getpid()}.jsonl"), "w")  # noqa: SIM115
     step = model.last_step.step + 1 if model.last_step is not None else 0
-    log.write(json.dumps({"joined": step, "incarnation": incarnation, "refused": refused}) + "\n")
+    log.write(json.dumps({"joined": step, "incarnation": incarnation, "refused": refused, "tp": mesh.tp_degree,
+                          "tp_split": sum(p.placements[-1].is_shard() for p in model.parameters())}) + "\n")
 
     def die(*_: object) -> None:
         if replica == victim and step == fault_step and fault:
@@ -111,10 +124,12 @@ def main() -> None:
     while step < MAX_STEPS:
         losses = []
         for micro in range(ACCUM):  # accumulation: the hop only on the last micro-batch
-            x, y = batch(1000 * micro + step, REPLICAS * replica + rank)
+            x, y = batch(1000 * micro + step, REPLICAS * replica + position, rows, SEQ)
             model.set_requires_all_reduce(micro == ACCUM - 1)
-            loss = loss_fn(model(x), y)
-            (loss / ACCUM).backward()
+            if ROWS:  # the weighted average over ranks and micro-batches divides: backward the mean loss
+                model.set_batch_weight(rows)
+            loss = loss_fn(logits(model, x), y)
+            (loss if ROWS else loss / ACCUM).backward()
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
@@ -139,6 +154,15 @@ def main() -> None:
                os.path.join(out, f"params_r{replica}_s{rank}.pt"))
     log.write(json.dumps({"done": step}) + "\n")
     log.close()
+
+
+def optimizer(params: object, tp: int) -> torch.optim.Optimizer:
+    """AdamW; under tensor parallelism SGD with momentum, whose step is linear in the gradient: AdamW's normalised
+    step would turn the rounding noise of a near-zero gradient element (which TP's summation order changes) into
+    a step of about the learning rate, far above the replay's tolerance."""
+    if tp > 1:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2)
 
 
 def _wait_for_the_others(out: str, replica: int) -> None:

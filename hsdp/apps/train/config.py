@@ -218,10 +218,12 @@ class ParallelConfig:
     ``elastic``: this torchrun job is one replica of an elastic job (``hsdp.init_mesh(elastic=True)``, rules in
     :mod:`hsdp.apps.train.elastic_run`): replicas leave and rejoin between steps; start it with ``hsdp launch
     --elastic -- -m hsdp.apps.train parallel.elastic=true``. Each replica is sharded over its own job's ranks
-    (``sharding_degree`` 0 or that count); tensor parallelism, a list of degrees, the replica-sharded optimizer
-    and batch weights other than ``"even"`` are refused with it. ``replica_sync``: ``"every_step"``
-    (the hop above) or ``"diloco"`` (weights synced every ``diloco_every`` steps, not DDP's math; its options and
-    refusals: :mod:`hsdp.apps.train.replica_sync`)."""
+    (``sharding_degree`` 0 or that count, divided by ``tensor_parallel``); a list of batch weights splits every
+    configured replica's data as above, and a step's gradient weighs its members' pieces only (a replica that is
+    absent reads nothing and weighs nothing). A list of degrees, the replica-sharded optimizer and
+    ``batch_weights = "auto"`` (its calibration gathers over every rank) are refused with it. ``replica_sync``:
+    ``"every_step"`` (the hop above) or ``"diloco"`` (weights synced every ``diloco_every`` steps, not DDP's math;
+    its options and refusals: :mod:`hsdp.apps.train.replica_sync`)."""
 
     SECTION: ClassVar[str] = "parallel"
     nodes: int = 2
@@ -252,6 +254,12 @@ class ParallelConfig:
         _one_of(self.SECTION, "mixed_precision", self.mixed_precision, PRECISIONS)
         _one_of(self.SECTION, "replica_hop", self.replica_hop, HOP_NAMES)
         self._check_combinations()
+        if self.elastic and self.batch_weights == "auto":
+            _fail(self.SECTION, "batch_weights", "auto", "not with parallel.elastic = true: the calibration gathers "
+                                                         "every rank's busy seconds, and an elastic replica's ranks "
+                                                         "reach their own replica only: give the weights as a list "
+                                                         "(one per data-parallel rank or per replica, e.g. from hsdp "
+                                                         "tune)")
         check_parallel(self)
 
     def _check_combinations(self) -> None:

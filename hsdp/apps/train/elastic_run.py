@@ -152,11 +152,12 @@ class ElasticWriter:
 
     Every rank of every replica holds one and calls :meth:`annotate` and :meth:`publish` for each step, in the
     same order; :attr:`writing` (whether this replica writes the current step) comes from ``model.last_step``,
-    so it is the same on the replica's ranks, and only their rank 0 touches files. ``sequences`` is one
-    replica's share of a global batch (batch size x micro-batches x shard ranks), ``block_size`` the tokens per
-    sequence."""
+    so it is the same on the replica's ranks, and only their rank 0 touches files. ``sequences`` is each
+    configured replica's share of a global batch, by replica id (its ranks' sequences x micro-batches: with batch
+    weights the replicas' shares differ), ``block_size`` the tokens per sequence."""
 
-    def __init__(self, cfg: RunConfig, run: RunDir, channel: RankChannel, sequences: int, block_size: int) -> None:
+    def __init__(self, cfg: RunConfig, run: RunDir, channel: RankChannel, sequences: Sequence[int],
+                 block_size: int) -> None:
         layer = channel.mesh.elastic
         assert layer is not None
         self.cfg, self.run, self.channel, self.layer = cfg, run, channel, layer
@@ -190,7 +191,7 @@ class ElasticWriter:
             raise RuntimeError(f"hsdp train: train step {step} ended elastic step {None if last is None else last.step}"
                                f": the loop and the coordinator disagree on the step (an hsdp bug)")
         self.writing = min(last.replicas) == self.replica_id
-        sequences = self.sequences * len(last.replicas) if last.committed else 0
+        sequences = sum(self.sequences[r] for r in last.replicas) if last.committed else 0
         tokens = sequences * self.block_size
         return {**record, "committed": last.committed, "replicas": list(last.replicas), "global_batch": sequences,
                 "step_tokens": tokens, "tokens": None, "tokens_per_s": tokens / max(record["step_s"], 1e-9),

@@ -25,6 +25,7 @@ directory (:mod:`hsdp.apps.train.elastic_run`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from typing import Any
@@ -66,9 +67,9 @@ def _init_mesh(cfg: RunConfig) -> hsdp.HSDPMesh:
     divided by T). T = 1 keeps the 2-D mesh, exactly as before tensor parallelism existed. A list of degrees
     (replicas of different sizes, in rank order) is passed to ``hsdp.init_mesh`` as it is."""
     par = cfg.parallel
-    if par.elastic:  # one replica of an elastic job: its own torchrun job's ranks shard everything
-        return hsdp.init_mesh(par.sharding_degree or None, elastic=True)
     tp = par.tensor_parallel if par.tensor_parallel > 1 else None
+    if par.elastic:  # one replica of an elastic job: its own torchrun job's ranks shard everything (x T)
+        return hsdp.init_mesh(par.sharding_degree or None, tensor_parallel_degree=tp, elastic=True)
     degree = list(par.degree_list) if par.degree_list is not None else (par.sharding_degree or None)
     return hsdp.init_mesh(degree, tensor_parallel_degree=tp)
 
@@ -79,7 +80,7 @@ def initial_weights(cfg: RunConfig, mesh: hsdp.HSDPMesh) -> list[float]:
     weights = cfg.parallel.batch_weights
     if isinstance(weights, str):
         return [1.0] * mesh.data_parallel_size
-    return per_rank_weights(weights, mesh.replicas.degrees)
+    return per_rank_weights(weights, mesh.replicas.data_parallel_degrees)
 
 
 def _to_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -134,8 +135,8 @@ class Trainer:
         self.profiler = self._profiler()
         self.writer: MetricsWriter | None = None  # rank 0's metric files, opened by train()
         # Elastic: which replica writes the run directory at each step, and its files.
-        self.pen = ElasticWriter(cfg, self.run, self.channel, cfg.train.batch_size * cfg.train.grad_accum
-                                 * self.mesh.sharding_degree, self.shape.block_size) if self.mesh.elastic else None
+        self.pen = ElasticWriter(cfg, self.run, self.channel, self._replica_sequences(),
+                                 self.shape.block_size) if self.mesh.elastic else None
         self.result = LoopResult(batch=self._batch_info(), mean_bytes=is_diloco(cfg.parallel))
 
     # -- construction ---------------------------------------------------------------------------------------
@@ -162,6 +163,15 @@ class Trainer:
         weights = initial_weights(self.cfg, self.mesh)
         return WeightedTokenStream(self.corpus.train, block, batch, weights, seed=seed, mesh=self.mesh,
                                    model=self.model), held_out
+
+    def _replica_sequences(self) -> list[int]:
+        """Each replica's sequences per optimizer step (its data-parallel ranks' micro-batches), in replica order:
+        every replica the data is split over, present or not (elastic)."""
+        stream = self.train_stream
+        sizes = stream.batch_sizes if isinstance(stream, WeightedTokenStream) else \
+            [self.cfg.train.batch_size] * self.mesh.data_parallel_size
+        ends = list(itertools.accumulate(self.mesh.replicas.data_parallel_degrees, initial=0))
+        return [sum(sizes[a:b]) * self.cfg.train.grad_accum for a, b in itertools.pairwise(ends)]
 
     @property
     def weighted(self) -> bool:

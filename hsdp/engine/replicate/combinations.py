@@ -117,8 +117,12 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
         "process"),
     (F.HETEROGENEOUS, F.BATCH_WEIGHTS): _supported("tests/test_hetero_mesh.py::test_training_matches_one_process"),
     (F.ELASTIC, F.DILOCO): _refused("a sync is not a transaction over the replicas present yet", _DILOCO_TEST),
-    (F.ELASTIC, F.TENSOR_PARALLEL): _refused("an elastic replica is one torchrun job sharded over its ranks",
-                                             _ELASTIC_CONFIG_TEST),
+    (F.ELASTIC, F.TENSOR_PARALLEL): _supported(
+        "tests/test_elastic.py::test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer",
+        "tests/test_elastic.py::test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart",
+        "tests/test_elastic.py::test_a_replica_restarted_after_the_job_completed_ends_cleanly",
+        "tests/test_train_elastic.py::test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_"
+        "again_after_rejoining"),
     (F.ELASTIC, F.SLICED_OPTIMIZER): _refused("a dead replica would take its slice of the optimizer state with it",
                                               _ELASTIC_TEST, permanent=True),
     (F.ELASTIC, F.INT8_HOP): _supported(
@@ -126,8 +130,10 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
         "zero", "tests/test_int8_compose.py::test_a_discarded_step_puts_the_residuals_back_and_a_joiner_zeroes_them"),
     (F.ELASTIC, F.BF16_HOP): _supported("tests/test_train_elastic.py::test_below_the_minimum_every_rank_stops_and_the_"
                                         "survivor_checkpoints_its_last_step"),
-    (F.ELASTIC, F.BATCH_WEIGHTS): _refused("a fixed split of the global batch does not follow replicas that come "
-                                           "and go", _ELASTIC_CONFIG_TEST),
+    (F.ELASTIC, F.BATCH_WEIGHTS): _supported(
+        "tests/test_elastic.py::test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer",
+        "tests/test_train_elastic.py::test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_"
+        "again_after_rejoining"),
     (F.DILOCO, F.TENSOR_PARALLEL): _supported(
         "tests/test_tensor_parallel.py::test_diloco_under_tensor_parallel_equals_two_simulated_workers"),
     (F.DILOCO, F.SLICED_OPTIMIZER): _refused("DiLoCo's inner optimizer state is per replica by definition",

@@ -86,6 +86,11 @@ class FixedLayer:
         return sum(self.degrees)
 
     @property
+    def data_parallel_degrees(self) -> tuple[int, ...]:
+        """Every replica reads data: their degrees."""
+        return self.degrees
+
+    @property
     def job_degrees(self) -> tuple[int, ...]:
         """The degrees of the replicas in this process group's world (the torchrun job, over which DCP saves):
         every replica here."""

@@ -263,8 +263,10 @@ class Reduction:
                 unit.piece_plans)
             if plan is not None:
                 self._handle = start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)
-            # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces.
-            elif unit.tp_replicated and unit.hop.state_dict() is None:
+            # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces. Nor
+            # where the layer discards steps (elastic): a member lost mid-step can fail one tp rank's hop and not
+            # another's, and the tp all-gather behind the hop would then wait for a rank that dropped its step.
+            elif unit.tp_replicated and unit.hop.state_dict() is None and not unit.comm.mesh.replicas.transactional:
                 self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
             else:
                 self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key)

@@ -1,13 +1,14 @@
-"""The replicate groups of an elastic job: one process group per quorum epoch and shard position.
+"""The replicate groups of an elastic job: one process group per quorum epoch and position in a replica.
 
 The replicas of an elastic job are separate torchrun jobs (a restart of one never restarts another), so no
 ``torch.distributed`` world spans them and ``new_group`` cannot build their groups. Each rank builds its own
 position's group directly on torch's process-group classes, over the coordinator's store under the prefix
-``hsdp/<job>/pg/<epoch>/<shard rank>/``: its group rank is the replica's index in the quorum, its size the
-member count. A new epoch (a member left or joined) builds a new group under a new prefix, never touching the
-replica's own (intra-node) groups; the old one is aborted, so a collective a dead peer left hanging ends
-instead of waiting for its timeout, and kept a while (``ElasticLayer._retire``: destroying a gloo group waits
-for its collectives, which a stopped peer holds until the timeout).
+``hsdp/<job>/pg/<epoch>/<position>/`` (the shard rank, and the tp rank under tensor parallelism): its group rank is
+the replica's index in the quorum, its size the member count. A new epoch (a member left or joined) builds a new
+group under a new prefix, never touching the replica's own (intra-node) groups; the old one is aborted, so a
+collective a dead peer left hanging ends instead of waiting for its timeout, and kept a while
+(``ElasticLayer._retire``: destroying a gloo group waits for its collectives, which a stopped peer holds until the
+timeout).
 
 Gloo groups time out after ``hop_timeout`` (a stopped peer's collective fails then; a killed peer's closed
 sockets fail at once); NCCL groups get the same timeout.
@@ -24,9 +25,10 @@ import torch.distributed as dist
 from hsdp.engine.replicate.elastic.protocol import key
 
 
-def build_group(store: dist.Store, job: str, epoch: int, position: int, rank: int, size: int, device_type: str,
-                timeout: float) -> dist.ProcessGroup:
-    """The group of quorum epoch ``epoch`` for shard position ``position``: group rank ``rank`` of ``size``.
+def build_group(store: dist.Store, job: str, epoch: int | str, position: str, rank: int, size: int,
+                device_type: str, timeout: float) -> dist.ProcessGroup:
+    """The group of quorum epoch ``epoch`` for the position ``position`` in a replica (``ElasticLayer.position``):
+    group rank ``rank`` of ``size``.
     Blocks until every member constructed it (gloo connects every pair through the store)."""
     prefix = dist.PrefixStore(key(job, "pg", epoch, position) + "/", store)
     group = dist.ProcessGroup(prefix, rank, size)

@@ -4,8 +4,10 @@ A :class:`~hsdp.engine.replicate.layer.ReplicateLayer`, like ``fixed.FixedLayer`
 same way): this rank's replica is its
 own torchrun job, whose world is the shard group and whose mesh is ``param_mesh``; the other replicas are the
 current quorum's members (``protocol.Quorum``), and the ``"replicate"`` group is that quorum's group for this
-rank's shard position (``groups.py``), rebuilt when the epoch changes. Every replica has the same degree, so the
-replica hop is the grid's: one all-reduce of the whole slot (no piece plan).
+rank's position (``groups.py``: its shard rank, and its tp rank with tensor parallelism), rebuilt when the epoch
+changes. Every replica has the same degree (and the same tp degree), so the replica hop is the grid's: one
+all-reduce of the whole slot (no piece plan), and a joiner's rank is healed from the same position of a live
+member.
 
 One step is one transaction: :meth:`begin_step` (the root's forward) tells the coordinator this replica reached
 the step; the first inter-node collective, or the commit, waits for the step's quorum (:meth:`await_quorum`:
@@ -46,9 +48,13 @@ class ElasticLayer:
 
     def __init__(self, client: CoordinatorClient, replica_id: int, degree: int, replicas: int, shard_rank: int,
                  shard_group: dist.ProcessGroup, param_mesh: DeviceMesh, device_type: str,
-                 policy: ElasticPolicy) -> None:
+                 policy: ElasticPolicy, tp_rank: int = 0, tp_degree: int = 1) -> None:
         self.client, self.replica_id, self.degree, self.configured = client, replica_id, degree, replicas
         self.shard_rank, self.shard_group, self.param_mesh = shard_rank, shard_group, param_mesh
+        # The replicate groups' position: one per (shard rank, tp rank); T is in the name, so replicas of another
+        # tp degree never meet in one group.
+        self.position = str(shard_rank) if tp_degree == 1 else f"{shard_rank}.tp{tp_rank}of{tp_degree}"
+        self.ranks = degree * tp_degree  # the replica's job: what it registers with the coordinator
         self.device_type, self.policy = device_type, policy
         self.step: int | None = None  # the next step this replica runs; known once admitted
         self.quorum: Quorum | None = None
@@ -88,6 +94,11 @@ class ElasticLayer:
     @property
     def data_parallel_size(self) -> int:
         return self.configured * self.degree
+
+    @property
+    def data_parallel_degrees(self) -> tuple[int, ...]:
+        """Every configured replica, present or not: a replica's data does not move when others leave."""
+        return (self.degree,) * self.configured
 
     @property
     def job_degrees(self) -> tuple[int, ...]:
@@ -172,7 +183,7 @@ class ElasticLayer:
                 return self._evicted(quorum)
             if quorum.epoch != self._epoch:
                 self._retire(self._group)
-                self._group = build_group(self.client.store, self.client.job, quorum.epoch, self.shard_rank,
+                self._group = build_group(self.client.store, self.client.job, quorum.epoch, self.position,
                                           quorum.index(self.replica_id), len(quorum.members), self.device_type,
                                           self.policy.hop_timeout)
                 self._epoch = quorum.epoch
@@ -202,7 +213,7 @@ class ElasticLayer:
                   f"healed from a live replica (no restart)", file=sys.stderr, flush=True)
         self._retire(self._group)
         alone = f"alone-{self.replica_id}-{self.client.incarnation}"  # a group name no quorum epoch takes
-        self._group = build_group(self.client.store, self.client.job, alone, self.shard_rank, 0, 1,
+        self._group = build_group(self.client.store, self.client.job, alone, self.position, 0, 1,
                                   self.device_type, self.policy.hop_timeout)
         self._epoch = -1  # no coordinator notice concerns a group of one
         self.quorum = Quorum(quorum.step, -1, (self.replica_id,), (self.client.incarnation,))
@@ -214,7 +225,7 @@ class ElasticLayer:
         optimizer's heal sets :attr:`last` to the step it was healed after). ``QuorumLost`` when the job stopped
         meanwhile; :class:`~hsdp.engine.replicate.elastic.client.JobCompleted` when it ended."""
         try:
-            step = rejoin(self.client, self.degree)
+            step = rejoin(self.client, self.ranks)
         except ValueError as e:
             raise QuorumLost(f"hsdp elastic: replica {self.replica_id}, dropped by the coordinator, could not "
                              f"rejoin: {e}") from None
