@@ -163,8 +163,9 @@ class HSDPState:
             if not self._in_forward:
                 self._repair_torn_step()
                 self._in_forward = True
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() and self.replica_sync is None:
                     # A training step (not an evaluation or a sample): elastic's coordinator gathers its quorum now.
+                    # (Under DiLoCo the inner steps cross no replicas: the sync is the transaction, outer_step.py.)
                     self.mesh.replicas.begin_step()
                     if self.mesh.replicas.transactional:  # the step may be discarded: so must its residuals be
                         self.hop_snapshot = snapshot_hops(self.units)

@@ -125,6 +125,12 @@ class ElasticLayer:
     def interrupt(self) -> Callable[[], str] | None:
         return self.interrupted
 
+    @property
+    def step_open(self) -> bool:
+        """This step's quorum was awaited and :meth:`finish_step` has not moved on yet (a joiner right after
+        :meth:`attach` is inside the members' current step: under DiLoCo, their sync)."""
+        return self.quorum is not None and self.quorum.step == self.step
+
     # -- lifecycle (layer.py) --------------------------------------------------------------------------------
     def await_step(self) -> None:
         self.await_quorum()
