@@ -149,7 +149,9 @@ def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
     (["parallel.replica_hop=int8", *DILOCO], "set parallel.replica_hop = 'fp32'"),
     (["parallel.shard_optimizer_across_replicas=true", *DILOCO], "set parallel.shard_optimizer_across_replicas = "
                                                                  "false"),
-    (["parallel.elastic=true", *DILOCO], "parallel.elastic = True: does not combine with parallel.replica_sync"),
+    (["parallel.elastic=true", "parallel.diloco_fragments=2", *DILOCO], "parallel.diloco_fragments = 2: Streaming "
+                                                                        "DiLoCo with parallel.elastic = true"),
+    (["parallel.elastic=true", "parallel.diloco_delay=1", *DILOCO], "parallel.diloco_delay = 1: Streaming DiLoCo"),
     (["parallel.diloco_every=0", *DILOCO], "parallel.diloco_every = 0: the inner steps between syncs"),
     (["parallel.diloco_outer_lr=0", *DILOCO], "parallel.diloco_outer_lr = 0.0: must be positive"),
     (["parallel.diloco_outer_momentum=1", *DILOCO], "parallel.diloco_outer_momentum = 1.0: must lie in [0, 1)"),
@@ -177,6 +179,9 @@ def test_the_defaults_and_the_options_are_read(tmp_path: Path, monkeypatch: pyte
                                 "parallel.diloco_outer_momentum=0", "parallel.diloco_wire_dtype=bf16"]).parallel
     assert (par.replica_sync, par.diloco_every, par.diloco_outer_lr, par.diloco_outer_momentum,
             par.diloco_wire_dtype) == ("diloco", 5, 0.5, 0.0, "bf16")
+    par = resolve_config(None, ["parallel.elastic=true", "parallel.replica_sync=diloco", "parallel.diloco_every=4"]
+                         ).parallel  # an elastic DiLoCo job (tests/test_elastic_diloco.py)
+    assert (par.elastic, par.replica_sync, par.diloco_every) == (True, "diloco", 4)
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
 

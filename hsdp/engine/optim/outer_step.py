@@ -10,9 +10,11 @@ the replicate group in the wire dtype, asynchronously ([Note: pieces and weights
 steps (torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
 state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a plain
 copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the same code
-path. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the syncs in flight and
-keeps their means and steps left, so they land at the same steps after a resume (``outer_checkpoint.py``, [Note:
-syncs in flight]).
+path. With ``delay=0`` a sync's start and landing are one transaction of the replicate layer
+(``outer_transaction.py``: on an elastic mesh the replicas present at the sync, a failed all-reduce redone among
+the survivors, a joiner healed at the boundary and weighing 0). Padding rows are zero on every replica, so they
+stay zero. A checkpoint waits for the syncs in flight and keeps their means and steps left, so they land at the
+same steps after a resume (``outer_checkpoint.py``, [Note: syncs in flight]).
 
 [Note: loads after the optimizer] torch lets the optimizer be built before the weights are loaded
 (``model.load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``, a model-only ``hsdp.load_checkpoint``,
@@ -186,7 +188,6 @@ class OuterState:
         """Global copy := the model's current weights, phase 0, a fresh outer optimizer state (its momentum), no
         sync in flight: what loading weights without DiLoCo's own state means (``outer_checkpoint.py``)."""
         self.drop_pending()
-        self.carried = {}
         for unit, flat in zip(self.units, self.global_copy, strict=True):
             flat.copy_(unit.sharded_flat)
         self.outer.state.clear()
@@ -196,9 +197,10 @@ class OuterState:
         self.mark_written()
 
     def drop_pending(self) -> None:
-        """Forget the syncs in flight (waiting for their all-reduces first: every rank started them)."""
+        """Forget the syncs in flight (waiting for their all-reduces first: every rank started them) and the
+        weights they carried."""
         self.settle()
-        self.pending = []
+        self.pending, self.carried = [], {}
 
     def compared_shards(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         """Each of ``params``' chunk of the global copy, shaped like its local shard: what every replica holds

@@ -80,7 +80,7 @@ def heal_outer(outer: OuterState, comm: Comm, source: int, sending: bool, joinin
     state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
     outer.outer.load_state_dict(state["outer"])
     outer.inner_steps = state["phase"]
-    outer.pending, outer.carried = [], {}
+    outer.pending, outer.carried = [], {}  # (none in flight on an elastic mesh: delay 0)
     for unit in outer.units:
         unit.phase_weight.zero_()
         unit.phase_weighted = False

@@ -115,7 +115,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
         "tests/test_hetero_mesh.py::test_a_bf16_hop_keeps_the_replicas_identical_and_the_training_within_bf16_of_one_"
         "process"),
     (F.HETEROGENEOUS, F.BATCH_WEIGHTS): _supported("tests/test_hetero_mesh.py::test_training_matches_one_process"),
-    (F.ELASTIC, F.DILOCO): _refused("a sync is not a transaction over the replicas present yet", _DILOCO_TEST),
+    (F.ELASTIC, F.DILOCO): _supported(
+        "tests/test_elastic_diloco.py::test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members"),
     (F.ELASTIC, F.TENSOR_PARALLEL): _refused("an elastic replica is one torchrun job sharded over its ranks",
                                              _ELASTIC_CONFIG_TEST),
     (F.ELASTIC, F.SLICED_OPTIMIZER): _refused("a dead replica would take its slice of the optimizer state with it",
