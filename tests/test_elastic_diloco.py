@@ -63,6 +63,7 @@ def test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members(run: tuple[
         assert re.search(rf"\[coordinator\] .*replica {victim} left", output), output[-6000:]
         assert re.search(rf"\[coordinator\] .*replica {victim} rejoined \(incarnation 2, healed from replica 0\)",
                          output), output[-6000:]
+    assert len(re.findall(r"\[coordinator\] .*step \d+ discarded", output)) == 1, output[-6000:]  # the failed sync
     logs = _logs(out)
     survivor = [r for r in logs[(0, 0)][0] if "step" in r]
     syncs = {r["step"]: r["replicas"] for r in survivor if r["synced"]}

@@ -60,8 +60,11 @@ def join_open_sync(outer: OuterState) -> None:
     if not outer.model.mesh.replicas.step_open:
         return
     policy = outer.policy
-    fragment = next(f for f in range(policy.fragments) if policy.offset(f) == outer.inner_steps)
-    transact_sync(outer, fragment)
+    # The fragment the members sync at the healed phase (an elastic mesh has one; mid-phase: sync_replicas's).
+    due = [f for f in range(policy.fragments) if policy.offset(f) == outer.inner_steps] or [policy.fragments - 1]
+    transact_sync(outer, due[0])
+    if policy.fragments == 1:  # a whole-model sync leaves the phase at 0 (sync_replicas's too, mid-phase)
+        outer.inner_steps = 0
     outer.mark_written()
 
 

@@ -13,6 +13,9 @@ overlapped with the forward and the backward's first units), rebuilding the grou
 when the members changed; :meth:`finish_step` votes and returns whether every member's reduction completed,
 in which case, and only then, the optimizer applies the step everywhere.
 
+Under DiLoCo the same lifecycle runs around each sync instead (``optim/outer_transaction.py``): the coordinator's
+steps are then sync attempts, and a replica joins at a sync boundary.
+
 A live replica can be dropped too (a rank's heartbeat starved past the coordinator's timeout): the quorum it
 reads lacks it, so its step runs alone and is discarded, and :meth:`finish_step` registers it again, waits for
 admission and heals it from a live member, like a replica torchrun restarted, within the same process.
