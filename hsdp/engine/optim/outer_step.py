@@ -135,7 +135,7 @@ class PendingSync:
             self.reduced = [s if s.dtype == torch.float32 else s.float() for s in self.sent]
             if self.weighted:
                 # Nobody contributed (an elastic job's start: every replica weighs 0): no outer update at all.
-                self.empty = all(float(r[-1]) == 0 for r in self.reduced)
+                self.empty = bool(torch.stack([r[-1] for r in self.reduced]).eq(0).all())  # one host read
                 # A unit no backward reached on any replica weighs 0 (and moved by weight decay alone): keep it.
                 self.reduced = [r[:-1].div_(r[-1].clamp_min(torch.finfo(r.dtype).tiny)) for r in self.reduced]
             self.handles, self.sent = [], []
