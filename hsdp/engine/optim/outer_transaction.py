@@ -40,12 +40,12 @@ def transact_sync(outer: OuterState, fragment: int) -> None:
     layer = outer.model.mesh.replicas
     while True:
         layer.begin_step()
-        layer.await_step()  # the sync's members; joiners are healed here, before the all-reduce
         try:
+            layer.await_step()  # the sync's members; joiners are healed here (a member may die meanwhile)
             sync = outer._start(fragment)
             sync.settle()
-        except RuntimeError as e:
-            if not layer.step_failed(f"fragment {fragment}'s pseudo-gradient all-reduce: {type(e).__name__}: {e}"):
+        except RuntimeError as e:  # (the coordinator stopping the job raises again at finish_step)
+            if not layer.step_failed(f"fragment {fragment}'s sync: {type(e).__name__}: {e}"):
                 raise
             sync = None
         if layer.finish_step():
