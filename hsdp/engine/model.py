@@ -18,7 +18,7 @@ from hsdp.engine.replica_sync import DiLoCo, check_replica_sync
 from hsdp.engine.replicas import check_replica_shards
 from hsdp.engine.replicate.layer import StepRecord
 from hsdp.engine.runtime import batch_weight
-from hsdp.engine.runtime.buffers import comparable_buffers
+from hsdp.engine.runtime.buffers import comparable_buffers, updates_running_stats
 from hsdp.engine.runtime.dtensor import as_sharded
 from hsdp.engine.runtime.origin import check_origin, stamp
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -107,7 +107,8 @@ class ShardedModel(nn.Module):
             raise ValueError(f"ShardedModel wraps an nn.Module, got {type(module).__name__}")
         check_policies(mixed_precision, replica_hop)
         mesh = _resolve_mesh(sharding_degree, mesh)
-        hop = check_replica_sync(replica_sync, replica_hop, shard_optimizer_across_replicas, mesh)
+        buffers = updates_running_stats(module) if broadcast_buffers is None else broadcast_buffers
+        hop = check_replica_sync(replica_sync, replica_hop, shard_optimizer_across_replicas, mesh, buffers)
         options = UnitOptions(reshard_after_forward, mixed_precision or FULL_PRECISION, hop or AllReduceHop(),
                               broadcast_buffers, shard_optimizer_across_replicas)
         _attach(module, shard_module(module, mesh, wrap, options))
@@ -242,8 +243,14 @@ class ShardedModel(nn.Module):
     def last_step(self) -> StepRecord | None:
         """On an elastic mesh (``init_mesh(elastic=True)``), what the last ``optimizer.step()`` did: its step
         number, whether it was committed (applied on every member) or discarded, and the replica ids whose
-        gradients it averaged; after a joining replica's heal, the step it resumes after. ``None`` elsewhere."""
-        return self.mesh.replicas.last
+        gradients it averaged; after a joining replica's heal, the step it resumes after. ``None`` elsewhere.
+        Under DiLoCo an inner step crosses no replicas and is always applied: the record is the last inner step
+        (healed: the one the live member it was healed from took last), committed, and the replicas of the last
+        sync."""
+        last, outer = self.mesh.replicas.last, self._hsdp_state.outer
+        if last is None or outer is None:
+            return last
+        return StepRecord(outer.steps() - 1, True, last.replicas)
 
     def check_replicas(self) -> None:
         """Raise :class:`hsdp.engine.replicas.ReplicaDivergence` naming parameters whose shards differ across

@@ -101,9 +101,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object) -> object | None:
+def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object,
+                       buffers: bool = False) -> object | None:
     """The per-step hop for ``sync`` (``hsdp.engine.hops.NoHop`` under DiLoCo, else ``hop``), refusing what DiLoCo
-    does not combine with: before any collective."""
+    does not combine with: before any collective. ``buffers``: the model's buffers are broadcast every step
+    (running statistics)."""
     if sync is None:
         return hop
     if not isinstance(sync, DiLoCo):
@@ -115,6 +117,13 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object) ->
     if sliced and refused(Feature.DILOCO, Feature.SLICED_OPTIMIZER):
         raise ValueError("replica_sync=DiLoCo keeps a whole optimizer state per replica (each replica steps on its "
                          "own): turn shard_optimizer_across_replicas off")
-    if getattr(mesh, "elastic", None) is not None and refused(Feature.DILOCO, Feature.ELASTIC):
-        raise ValueError("replica_sync=DiLoCo on an elastic mesh is not supported yet: use one or the other")
+    if getattr(mesh, "elastic", None) is not None:
+        # An elastic sync is a transaction of the replicas present (optim/outer_transaction.py); what is not built:
+        if sync.fragments > 1 or sync.delay > 0:
+            raise ValueError(f"Streaming DiLoCo (fragments={sync.fragments}, delay={sync.delay}) on an elastic "
+                             f"mesh is not supported yet: use DiLoCo(fragments=1, delay=0) there")
+        if buffers:
+            raise ValueError("replica_sync=DiLoCo on an elastic mesh with buffers broadcast every step (running "
+                             "statistics: BatchNorm) is not supported yet: pass broadcast_buffers=False, or use a "
+                             "model without running statistics (LayerNorm)")
     return NoHop()

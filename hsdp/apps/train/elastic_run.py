@@ -41,7 +41,7 @@ import collections
 import json
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hsdp.apps.train.config import RunConfig
@@ -54,6 +54,7 @@ from hsdp.engine.agreement import on_rank0
 from hsdp.engine.replicate.elastic.bootstrap import elastic_env
 from hsdp.engine.replicate.elastic.layer import ElasticLayer
 from hsdp.engine.replicate.elastic.protocol import key
+from hsdp.engine.replicate.layer import StepRecord
 
 QUORUM_LOST_EXIT_STATUS = 3  # as `hsdp coordinator` exits when it stopped a job below its minimum of replicas
 ELASTIC_FIELDS = (*FIELDS, "committed", "replicas", "global_batch", "writer")  # metrics.csv's columns
@@ -157,10 +158,11 @@ class ElasticWriter:
     weights the replicas' shares differ), ``block_size`` the tokens per sequence."""
 
     def __init__(self, cfg: RunConfig, run: RunDir, channel: RankChannel, sequences: Sequence[int],
-                 block_size: int) -> None:
+                 block_size: int, last_step: Callable[[], StepRecord | None]) -> None:
         layer = channel.mesh.elastic
         assert layer is not None
         self.cfg, self.run, self.channel, self.layer = cfg, run, channel, layer
+        self.last_step = last_step  # model.last_step (under DiLoCo: the inner step, the last sync's replicas)
         self.sequences, self.block_size = sequences, block_size
         self.writing = False
         self.quorum_lost = ""
@@ -179,7 +181,7 @@ class ElasticWriter:
     def annotate(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
         """``record`` of train step ``step`` with what the coordinator decided (``model.last_step``): committed,
         members, the batch really averaged; decides :attr:`writing` for the step."""
-        last = self.layer.last
+        last = self.last_step()
         if last is not None and self.replica_id not in last.replicas and last.step > step - 1:
             # The library rejoined a live replica the coordinator dropped, healed to step last.step; this loop
             # counts train steps itself and cannot skip ahead yet: end, so torchrun restarts it (it rejoins).

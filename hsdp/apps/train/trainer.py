@@ -135,8 +135,8 @@ class Trainer:
         self.profiler = self._profiler()
         self.writer: MetricsWriter | None = None  # rank 0's metric files, opened by train()
         # Elastic: which replica writes the run directory at each step, and its files.
-        self.pen = ElasticWriter(cfg, self.run, self.channel, self._replica_sequences(),
-                                 self.shape.block_size) if self.mesh.elastic else None
+        self.pen = ElasticWriter(cfg, self.run, self.channel, self._replica_sequences(), self.shape.block_size,
+                                 lambda: self.model.last_step) if self.mesh.elastic else None
         self.result = LoopResult(batch=self._batch_info(), mean_bytes=is_diloco(cfg.parallel))
 
     # -- construction ---------------------------------------------------------------------------------------
@@ -203,8 +203,9 @@ class Trainer:
 
     def _resume(self) -> tuple[int, str]:
         """``(step, checkpoint directory)`` to continue from; ``(0, "")`` for a fresh start."""
-        if self.mesh.elastic is not None:  # healed at the optimizer: the next elastic step is the next train step - 1
-            return self.mesh.elastic.step, ""
+        if self.mesh.elastic is not None:  # healed at the optimizer: go on after the step it was healed to
+            last = self.model.last_step  # None: the job's first replica (under DiLoCo, the last inner step)
+            return (0 if last is None else last.step + 1), ""
         if not self.cfg.train.resume:
             return 0, ""
         return resume.resume(self.run, self.model, self.optimizer, self.channel)

@@ -3,8 +3,10 @@
 A joining replica's rank receives, from the same shard rank of the quorum's ``source`` replica, over the new
 epoch's replicate group: every unit's flat shard (the parameters), the buffers, the optimizer's state of its
 shards and its param groups' hyperparameters (a scheduled learning rate included), and hsdp's step counters. No
-checkpoint is read; a stateful hop's residuals start from zero (``runtime/hop_transaction.py``). The other
-members take part in the same broadcasts (their values are already equal). The heal runs where the step's
+checkpoint is read; a stateful hop's residuals start from zero (``runtime/hop_transaction.py``). Under DiLoCo
+also the global copy, the outer optimizer's state and the phase (``outer_transaction.py``). The other members
+take part in the same broadcasts (their values are already equal, but for the weights of DiLoCo's members
+mid-phase, which they receive into scratch and drop). The heal runs where the step's
 quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first inter-node
 collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's LR
 scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from hsdp.engine.optim.outer_transaction import heal_outer
 from hsdp.engine.replicate.elastic.protocol import Quorum
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops
 
@@ -37,15 +40,20 @@ def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
     def heal(quorum: Quorum) -> None:
         assert quorum.source is not None
         source = quorum.index(quorum.source)
-        joining = layer.index in quorum.joiners
+        joining, sending = layer.index in quorum.joiners, layer.index == quorum.source
         comm = model.comm
+        outer = optimizer._hsdp_outer  # type: ignore[attr-defined]
         with torch.no_grad():
             for unit in model._hsdp_state.units:
                 if unit.params:
-                    comm.broadcast(unit.sharded_flat, source, "replicate")
+                    # Only a joiner takes the weights: under DiLoCo the other members' differ mid-phase.
+                    into = unit.sharded_flat if joining or sending else torch.empty_like(unit.sharded_flat)
+                    comm.broadcast(into, source, "replicate")
             model._hsdp_state.buffers.broadcast(lambda flat: comm.broadcast(flat, source, "replicate"))
-            payload = _optimizer_payload(optimizer) if layer.index == quorum.source else None
+            payload = _optimizer_payload(optimizer) if sending else None
             data = comm.broadcast_bytes(payload, source, "replicate")
+            if outer is not None:  # DiLoCo: the global copy, the outer state, the phase (outer_transaction.py)
+                heal_outer(outer, comm, source, sending, joining)
         if joining:
             _load_optimizer_payload(optimizer, data)
             reset_hops(model._hsdp_state.units)  # its own rounding errors: none yet (hop_transaction.py)

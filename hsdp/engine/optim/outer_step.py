@@ -11,9 +11,11 @@ quantised with error feedback and all-gathered, ``outer_wire.py``). ``delay`` in
 steps (torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
 state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a plain
 copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the same code
-path. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the syncs in flight and
-keeps their means and steps left, so they land at the same steps after a resume (``outer_checkpoint.py``, [Note:
-syncs in flight]).
+path. With ``delay=0`` a sync's start and landing are one transaction of the replicate layer
+(``outer_transaction.py``: on an elastic mesh the replicas present at the sync, a failed all-reduce redone among
+the survivors, a joiner healed at the boundary and weighing 0). Padding rows are zero on every replica, so they
+stay zero. A checkpoint waits for the syncs in flight and keeps their means and steps left, so they land at the
+same steps after a resume (``outer_checkpoint.py``, [Note: syncs in flight]).
 
 [Note: loads after the optimizer] torch lets the optimizer be built before the weights are loaded
 (``model.load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``, a model-only ``hsdp.load_checkpoint``,
@@ -48,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +59,7 @@ import torch.distributed as dist
 
 from hsdp.engine.collectives import Handle
 from hsdp.engine.hops import AllReduceHop
+from hsdp.engine.optim.outer_transaction import transact_sync
 from hsdp.engine.optim.outer_wire import wire_hop, wire_key
 from hsdp.engine.replica_sync import DiLoCo
 from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
@@ -124,6 +127,7 @@ class PendingSync:
     sent: list[torch.Tensor]  # the all-reduced buffers (in the wire dtype), one per unit of the fragment
     weighted: bool = False  # each buffer ends with its replica's weight ([Note: pieces and weights])
     reduced: list[torch.Tensor] = field(default_factory=list)  # fp32 means, once waited (see settle)
+    empty: bool = False  # weighted and every replica weighed 0: nothing to average (see settle)
 
     def settle(self) -> list[torch.Tensor]:
         """Wait for the all-reduces; the fp32 mean pseudo-gradients (weighted: divided by the mean weight)."""
@@ -132,6 +136,8 @@ class PendingSync:
                 handle.wait()
             self.reduced = [s if s.dtype == torch.float32 else s.float() for s in self.sent]
             if self.weighted:
+                # Nobody contributed (an elastic job's start: every replica weighs 0): no outer update at all.
+                self.empty = bool(torch.stack([r[-1] for r in self.reduced]).eq(0).all())  # one host read
                 # A unit no backward reached on any replica weighs 0 (and moved by weight decay alone): keep it.
                 self.reduced = [r[:-1].div_(r[-1].clamp_min(torch.finfo(r.dtype).tiny)) for r in self.reduced]
             self.handles, self.sent = [], []
@@ -141,8 +147,9 @@ class PendingSync:
 class OuterState:
     """The global copy, outer optimizer and in-flight fragment syncs of one model under DiLoCo."""
 
-    def __init__(self, model: ShardedModel, policy: DiLoCo) -> None:
+    def __init__(self, model: ShardedModel, policy: DiLoCo, steps: Callable[[], int] | None = None) -> None:
         self.model, self.policy = model, policy
+        self.steps = steps or (lambda: 0)  # inner steps applied so far (the optimizer's counter)
         self.units = [u for u in model._hsdp_state.units if u.params]
         if policy.fragments > len(self.units):
             raise ValueError(f"DiLoCo(fragments={policy.fragments}): the model has {len(self.units)} units with "
@@ -157,6 +164,9 @@ class OuterState:
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
+        # Per fragment whose sync started and has not landed: (weighted, each unit's phase weight), taken once,
+        # so a sync redone among the survivors (outer_transaction.py) sends the weights of the same phase.
+        self.carried: dict[int, tuple[bool, list[torch.Tensor]]] = {}
         self.last: SyncStep | None = None  # what the last inner step did (None before the first)
         self._seen = self._versions()  # see [Note: loads after the optimizer]
         model._hsdp_state.outer = self  # ShardedModel.check_replicas compares the global copy (compared_shards)
@@ -192,9 +202,10 @@ class OuterState:
         self.mark_written()
 
     def drop_pending(self) -> None:
-        """Forget the syncs in flight (waiting for their all-reduces first: every rank started them)."""
+        """Forget the syncs in flight (waiting for their all-reduces first: every rank started them) and the
+        weights they carried."""
         self.settle()
-        self.pending = []
+        self.pending, self.carried = [], {}
 
     def compared_shards(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         """Each of ``params``' chunk of the global copy, shaped like its local shard: what every replica holds
@@ -214,8 +225,13 @@ class OuterState:
             sync.left -= 1
         landed = self._land_due()
         started = [f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps]
-        self.pending.extend(self._start(fragment) for fragment in started)
-        landed += self._land_due()
+        if self.policy.delay == 0:  # started and landed at once: one transaction each (outer_transaction.py)
+            for fragment in started:
+                transact_sync(self, fragment)
+            landed += started
+        else:
+            self.pending.extend(self._start(fragment) for fragment in started)
+            landed += self._land_due()
         self.last = SyncStep(tuple(started), tuple(landed))
         self.mark_written()
         return bool(landed)
@@ -228,10 +244,9 @@ class OuterState:
             sync.left = 0
         landed = self._land_due()
         started = list(range(self.policy.fragments))
-        self.pending.extend(self._start(fragment) for fragment in started)
-        for sync in self.pending:
-            sync.left = 0
-        landed += self._land_due()
+        for fragment in started:  # one transaction each (outer_transaction.py)
+            transact_sync(self, fragment)
+        landed += started
         self.inner_steps = 0
         self.last = SyncStep(tuple(started), tuple(landed))
         self.mark_written()
@@ -241,15 +256,25 @@ class OuterState:
         for sync in self.pending:
             sync.settle()
 
+    def _weights(self, fragment: int) -> tuple[bool, list[torch.Tensor]]:
+        """Whether the fragment's sync sends weights, and each unit's phase weight: taken at the sync's first
+        start, kept until it lands. Where the layer can discard a sync (elastic) the weights always travel, so a
+        replica whose inner steps do not count (a joiner, healed at the sync) weighs 0 and the survivors' redo
+        sends the same."""
+        if fragment not in self.carried:
+            units = self.fragment_units(fragment)
+            weighted = any(u.phase_weighted for u in units) or self.model.mesh.replicas.transactional
+            self.carried[fragment] = (weighted, [_take_weight(unit) for unit in units])
+        return self.carried[fragment]
+
     @torch.no_grad()
     def _start(self, fragment: int) -> PendingSync:
         wire = self.policy.wire_dtype
         units = self.fragment_units(fragment)
-        weighted = any(u.phase_weighted for u in units)
+        weighted, weights = self._weights(fragment)
         handles, sent = [], []
-        for i, unit in zip(self.fragments[fragment], units, strict=True):
+        for i, unit, weight in zip(self.fragments[fragment], units, weights, strict=True):
             delta = self.global_copy[i] - unit.sharded_flat.float()
-            weight = _take_weight(unit)
             if weighted:  # [Note: pieces and weights]
                 delta = torch.cat([delta.mul_(weight), weight.to(delta.dtype).reshape(1)])
             buffer = delta if wire is None or self.wire is not None else delta.to(wire)  # int8: the hop's
@@ -287,10 +312,13 @@ class OuterState:
     @torch.no_grad()
     def _land(self, sync: PendingSync) -> None:
         indices = self.fragments[sync.fragment]
-        for i, mean in zip(indices, sync.settle(), strict=True):
-            self.global_copy[i].grad = mean
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
+        means = sync.settle()
+        self.carried.pop(sync.fragment, None)
+        if not sync.empty:
+            for i, mean in zip(indices, means, strict=True):
+                self.global_copy[i].grad = mean
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
         mix = self.policy.mix
         for i in indices:
             local, global_copy = self.units[i].sharded_flat, self.global_copy[i]

@@ -20,6 +20,7 @@ from hsdp.engine.optim.elastic_heal import attach_heal, finish_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.optim.outer_step import OuterState, SyncStep
+from hsdp.engine.optim.outer_transaction import join_open_sync
 from hsdp.engine.optim.piece_slice_state import is_piece_sliced, piece_slice_state, piece_sliced_tensor
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
@@ -86,9 +87,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         object.__setattr__(optimizer, "_hsdp_unverified", views is None and _sharded_step(optimizer) is None)
         optimizer._patch_step_function()  # step hooks, as torch.optim.Optimizer.__init__ would install
         install_named_state_dict(optimizer, ShardedOptimizer.named_state_dict)  # see dcp_state_dict.py
-        attach_heal(model, optimizer)  # elastic: a joining replica is healed here, before its first forward
         sync = model._hsdp_state.replica_sync
-        object.__setattr__(optimizer, "_hsdp_outer", None if sync is None else OuterState(model, sync))
+        outer = None if sync is None else OuterState(model, sync, lambda: optimizer._hsdp_steps)
+        object.__setattr__(optimizer, "_hsdp_outer", outer)
+        attach_heal(model, optimizer)  # elastic: a joining replica is healed here, before its first forward
+        if outer is not None:
+            join_open_sync(outer)  # elastic: healed at the members' sync boundary, it takes part in that sync
         return optimizer  # type: ignore[return-value]
 
     @property
@@ -113,7 +117,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if outer is not None:
                 outer.mark_written()
             return result
-        if not finish_step(self._hsdp_model):
+        # Under DiLoCo an inner step crosses no replicas: no transaction (the sync is one, outer_transaction.py).
+        if outer is None and not finish_step(self._hsdp_model):
             return None  # discarded on every member (elastic_heal.py): nothing is applied anywhere
         result = self._inner_step(closure)
         self._hsdp_steps += 1

@@ -116,7 +116,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
         "tests/test_hetero_mesh.py::test_a_bf16_hop_keeps_the_replicas_identical_and_the_training_within_bf16_of_one_"
         "process"),
     (F.HETEROGENEOUS, F.BATCH_WEIGHTS): _supported("tests/test_hetero_mesh.py::test_training_matches_one_process"),
-    (F.ELASTIC, F.DILOCO): _refused("a sync is not a transaction over the replicas present yet", _DILOCO_TEST),
+    (F.ELASTIC, F.DILOCO): _supported(
+        "tests/test_elastic_diloco.py::test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members"),
     (F.ELASTIC, F.TENSOR_PARALLEL): _supported(
         "tests/test_elastic.py::test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer",
         "tests/test_elastic.py::test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart",

@@ -153,6 +153,10 @@ class FixedLayer:
     def last(self) -> StepRecord | None:
         return None
 
+    @property
+    def step_open(self) -> bool:
+        return False  # no step is awaited: nothing to join
+
     def interrupt(self) -> Callable[[], str] | None:
         return None  # nothing tells a wait to give up: a lost peer is the fault watchdog's to report
 

@@ -26,6 +26,17 @@ the runtime on every mesh kind, with no ``if elastic`` branch in the caller:
     the optimizer's heal (state sent from a live member to joiners); elastic runs it whenever members join.
 ``close(finished)``
     the replica leaves (idempotent).
+``step_open``
+    whether a step's quorum was awaited and its ``finish_step`` is still to come: a replica that joined at
+    its ``ShardedOptimizer`` construction (``attach``) is inside the members' current step.
+
+Under DiLoCo (``replica_sync=``) the inner steps cross no replicas, so nothing runs this lifecycle per training
+step: the *sync* is the transaction (``optim/outer_transaction.py``). The outer step calls ``begin_step``,
+``await_step``, ``step_failed`` and ``finish_step`` around each sync's pseudo-gradient all-reduce, and lands
+the outer update only when ``finish_step`` says so; an elastic layer's step counter then counts sync attempts
+(a discarded sync is redone among the survivors as the next one), and a replica joining is healed at the sync
+boundary (the heal runs before the sync's all-reduce, in which the joiner's pseudo-gradient weighs 0). On a
+fixed layer these calls are no-ops and the sync runs once, as always.
 
 ``last`` is what the last optimizer step did across replicas (:class:`StepRecord`; ``None`` on a fixed layer,
 where every step is applied by every replica).
@@ -100,6 +111,8 @@ class ReplicateLayer(Protocol):
     def replicate_group(self) -> dist.ProcessGroup | None: ...
     @property
     def last(self) -> StepRecord | None: ...
+    @property
+    def step_open(self) -> bool: ...
     def own_position_groups(self) -> list[Holders]: ...
     def group(self, holders: Holders) -> dist.ProcessGroup: ...
     def ensure_groups(self, tuples: Iterable[Holders]) -> None: ...

@@ -158,8 +158,10 @@ class HSDPState:
             if not self._in_forward:
                 self._repair_torn_step()
                 self._in_forward = True
-                if torch.is_grad_enabled():
-                    self.step.begin()  # a training step (not an evaluation or a sample): the replicas' too
+                if torch.is_grad_enabled() and self.replica_sync is None:
+                    # A training step (not an evaluation or a sample): the replicas' too. Under DiLoCo the inner
+                    # steps cross no replicas: the sync is the transaction (outer_transaction.py).
+                    self.step.begin()
                 self.buffers.pre_forward()
                 self._pre_seen, self._post_seen = [], []
             args, kwargs = unit.policy.cast_inputs(args, kwargs)

@@ -15,6 +15,9 @@ overlapped with the forward and the backward's first units), rebuilding the grou
 when the members changed; :meth:`finish_step` votes and returns whether every member's reduction completed,
 in which case, and only then, the optimizer applies the step everywhere.
 
+Under DiLoCo the same lifecycle runs around each sync instead (``optim/outer_transaction.py``): the coordinator's
+steps are then sync attempts, and a replica joins at a sync boundary.
+
 A live replica can be dropped too (a rank's heartbeat starved past the coordinator's timeout): the quorum it
 reads lacks it, so its step runs alone and is discarded, and :meth:`finish_step` registers it again, waits for
 admission and heals it from a live member, like a replica torchrun restarted, within the same process.
@@ -135,6 +138,12 @@ class ElasticLayer:
 
     def interrupt(self) -> Callable[[], str] | None:
         return self.interrupted
+
+    @property
+    def step_open(self) -> bool:
+        """This step's quorum was awaited and :meth:`finish_step` has not moved on yet (a joiner right after
+        :meth:`attach` is inside the members' current step: under DiLoCo, their sync)."""
+        return self.quorum is not None and self.quorum.step == self.step
 
     # -- lifecycle (layer.py) --------------------------------------------------------------------------------
     def await_step(self) -> None:

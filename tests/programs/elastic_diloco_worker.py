@@ -1,0 +1,116 @@
+"""One rank of one replica of an elastic DiLoCo job (tests/test_elastic_diloco.py runs it under ``hsdp launch
+--elastic``).
+
+Environment: what torchrun and ``hsdp launch --elastic`` give a rank, and ``ELASTIC_OUT`` (a folder). Three
+replicas train the same tiny model, inner AdamW, syncing every ``EVERY`` inner steps through an outer Nesterov SGD
+(``hsdp.DiLoCo``); at inner step k, replica r's rank s reads batch ``(k, 3 r + s)``. Two faults, each in a
+replica's first incarnation (torchrun restarts it, and it rejoins at a sync boundary):
+
+- mid-phase: replica ``2``'s ranks SIGKILL themselves in the backward of inner step ``MID_PHASE_STEP``;
+- mid-sync: once replica 2 is back (a sync with all three more than a phase after that step), replica ``1``'s
+  ranks SIGKILL themselves at the next sync, just before their pseudo-gradient all-reduce: the others' all-reduce
+  fails and they redo that sync among themselves.
+
+Each rank logs to ``<out>/r<replica>_s<rank>_i<pid>.jsonl``: ``{"joined": k}`` once its optimizer exists (k: the
+inner step it goes on at, after the heal), then per inner step its loss, whether a sync landed after it and the
+sync's replicas (``model.last_step``). The run stops after two consecutive syncs of all three replicas following a
+sync without replica 1 (a restarted replica 1 counts its own join as one), then checks replicas (the global copy)
+and saves the full parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import hsdp
+from hsdp.engine.optim import outer_step
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import ParityNet, batch, loss_fn
+
+REPLICAS, EVERY, MID_PHASE_STEP = 3, 3, 4
+MAX_STEPS = 600  # a safety bound
+PACE_S = 0.05  # a pause per step: survivors leave the CPUs to a restart (2 cores in CI)
+POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
+                            join_timeout=120.0)
+SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out, replica = os.environ["ELASTIC_OUT"], int(os.environ["HSDP_REPLICA_ID"])
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    mesh = hsdp.init_mesh(elastic=POLICY, fault_policy=hsdp.FaultPolicy(timeout=8, interval=0.5))
+    rank = mesh.shard_rank
+    log = open(os.path.join(out, f"r{replica}_s{rank}_i{os.getpid()}.jsonl"), "w")  # noqa: SIM115
+
+    def fault(kind: str) -> None:
+        log.write(json.dumps({"fault": kind, "t": time.time()}) + "\n")
+        log.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    armed = {"mid-sync": False}
+    start = outer_step.OuterState._start
+
+    def start_or_die(self: outer_step.OuterState, fragment: int) -> outer_step.PendingSync:
+        if armed["mid-sync"]:
+            fault("mid-sync")
+        return start(self, fragment)
+
+    if replica == 1 and first:
+        outer_step.OuterState._start = start_or_die  # type: ignore[method-assign]
+
+    torch.manual_seed(replica)  # replicas start different: the first sync's heal makes them all replica 0
+    model = hsdp.ShardedModel(ParityNet(), mesh=mesh, replica_sync=SYNC)
+    opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step = model.last_step.step + 1
+    log.write(json.dumps({"joined": step, "replicas": list(model.last_step.replicas), "t": time.time()}) + "\n")
+    log.flush()
+    step_now = {"k": step}
+
+    def die(*_: object) -> None:
+        if replica == 2 and first and step_now["k"] == MID_PHASE_STEP:
+            fault("mid-phase")
+
+    model.blocks[1].register_full_backward_pre_hook(die)
+    # A restarted replica 1 came back after the mid-sync fault: its join is a sync of all three after it.
+    after = not first and replica == 1
+    together = 1 if after and len(model.last_step.replicas) == REPLICAS else 0
+    while step < MAX_STEPS:
+        step_now["k"] = step
+        x, y = batch(step, REPLICAS * replica + rank)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(PACE_S)
+        last, synced = model.last_step, bool(opt.last_sync.landed)
+        log.write(json.dumps({"step": last.step, "loss": loss.item(), "synced": synced,
+                              "replicas": list(last.replicas), "t": time.time()}) + "\n")
+        log.flush()
+        step = last.step + 1
+        if not synced:
+            continue
+        everyone = len(last.replicas) == REPLICAS
+        if 1 not in last.replicas:
+            after = True
+        together = together + 1 if after and everyone else 0
+        if replica == 1 and everyone and last.step > MID_PHASE_STEP + EVERY:
+            armed["mid-sync"] = True  # replica 2 is back: die at the next sync
+        if together >= 2:
+            break
+    model.check_replicas()
+    torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},
+               os.path.join(out, f"params_r{replica}_s{rank}.pt"))
+    log.write(json.dumps({"done": step}) + "\n")
+    log.close()
+
+
+if __name__ == "__main__":
+    main()
