@@ -39,6 +39,9 @@ def transact_sync(outer: OuterState, fragment: int) -> None:
     the survivors until the layer commits it."""
     layer = outer.model.mesh.replicas
     while True:
+        # The int8 wire's residuals before this attempt (its hop replaces them, never writes into them): a redo
+        # must send the same error-compensated values, not fold the failed attempt's rounding in twice.
+        residuals = dict(outer.wire.residuals) if outer.wire is not None else None
         layer.begin_step()
         try:
             layer.await_step()  # the sync's members; joiners are healed here (a member may die meanwhile)
@@ -52,6 +55,8 @@ def transact_sync(outer: OuterState, fragment: int) -> None:
             assert sync is not None, "a sync whose all-reduce failed here was committed (an hsdp bug)"
             outer._land(sync)
             return
+        if residuals is not None:
+            outer.wire.residuals = residuals
 
 
 def join_open_sync(outer: OuterState) -> None:
@@ -84,6 +89,8 @@ def heal_outer(outer: OuterState, comm: Comm, source: int, sending: bool, joinin
     outer.outer.load_state_dict(state["outer"])
     outer.inner_steps = state["phase"]
     outer.pending, outer.carried = [], {}  # (none in flight on an elastic mesh: delay 0)
+    if outer.wire is not None:  # the int8 wire's rounding error of syncs it never sent is not its own
+        outer.wire.residuals = {}
     for unit in outer.units:
         unit.phase_weight.zero_()
         unit.phase_weighted = False
