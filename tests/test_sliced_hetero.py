@@ -90,12 +90,11 @@ def _build(mesh: hsdp.HSDPMesh, sliced: bool = True, optimizer: object = _adamw,
 
 
 def _clip(model: hsdp.ShardedModel) -> None:
-    """hsdp's clip with the option (torch's would see each rank's slice as its chunk); torch's without it (hsdp's
-    sums each replica's norm over its own shard group, a rounding apart between degrees)."""
-    if model.shards_optimizer_across_replicas:
-        hsdp.clip_grad_norm_(model, MAX_NORM)
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    """hsdp's clip, with the option or without (torch's would see each rank's slice as its chunk). Without it, it
+    is also the regression check of the norm's agreement across degrees: each replica sums its squares over its own
+    shard group, a rounding apart, and without ``clip._agree`` this model's unsliced replicas drift apart within
+    three steps (``_full``'s ``check_replicas`` raises)."""
+    hsdp.clip_grad_norm_(model, MAX_NORM)
 
 
 def _steps(model: hsdp.ShardedModel, opt: hsdp.ShardedOptimizer, steps: range) -> None:

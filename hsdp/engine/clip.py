@@ -23,8 +23,9 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     Equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (tied parameters count once). A
     collective in the shard group only: after the backward, replicas hold identical gradient shards, so
     no inter-node bytes are spent; with ``shard_optimizer_across_replicas`` each rank holds a 1/(R x S)
-    slice instead and the norm is reduced over the whole mesh (a few bytes across nodes). The norm is
-    returned on every rank.
+    slice instead and the norm is reduced over the whole mesh (a few bytes across nodes); on replicas of
+    different shard degrees one scalar more crosses nodes, so that every replica clips by the same norm to
+    the bit (their sums round differently). The norm is returned on every rank.
 
     Non-finite norm: ``"warn"`` clips nothing and warns; ``"skip"`` also drops every gradient (sets it to
     ``None``) so the next ``optimizer.step()`` changes nothing; ``"error"`` raises ``FloatingPointError``.
@@ -49,6 +50,8 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     grads = [g for g in (p.grad_local for p in counted if not _tp_split(p.layout)) if g is not None]
     with model.comm.phase("hsdp.clip_grad_norm_"):
         total = _total_norm(model, grads, split, float(norm_type), _norm_groups(model, sliced))
+        if not model.mesh.replicas.regular and not sliced:
+            total = _agree(model, total)
     if on_nonfinite == "warn":
         model._hsdp_state.step_read.defer(total, _warn_if_nonfinite)
     elif not torch.isfinite(total):
@@ -105,6 +108,15 @@ def _total_norm(model: ShardedModel, grads: list[torch.Tensor], split: list[torc
         comm.all_reduce(tp_part, "tp", op=dist.ReduceOp.SUM, label="grad norm")
         return (sums[0] + tp_part[0]) ** (1.0 / p)
     return (sums[0] + sums[1]) ** (1.0 / p)
+
+
+def _agree(model: ShardedModel, total: torch.Tensor) -> torch.Tensor:
+    """Replicas of different shard degrees sum the same squares in different orders, so their norms may differ
+    in the last bit, and so would their clipped gradients: the replicas would drift apart a rounding at a time
+    (``check_replicas`` reports it). One scalar's all-reduce (the largest) gives every replica the same norm."""
+    agreed = total.reshape(1).clone()
+    model.comm.all_reduce(agreed, "world", op=dist.ReduceOp.MAX, label="grad norm")
+    return agreed[0]
 
 
 def _handle_nonfinite(model: ShardedModel, total: torch.Tensor, on_nonfinite: NonFinite) -> None:
