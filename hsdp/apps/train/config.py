@@ -201,8 +201,9 @@ class ParallelConfig:
     layers over T adjacent ranks of a node (Megatron-style, with sequence parallel norms: :mod:`hsdp.tp_plans`) on
     an R x S x T mesh; the T ranks read the same batch (R x S data-parallel readers). T must divide
     ``nproc_per_node`` and ``sharding_degree`` x T fit in a node (``sharding_degree`` 0 then means
-    ``nproc_per_node`` / T); only for hsdp's GPT (``model.kind = "gpt"``), with a context divisible by T, the
-    ``fp32`` or ``bf16`` hop and without ``shard_optimizer_across_replicas``.
+    ``nproc_per_node`` / T); only for hsdp's GPT (``model.kind = "gpt"``), with a context divisible by T.
+    Which of these combine (elastic, DiLoCo, lists of degrees, the hops, the replica-sharded optimizer, batch
+    weights) is the one table's: ``hsdp.engine.replicate.combinations``.
 
     Heterogeneous clusters: ``sharding_degree`` may be a list, one degree per replica in rank order
     (``[8, 4, 4]``: a replica of 8 ranks, then two of 4; their sum is the world), passed as it is to
