@@ -11,13 +11,11 @@ smaller degrees send a little more (DDP's ring crosses nodes over all ranks) and
 Breaking ties by memory alone would pick full sharding: the most traffic of all.
 
 Each layout with R > 1 is also estimated with the optimizer sharded across replicas
-(``shard_optimizer_across_replicas``: gradients and optimizer state / R, an all-gather across replicas in
-the parameter dtype after the step; with the int8 hop the reduce-scatter is an all-to-all of int8 blocks). The
-choice runs over both variants of every layout by the rules above, the plainer setting winning a tie of equal traffic.
-The table shows each layout with the option when it fits only with it or is more than the tie faster with
-it (and the recommended variant). So the option is recommended when it lets a faster layout fit (typically
-a smaller shard degree, whose traffic stays inside nodes) or makes one faster (the optimizer step covers
-1/R of the elements).
+(``shard_optimizer_across_replicas``: gradients and optimizer state / R, an all-gather across replicas in the
+parameter dtype after the step) and shown with it when it fits only so or is more than the tie faster (:func:`_use`):
+when it lets a faster layout fit (typically a smaller shard degree, whose traffic stays inside nodes) or makes one
+faster (the optimizer step covers 1/R of the elements). The choice runs over both variants of every layout by the
+rules above, the plainer setting winning a tie of equal traffic.
 
 With tensor parallelism (``tensor_parallel``: the TP degrees to consider, :mod:`hsdp.tools.planner.tensor_parallel`)
 the layouts are ``R x S x T``: every shard degree at ``T = 1``, and at ``T > 1`` (a divisor of the ranks per
@@ -110,15 +108,12 @@ def estimate_layout(model: ModelSpec, cluster: ClusterSpec, shard: int, options:
 SHARD_OPTIMIZER_MODES = ("auto", "on", "off")
 
 
-def _variants(options: TrainOptions, replicate: int, mode: str, tp: int = 1) -> list[TrainOptions]:
-    """The settings of ``shard_optimizer_across_replicas`` to estimate a layout with, plainest first. The
-    engine does not combine it with tensor parallelism yet: ``T > 1`` layouts are estimated without it."""
-    off = replace(options, shard_optimizer_across_replicas=False)
-    if mode == "off" or replicate == 1 or tp > 1:
+def _variants(options: TrainOptions, replicate: int, mode: str) -> list[TrainOptions]:
+    """The settings of ``shard_optimizer_across_replicas`` to estimate a layout with, plainest first."""
+    off, on = (replace(options, shard_optimizer_across_replicas=v) for v in (False, True))
+    if mode == "off" or replicate == 1:
         return [off]
-    if mode == "on":
-        return [replace(options, shard_optimizer_across_replicas=True)]
-    return [off, replace(options, shard_optimizer_across_replicas=True)]
+    return [on] if mode == "on" else [off, on]
 
 
 def _use(plain: LayoutEstimate, sliced: LayoutEstimate) -> LayoutEstimate:
@@ -170,7 +165,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, options: TrainOptions, pro
     others: list[LayoutEstimate] = []
     for d, t in _grid(cluster, chosen, tensor_parallel or (1,)):
         variants = [estimate_layout(model, cluster, d, v, profile, limit, t)
-                    for v in _variants(options, world // (d * t), mode, t)]
+                    for v in _variants(options, world // (d * t), mode)]
         pick = variants[0] if len(variants) == 1 else _use(*variants)
         used.append(pick)
         others += [v for v in variants if v is not pick]
