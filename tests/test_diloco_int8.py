@@ -18,12 +18,15 @@ The grid's path (each rank's padded flat shard quantised whole) is ``tests/test_
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 from harness import run_distributed
 from models import Block, ParityNet, loss_fn
+from reference import int8_roundtrip
+from reference import max_distance as _distance
 from test_diloco_compose import REPLICAS, _data
 from test_hetero_mesh import NODES
 from test_int8_compose import Net
@@ -31,6 +34,7 @@ from test_int8_compose import Net
 import hsdp
 
 INNER_LR, OUTER_LR, MOMENTUM, BLOCK, TOL = 0.3, 0.7, 0.9, 256, 1e-5
+_int8 = functools.partial(int8_roundtrip, block=BLOCK)  # the quantiser, written out (tests/reference.py)
 RUNS = {"int8": (dict(every=2), False, 6), "weighted": (dict(every=2), True, 6),
         "streaming": (dict(every=4, fragments=2, delay=1), True, 8)}  # policy, weighted, steps
 SAVE, END = 3, 6  # the resume: saved after step 3 (mid-phase, one sync's residuals held), trained on to step 6
@@ -126,16 +130,6 @@ def _worker(rank: int, world: int, folder: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_distributed(_worker, 3, str(tmp_path_factory.mktemp("diloco_int8")), timeout=240)
-
-
-def _int8(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 in blocks of ``BLOCK`` with one fp32 scale each, dequantised (written out, not the hop's)."""
-    n = x.numel()
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
-    padded[:n] = x
-    blocks = padded.view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    return (torch.round(blocks / scale[:, None]).clamp(-127, 127) * scale[:, None]).view(-1)[:n]
 
 
 def _rows(t: torch.Tensor, j: int) -> tuple[int, int, int]:
@@ -238,10 +232,6 @@ def _simulate(layout: dict, wire: str, every: int, weighted: bool, steps: int, f
         return [{n: p.detach().clone() for n, p in w.named_parameters()} for w in workers]
     finally:
         torch.set_num_threads(threads)
-
-
-def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
 @pytest.mark.parametrize("run", list(RUNS))

@@ -19,6 +19,7 @@ elastic launch itself is ``tests/test_elastic_buffers.py``.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from types import SimpleNamespace
@@ -28,6 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from harness import run_distributed
 from models import DIM, VOCAB, Block, batch, loss_fn
+from reference import int8_roundtrip
+from reference import max_distance as _distance
 from torch import nn
 
 import hsdp
@@ -35,6 +38,7 @@ from hsdp.engine.mesh import init_mesh
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops, snapshot_hops
 
 STEPS, LR, BLOCK, WIDE = 4, 0.5, 64, 256
+_int8 = functools.partial(int8_roundtrip, block=BLOCK)  # the quantiser, written out (tests/reference.py)
 NODES = {0: (0, 2), 1: (1, 2), 2: (0, 1)}  # rank -> (LOCAL_RANK, LOCAL_WORLD_SIZE): nodes of 2 and 1 ranks
 DEGREES, WORLD = (2, 1), 3
 
@@ -59,16 +63,6 @@ def _units(model: Net) -> list[list[str]]:
     """The parameter names of each unit's reduced slot, in slot order: the block's unit, then the root's."""
     return [[f"block.{n}" for n, _ in model.block.named_parameters()],
             ["embed.weight", "wide.weight", "wide.bias", "head.weight", "head.bias", "temperature"]]
-
-
-def _int8(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 in blocks of ``BLOCK`` with one fp32 scale each, dequantised."""
-    n = x.numel()
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
-    padded[:n] = x
-    blocks = padded.view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    return (torch.round(blocks / scale[:, None]).clamp(-127, 127) * scale[:, None]).view(-1)[:n]
 
 
 def _simulate(hop: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -183,11 +177,6 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     folder = str(tmp_path_factory.mktemp("int8"))
     out = run_distributed(_worker, WORLD, folder, timeout=120)
     return [{**r, "folder": folder} for r in out]
-
-
-def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest elementwise difference: what the 1e-5 tolerance bounds."""
-    return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
 def test_int8_hop_on_hetero_degrees_equals_the_simulated_error_feedback_mean(results: list[dict]) -> None:

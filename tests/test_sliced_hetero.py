@@ -29,6 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from harness import run_distributed
 from models import DIM, VOCAB, Block, ParityNet, batch, loss_fn
+from reference import int8_roundtrip
+from reference import max_distance as _distance
 from torch import nn
 
 import hsdp
@@ -173,22 +175,13 @@ class WideNet(nn.Module):
 
 
 INT8_LR, BLOCK = 0.5, 64
+_int8 = functools.partial(int8_roundtrip, block=BLOCK)  # the quantiser, written out (tests/reference.py)
 
 
 def _units(model: WideNet) -> list[list[str]]:
     """Each unit's parameters in slot order (a unit's module's own parameters first): the block's, the root's."""
     return [[f"block.{n}" for n, _ in model.block.named_parameters()],
             ["temperature", "embed.weight", "wide.weight", "wide.bias", "head.weight", "head.bias"]]
-
-
-def _int8(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 in blocks of ``BLOCK`` with one fp32 scale each, dequantised."""
-    n = x.numel()
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
-    padded[:n] = x
-    blocks = padded.view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    return (torch.round(blocks / scale[:, None]).clamp(-127, 127) * scale[:, None]).view(-1)[:n]
 
 
 def _part(rows: int, q: int) -> tuple[int, int, int]:
@@ -293,10 +286,6 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     folder = str(tmp_path_factory.mktemp("sliced_hetero"))
     out = run_distributed(_worker, WORLD, folder, timeout=120)
     return [{**r, "folder": folder} for r in out]
-
-
-def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
 @functools.cache  # pure: each test reads the same simulation

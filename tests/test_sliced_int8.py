@@ -27,12 +27,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from harness import run_distributed
 from models import DIM, VOCAB, Block, batch, loss_fn
+from reference import int8_roundtrip
+from reference import max_distance as _distance
 from torch import nn
 
 import hsdp
 from hsdp.engine.mesh import init_mesh
 
 STEPS, SAVE_AT, LR, BLOCK, WIDE = 4, 2, 0.5, 64, 256
+_int8 = functools.partial(int8_roundtrip, block=BLOCK)  # the quantiser, written out (tests/reference.py)
 S, R, WORLD = 2, 2, 4
 
 
@@ -57,16 +60,6 @@ def _units(model: Net) -> list[list[str]]:
     the block's unit, then the root's."""
     return [[f"block.{n}" for n, _ in model.block.named_parameters()],
             ["temperature", "embed.weight", "wide.weight", "wide.bias", "head.weight", "head.bias"]]
-
-
-def _int8(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 in blocks of ``BLOCK`` with one fp32 scale each, dequantised."""
-    n = x.numel()
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
-    padded[:n] = x
-    blocks = padded.view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    return (torch.round(blocks / scale[:, None]).clamp(-127, 127) * scale[:, None]).view(-1)[:n]
 
 
 def _slices(p: torch.Tensor, s: int) -> list[tuple[int, int, int]]:
@@ -213,11 +206,6 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     folder = str(tmp_path_factory.mktemp("int8_sliced"))
     out = run_distributed(_worker, WORLD, folder, timeout=120)
     return [{**r, "folder": folder} for r in out]
-
-
-def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest elementwise difference: what the 1e-5 tolerance bounds."""
-    return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
 def test_int8_reduce_scatter_equals_the_simulated_error_feedback_mean(results: list[dict]) -> None:

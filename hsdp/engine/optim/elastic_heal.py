@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from hsdp.engine.optim.outer_transaction import heal_outer
+from hsdp.engine.optim.outer_heal import heal_outer
 from hsdp.engine.replicate.elastic.protocol import Quorum
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops
 

@@ -227,7 +227,7 @@ class OuterState:
         started = [f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps]
         if self.policy.delay == 0:  # started and landed at once: one transaction each (outer_transaction.py)
             for fragment in started:
-                transact_sync(self, fragment)
+                self.transact(fragment)
             landed += started
         else:
             self.pending.extend(self._start(fragment) for fragment in started)
@@ -235,6 +235,16 @@ class OuterState:
         self.last = SyncStep(tuple(started), tuple(landed))
         self.mark_written()
         return bool(landed)
+
+    def transact(self, fragment: int) -> None:
+        """Start and land ``fragment``'s sync as one transaction of the replicate layer (``outer_transaction.py``:
+        redone among the survivors until committed; on a fixed layer, once)."""
+        def attempt() -> PendingSync:
+            sync = self._start(fragment)
+            sync.settle()
+            return sync
+
+        transact_sync(self.model.mesh.replicas, self.wire, attempt, self._land, f"fragment {fragment}'s sync")
 
     def sync_now(self) -> None:
         """Sync every fragment now: land the syncs in flight, then all-reduce and land every fragment's
@@ -245,7 +255,7 @@ class OuterState:
         landed = self._land_due()
         started = list(range(self.policy.fragments))
         for fragment in started:  # one transaction each (outer_transaction.py)
-            transact_sync(self, fragment)
+            self.transact(fragment)
         landed += started
         self.inner_steps = 0
         self.last = SyncStep(tuple(started), tuple(landed))

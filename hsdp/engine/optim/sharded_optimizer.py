@@ -19,8 +19,8 @@ from hsdp.engine.optim.dcp_state_dict import install_named_state_dict, is_state_
 from hsdp.engine.optim.elastic_heal import attach_heal, finish_step
 from hsdp.engine.optim.local_step import LocalViews, is_elementwise, local_step
 from hsdp.engine.optim.muon import muon_step
+from hsdp.engine.optim.outer_heal import join_open_sync
 from hsdp.engine.optim.outer_step import OuterState, SyncStep
-from hsdp.engine.optim.outer_transaction import join_open_sync
 from hsdp.engine.optim.piece_slice_state import is_piece_sliced, piece_slice_state, piece_sliced_tensor
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
