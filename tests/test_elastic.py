@@ -56,7 +56,10 @@ CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS},
          "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2", **TP},
          "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15"}}
 RUN_TIMEOUT_S = 300
-KILL_RECOVERY_S = 1.0  # a SIGKILL to the survivors' next committed step
+# A SIGKILL to the survivors' next committed step: 0.3-0.9 s on a quiet machine, 1.2 s measured once in a full
+# `make test` (the victim's restart imports torch on the same 2 cores meanwhile); without the liveness probe it
+# is the 4 s heartbeat timeout and more, so this bound still tells the two apart.
+KILL_RECOVERY_S = 2.0
 
 
 def _run(out: Path, case: dict[str, str]) -> str:
