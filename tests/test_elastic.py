@@ -56,9 +56,9 @@ CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS},
          "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2", **TP},
          "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15"}}
 RUN_TIMEOUT_S = 300
-# A SIGKILL to the survivors' next committed step: 0.3-0.9 s on a quiet machine, 1.2 s measured once in a full
-# `make test` (the victim's restart imports torch on the same 2 cores meanwhile); without the liveness probe it
-# is the 4 s heartbeat timeout and more, so this bound still tells the two apart.
+# A SIGKILL to the survivors' next committed step: under 1 s in three runs, 1.21 s once in a full `make test` (the
+# victim's restart imports torch on the same 2 cores meanwhile); without the liveness probe it is the 4 s heartbeat
+# timeout and more, so this bound still tells the two apart.
 KILL_RECOVERY_S = 2.0
 
 

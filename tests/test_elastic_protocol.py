@@ -257,6 +257,16 @@ def test_a_slow_replica_is_kept_and_a_stopped_one_is_left_to_the_heartbeat(
     assert not coord.state.gone
 
 
+def test_a_replica_that_finished_is_not_taken_for_dead_by_the_probe(patient: tuple[str, Coordinator]) -> None:
+    address, coord = patient
+    clients = _started(address, coord.job)
+    clients[2].close(finished=True)  # its training is done: its ports close as a dead one's would
+    clients[0].want(1)
+    clients[1].want(1)  # replica 2 is late for step 1: probed, refused, and found finished
+    assert clients[0].quorum(1).members == (0, 1)
+    assert (2, 1) in coord.state.finishers and not coord.state.gone
+
+
 class _Distant:
     """A coordinator's store 30 ms away: every call costs a round trip."""
 

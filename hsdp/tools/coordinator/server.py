@@ -196,8 +196,11 @@ class Coordinator:
         found = []
         for (inc, rank, _), verdict in zip(targets, probe([a for _, _, a in targets], PROBE_TIMEOUT_S)):
             if verdict == REFUSED and not inc.gone:
-                inc.gone = True
-                found.append(inc.replica)
+                # A rank that ended normally closed its port too: finished, not dead (its done/ key says so).
+                inc.done[rank] = self._get("done", inc.replica, inc.number, rank) is not None
+                if not inc.done[rank]:
+                    inc.gone = True
+                    found.append(inc.replica)
             elif verdict == SILENT:
                 inc.ports[rank] = None  # a vanished host or a slow route: no more probes, the heartbeat judges it
         return found
