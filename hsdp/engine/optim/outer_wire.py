@@ -30,7 +30,7 @@ import torch
 
 from hsdp.engine.hops import Int8ErrorFeedbackHop
 from hsdp.engine.replica_sync import DiLoCo
-from hsdp.engine.runtime.piece_hop import bucket_key, state_segments
+from hsdp.engine.runtime.piece_hop import bucket_key, flat_from_buckets, state_segments
 
 if TYPE_CHECKING:
     from hsdp.engine.runtime.piece_plan import PiecePlan
@@ -56,16 +56,7 @@ def residual_flat(hop: Int8ErrorFeedbackHop, unit: ShardUnit, plan: PiecePlan | 
     if plan is None:
         return hop.residuals.get(key)
     buckets = [(hop.residuals.get(bucket_key(key, holders)), segments) for holders, segments in state_segments(plan)]
-    if all(residual is None for residual, _ in buckets):
-        return None
-    flat = torch.zeros(unit.sharded_flat.numel(), device=unit.sharded_flat.device)
-    for residual, segments in buckets:
-        at = 0
-        for offset, numel in segments:
-            if residual is not None:
-                flat[offset: offset + numel] = residual[at: at + numel]
-            at += numel
-    return flat
+    return flat_from_buckets(buckets, unit.sharded_flat.numel(), unit.sharded_flat.device)
 
 
 def set_residual_flat(hop: Int8ErrorFeedbackHop, unit: ShardUnit, plan: PiecePlan | None,

@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.replicate.degrees import replica_starts
 from hsdp.engine.replicate.pieces import chunk_rows
-from hsdp.engine.runtime.piece_hop import bucket_key, state_segments
+from hsdp.engine.runtime.piece_hop import bucket_key, flat_from_buckets, state_segments
 from hsdp.engine.runtime.piece_plan import plan_pieces
 from hsdp.engine.runtime.piece_slice import PieceSliceLayout, bucket_width, buckets, pack_bucket, unpack_bucket
 from hsdp.engine.runtime.reduction import reduced_params, slot_offsets
@@ -188,17 +188,9 @@ def _piece_layouts(params: list[ShardedParam]) -> list[PieceSliceLayout]:
 def _slot_of_buckets(unit: ShardUnit, mesh: HSDPMesh, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """A heterogeneous mesh's bucket residuals of ``unit`` gathered into the slot layout; ``None`` before any."""
     buckets = [(state.get(bucket_key(unit.key, holders)), segments) for holders, segments in _unit_plan(unit, mesh)]
-    if all(residual is None for residual, _ in buckets):
-        return None
     params = reduced_params(unit)
-    flat = torch.zeros(slot_offsets(params)[-1] + params[-1].layout.padded_numel, device=unit.sharded_flat.device)
-    for residual, segments in buckets:
-        at = 0
-        for offset, numel in segments:
-            if residual is not None:
-                flat[offset: offset + numel] = residual[at: at + numel]
-            at += numel
-    return flat
+    return flat_from_buckets(buckets, slot_offsets(params)[-1] + params[-1].layout.padded_numel,
+                             unit.sharded_flat.device)
 
 
 def _buckets_of_slot(unit: ShardUnit, mesh: HSDPMesh, flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -38,6 +38,22 @@ def bucket_key(key: str, holders: tuple[int, ...]) -> str:
     return f"{key}@{','.join(map(str, holders))}"
 
 
+def flat_from_buckets(buckets: list[tuple[torch.Tensor | None, list[tuple[int, int]]]], numel: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """Per-bucket state laid out flat (``numel`` values): each bucket's values in order over its ``(offset,
+    numel)`` segments (:func:`state_segments`), zeros where a bucket has none; ``None`` when no bucket has any."""
+    if all(state is None for state, _ in buckets):
+        return None
+    flat = torch.zeros(numel, device=device)
+    for state, segments in buckets:
+        at = 0
+        for offset, n in segments:
+            if state is not None:
+                flat[offset: offset + n] = state[at: at + n]
+            at += n
+    return flat
+
+
 def state_segments(plan: PiecePlan) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
     """Per bucket, its holders and the slot segments of the elements a stateful hop keeps state for (all but the
     tail, which ends every bucket), in bucket order: how a bucket's residual maps onto the reduced slot."""
