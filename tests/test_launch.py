@@ -229,14 +229,6 @@ def test_without_ip_it_warns_and_runs_on_loopback(tmp_path: Path) -> None:
     assert run.stats is not None and run.stats["emulated"] is False and run.stats["nodes"] == []
 
 
-def test_no_emulation_runs_on_loopback_without_a_warning(tmp_path: Path) -> None:
-    run = _launch(tmp_path, ["--nodes", "2", "--no-emulation"], ["--numel", "1024", "--iters", "2"])
-    assert run.returncode == 0, run.output
-    assert "warning" not in run.output.lower() and "world=2 nodes=2" in run.output, run.output
-    assert run.stats is not None and run.stats["emulated"] is False
-    assert run.leftovers == []
-
-
 def test_require_emulation_turns_the_fallback_into_an_error(tmp_path: Path) -> None:
     empty = tmp_path / "bin"
     empty.mkdir()
