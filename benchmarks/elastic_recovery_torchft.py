@@ -123,7 +123,7 @@ def start_lighthouse(marker_env: str, marker: str, port: int, sink: IO[str], tim
 # ---------------------------------------------------------------------------------------------------------
 # One rank of a replica group (under torchrun, one job per node).
 # ---------------------------------------------------------------------------------------------------------
-def _node_address(toward: str) -> str:
+def node_address(toward: str) -> str:
     """This node's address on the route to ``toward`` (node 0): its link's address in a namespace, else the
     loopback's. A UDP connect sends nothing; it only picks the source address."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -173,7 +173,7 @@ def _state_fns(model: Any, opt: Any) -> tuple[Any, Any]:
     return state_dict, load_state_dict
 
 
-def _node_transport(host: str, timeout: timedelta) -> Any:
+def node_transport(host: str, timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport, advertising ``host`` rather than the machine's host name."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
@@ -234,7 +234,7 @@ def job(preset_name: str, out: Path, lighthouse_port: int, seed_of: Any) -> None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     params = [p for p in model.parameters() if p.requires_grad]
     state_dict, load_state_dict = _state_fns(model, opt)
-    host = _node_address(node0)
+    host = node_address(node0)
     _wait_reachable(node0, lighthouse_port, t["join_timeout"])
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=t["hop_timeout"])), load_state_dict=load_state_dict,
@@ -243,7 +243,7 @@ def job(preset_name: str, out: Path, lighthouse_port: int, seed_of: Any) -> None
         store_port=int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=t["hop_timeout"]),
         quorum_timeout=timedelta(seconds=t["join_timeout"]), connect_timeout=timedelta(seconds=t["connect_timeout"]),
         heartbeat_interval=timedelta(seconds=t["heartbeat_interval"]), init_sync=False,
-        checkpoint_transport=_node_transport(host, timedelta(seconds=t["hop_timeout"])))
+        checkpoint_transport=node_transport(host, timedelta(seconds=t["hop_timeout"])))
     log = open(out / f"steps_r{replica}.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     stop_file, stop_at = out / "stop", None
     while stop_at is None or manager.current_step() <= stop_at:

@@ -1,5 +1,6 @@
-"""``benchmarks/elastic_recovery.py``'s figures and table, on made-up step logs (no launch): both systems' ranks
-write the same records, and a run of several minutes per system would lose its numbers to a crash here."""
+"""The benchmarks that run torchft next to hsdp, their parts without a launch: ``elastic_recovery.py``'s figures
+and table on made-up step logs (both systems' ranks write the same records, and a run of several minutes per
+system would lose its numbers to a crash here), ``diloco_slow_links.py``'s fragments and torchft's limits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import diloco_slow_links as diloco  # noqa: E402
 import elastic_recovery as bench  # noqa: E402
 
 KILL_T, RECOVERY_S, REJOIN_S = 5.0, 3.0, 10.0
@@ -70,3 +72,21 @@ def test_table_has_a_column_per_system(tmp_path, monkeypatch):
     assert "| recovery: kill -> survivors' first committed step without it, median (s) | 3.0 | None |" in table
     assert "heartbeat 0.25 s, timeout 3 s" in table
     assert (tmp_path / "elastic_recovery_2026-12-04_t.json").exists()
+
+
+def test_torchft_fragments_partition_the_model_like_hsdp():
+    from hsdp.models.gpt import GPT, preset
+
+    model = GPT(preset("tiny"))
+    fragments = diloco.torchft_side._fragments(model, 3)
+    owned = [id(p) for f in fragments for p in f.parameters()]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())  # each once, the tied matrix too
+    assert model.tok_emb.weight in set(fragments[0].parameters())  # the root unit first, as hsdp orders them
+    # 5 units (the root, 20.6k parameters, and 4 blocks of 50k): cuts nearest thirds of 220.5k
+    assert [sum(p.numel() for p in f.parameters()) for f in fragments] == [70592, 99968, 49984]
+
+
+def test_torchft_streaming_limits():
+    assert diloco.torchft_streaming_problem(40, 4, 2) is None
+    assert "multiple of F" in diloco.torchft_streaming_problem(10, 4, 2)
+    assert "tau (2) < H / F (2)" in diloco.torchft_streaming_problem(8, 4, 2)
