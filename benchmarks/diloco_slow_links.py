@@ -11,6 +11,11 @@ last 5 % of the tokens held out). Three modes, the same seed, batches and token 
 - ``streaming``: the same with ``fragments=F, delay=tau``: a fragment (1/F of the model) syncs every H / F
   steps, its all-reduce overlapping the next tau steps' compute.
 
+With ``--systems hsdp,torchft`` (the default), torchft 0.2.0's DiLoCo and Streaming DiLoCo
+(``torchft.local_sgd.DiLoCo``, ``pip install -e .[peers]``) run too, as modes ``torchft-diloco`` and
+``torchft-streaming``: the same launch, model, batches, inner optimizer, H, outer optimizer, F, tau and alpha,
+FSDP2 inside each node (``diloco_slow_links_torchft.py`` says what differs: fp32 pseudo-gradients only).
+
 Each at two link rates (100 Mbit/s, 10 Gbit/s). Tokens/s = the global tokens of the measured steps (after
 ``--warmup``) / their wall time (the slowest rank's sum of step times; syncs included, evaluations excluded).
 The held-out loss (fixed windows, each replica all of them, the replicas' mean) is evaluated before training and
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -50,9 +56,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import diloco_slow_links_torchft as torchft_side
 from diloco_slow_links_report import RATES, stem_of, sweep_rows, write
 
 MODES = ("plain", "diloco", "streaming")
+SYSTEMS = ("hsdp", "torchft")
 # --wire: the pseudo-gradients' torch dtype (int8: quantised with error feedback, about a quarter of fp32's bytes).
 WIRES = {"fp32": None, "bf16": "bfloat16", "int8": "int8"}
 
@@ -135,7 +143,7 @@ def _job_args(args: argparse.Namespace, mode: str, steps: int) -> list[str]:
     outer = [] if mode == "plain" else ["--outer-lr", str(args.outer_lr), "--outer-momentum",
                                         str(args.outer_momentum), "--wire", args.wire]
     stream = ["--fragments", str(args.fragments), "--delay", str(args.delay), "--mix", str(args.mix)] \
-        if mode == "streaming" else []
+        if mode.endswith("streaming") else []
     return ["--job", "--mode", mode, "--steps", str(steps), "--every", str(args.every), "--preset", args.preset,
             "--batch", str(args.batch), "--block", str(args.block), "--lr", str(args.lr), "--seed", str(args.seed),
             "--eval-windows", str(args.eval_windows), "--corpus-bytes", str(args.corpus_bytes), *outer, *stream]
@@ -180,29 +188,58 @@ def _summarise(run: dict, short: dict, args: argparse.Namespace) -> dict:
             "command": run["command"]}
 
 
+def torchft_streaming_problem(every: int, fragments: int, delay: int) -> str | None:
+    """Why torchft 0.2.0's Streaming DiLoCo refuses these settings (``None``: it runs them): it syncs a
+    fragment every H / F steps exactly and must wait for it before the next (hsdp's offsets need neither)."""
+    if every % fragments:
+        return f"torchft-streaming skipped: torchft needs H ({every}) to be a multiple of F ({fragments})"
+    if delay >= every // fragments:
+        return f"torchft-streaming skipped: torchft needs tau ({delay}) < H / F ({every // fragments})"
+    return None
+
+
+def _modes(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """hsdp's ``--modes``, then torchft's DiLoCo modes among them when ``--systems`` has torchft; and notes on
+    the modes left out."""
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems or any(s not in SYSTEMS for s in systems) or "hsdp" not in systems:
+        raise SystemExit(f"--systems {args.systems}: hsdp (plain HSDP is the reference) and optionally torchft")
+    if "torchft" not in systems:
+        return list(args.modes), []
+    if importlib.util.find_spec("torchft") is None:
+        raise SystemExit("torchft is not installed: pip install -e .[peers] (or --systems hsdp)")
+    problem = torchft_streaming_problem(args.every, args.fragments, args.delay)
+    skipped = {"streaming"} if problem else set()
+    extra = [f"torchft-{m}" for m in args.modes if m != "plain" and m not in skipped]
+    return [*args.modes, *extra], [problem] if problem and "streaming" in args.modes else []
+
+
 def drive(args: argparse.Namespace) -> None:
     if args.steps % args.every or args.steps < 2 * args.every:
         raise ValueError(f"--steps {args.steps} must be a multiple of --every {args.every}, at least twice it "
                          f"(the link counters are differenced against an --every-step run)")
+    modes, notes = _modes(args)
+    for note in notes:
+        print(note, file=sys.stderr, flush=True)
     runs: dict[str, dict[str, dict]] = {rate: {} for rate in RATES}
     with tempfile.TemporaryDirectory() as tmp:
-        short = {m: _launch(args, m, "10gbit", args.every, Path(tmp)) for m in args.modes}
+        short = {m: _launch(args, m, "10gbit", args.every, Path(tmp)) for m in modes}
         for rate in RATES:
-            for mode in args.modes:
+            for mode in modes:
                 runs[rate][mode] = {**_launch(args, mode, rate, args.steps, Path(tmp)), "mode": mode}
                 print(f"{rate} {mode}: {runs[rate][mode]['launch_s']:.0f} s", flush=True)
     first = runs[RATES[0]][MODES[0]]["job"]
     result = {"date": datetime.date.today().isoformat(), "mesh": first["mesh"], "params": first["params"],
               "settings": {k: v for k, v in vars(args).items() if k not in ("job", "out", "mode")},
-              "global_tokens_per_step": 4 * args.batch * args.block, "rates": {}}
+              "global_tokens_per_step": 4 * args.batch * args.block, "rates": {}, "notes": notes}
     for rate in RATES:
-        s = {m: _summarise(runs[rate][m], short[m], args) for m in args.modes}
-        for m in args.modes:  # against plain HSDP at the same link rate
+        s = {m: _summarise(runs[rate][m], short[m], args) for m in modes}
+        for m in modes:  # against plain HSDP at the same link rate
             s[m]["tokens_per_s_ratio"] = s[m]["tokens_per_s"] / s["plain"]["tokens_per_s"]
             s[m]["held_out_relative_gap"] = (s[m]["held_out"][-1][1] - s["plain"]["held_out"][-1][1]) \
                 / s["plain"]["held_out"][-1][1]
         result["rates"][rate] = s
-    result["short_commands"] = [short[m]["command"] for m in args.modes]
+    result["short_commands"] = [short[m]["command"] for m in modes]
     if args.sweep_json:
         result["sweep"] = json.loads(Path(args.sweep_json).read_text())
     write(result, args)
@@ -248,8 +285,11 @@ def sweep(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", action="store_true", help="run one rank's training job (under torchrun)")
-    parser.add_argument("--mode", choices=MODES, default="plain", help="--job: plain HSDP, DiLoCo or streaming")
+    parser.add_argument("--mode", choices=MODES + torchft_side.MODES, default="plain",
+                        help="--job: plain HSDP, DiLoCo or streaming (torchft's: torchft-diloco, torchft-streaming)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the driver's modes")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="hsdp, and torchft to run its DiLoCo modes too (default: hsdp,torchft)")
     parser.add_argument("--quick", action="store_true", help="a 1-2 minute smoke run: preset tiny, 40 steps, H 10")
     parser.add_argument("--steps", type=int, default=160, help="training steps per run (a multiple of --every)")
     parser.add_argument("--every", type=int, default=40, help="DiLoCo's H: inner steps between syncs")
@@ -281,7 +321,9 @@ def main() -> None:
         args.tag = args.tag or "quick"
     if "plain" not in args.modes:
         parser.error("--modes must include plain (the ratios and gaps are against it)")
-    if args.job:
+    if args.job and args.mode in torchft_side.MODES:
+        torchft_side.job(args, _held_out, _evaluate)
+    elif args.job:
         job(args)
     elif args.sweep:
         sweep(args)

@@ -46,7 +46,8 @@ def _plot(result: dict, path: Path) -> None:
 
     per_step, rate = result["global_tokens_per_step"], RATES[0]
     fig, (held, train) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for mode, colour in zip(result["rates"][rate], ("tab:blue", "tab:orange", "tab:green"), strict=False):
+    colours = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+    for mode, colour in zip(result["rates"][rate], colours, strict=False):
         s = result["rates"][rate][mode]
         held.plot([t * per_step for t, _ in s["held_out"]], [v for _, v in s["held_out"]], "o-", color=colour,
                   ms=3, label=_label(result, mode))
@@ -73,9 +74,11 @@ def _label(result: dict, mode: str) -> str:
     st = result["settings"]
     if mode == "plain":
         return "plain HSDP"
-    outer = f"H={st['every']}, outer {st['outer_lr']}/{st['outer_momentum']}, {st['wire']}"
-    return f"DiLoCo ({outer})" if mode == "diloco" else \
-        f"Streaming DiLoCo ({outer}, F={st['fragments']}, tau={st['delay']})"
+    torchft = mode.startswith("torchft-")
+    outer = f"H={st['every']}, outer {st['outer_lr']}/{st['outer_momentum']}, {'fp32' if torchft else st['wire']}"
+    name = ("torchft " if torchft else "") + ("DiLoCo" if mode.endswith("diloco") else "Streaming DiLoCo")
+    return f"{name} ({outer})" if mode.endswith("diloco") else \
+        f"{name} ({outer}, F={st['fragments']}, tau={st['delay']})"
 
 
 def _rows(result: dict) -> list[str]:
@@ -112,7 +115,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
     driver = "sudo python benchmarks/diloco_slow_links.py" + (" --quick" if args.quick else "") + \
         "".join(f" --{k.replace('_', '-')} {st[k]}" for k in ("steps", "every", "preset", "batch", "block",
                                                               "warmup", "outer_lr", "outer_momentum", "wire",
-                                                              "fragments", "delay", "mix", "tag")) + \
+                                                              "fragments", "delay", "mix", "systems", "tag")) + \
         (f" --sweep-json benchmarks/results/{Path(args.sweep_json).name}" if args.sweep_json else "")
     lines = [f"# DiLoCo and Streaming DiLoCo vs plain HSDP on slow and fast emulated links ({result['date']})", "",
              f"{result['mesh']} on `hsdp launch --nodes 2 --nproc-per-node 2` (network namespaces, shaped links). "
@@ -124,7 +127,11 @@ def write(result: dict, args: argparse.Namespace) -> None:
              f"outer_lr={st['outer_lr']}, outer_momentum={st['outer_momentum']}"
              f"{_wire_arg(st['wire'])})` (outer SGD, Nesterov when the "
              f"momentum is > 0). Streaming "
-             f"DiLoCo: the same with `fragments={st['fragments']}, delay={st['delay']}, mix={st['mix']}`.", "",
+             f"DiLoCo: the same with `fragments={st['fragments']}, delay={st['delay']}, mix={st['mix']}`."
+             + (" torchft-diloco, torchft-streaming: torchft 0.2.0's `torchft.local_sgd.DiLoCo` with the same "
+                "settings (FSDP2 inside each node, fp32 pseudo-gradients, `Manager.allreduce`: the bytes it was "
+                "handed in the hsdp-count column; benchmarks/diloco_slow_links_torchft.py)."
+                if any(m.startswith("torchft-") for m in result["rates"][RATES[0]]) else ""), "",
              f"Tokens/s = global tokens of steps {st['warmup']}..{st['steps'] - 1} / their wall time (the slowest "
              f"rank's sum of step times, the syncs inside, evaluations outside). Held-out loss: "
              f"{st['eval_windows']} fixed windows, each replica evaluated on all of them, the replicas' mean; "
@@ -135,7 +142,8 @@ def write(result: dict, args: argparse.Namespace) -> None:
              f"the link counters, (long run - {st['every']}-step run at 10gbit) / {st['steps'] - st['every']}. "
              f"The machine (2 CPU cores) was shared with other jobs: timings are noisy, single runs.", "", "```",
              driver, *[result["rates"][r][m]["command"] for r in RATES for m in result["rates"][r]],
-             *result["short_commands"], "```", "", *_rows(result), "",
+             *result["short_commands"], "```", "", *_rows(result), "", *result.get("notes", []),
+             *([""] if result.get("notes") else []),
              "Held-out loss at equal tokens:", "", *_curve_rows(result), "",
              f"Plot: `{stem.with_suffix('.png').name}` (held-out loss and train loss vs tokens, {RATES[0]})."]
     if "sweep" in result:
