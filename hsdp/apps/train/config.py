@@ -222,8 +222,10 @@ class ParallelConfig:
     (``sharding_degree`` 0 or that count, divided by ``tensor_parallel``); a list of batch weights splits every
     configured replica's data as above, and a step's gradient weighs its members' pieces only (a replica that is
     absent reads nothing and weighs nothing). Replicas of different degrees are nodes of different rank counts
-    (``hsdp launch --elastic --nproc-per-node 2,1,1``), not a list of degrees (refused with it), as are the
-    replica-sharded optimizer and ``batch_weights = "auto"`` (its calibration gathers over every rank).
+    (``hsdp launch --elastic --nproc-per-node 2,1,1``, which declares them to the coordinator); a list of
+    degrees then names them (per replica id), checked against the coordinator's declaration. The
+    replica-sharded optimizer and ``batch_weights = "auto"`` (its calibration gathers over every rank) are
+    refused with it.
     ``replica_sync``: ``"every_step"`` (the hop above) or ``"diloco"`` (weights synced every ``diloco_every``
     steps, not DDP's math; its options and refusals: :mod:`hsdp.apps.train.replica_sync`)."""
 
@@ -275,13 +277,6 @@ class ParallelConfig:
                   Feature.INT8_HOP: ("replica_hop", self.replica_hop == "int8"),
                   Feature.BF16_HOP: ("replica_hop", self.replica_hop == "bf16"),
                   Feature.BATCH_WEIGHTS: ("batch_weights", self.batch_weights != "even")}
-        if self.elastic and self.degree_list is not None:
-            # Supported by the table, spelled otherwise: an elastic replica's degree is its own job's rank count.
-            _fail(self.SECTION, "sharding_degree", list(self.degree_list),
-                  "does not combine with parallel.elastic = true as a list: each replica is sharded over its own "
-                  "job's ranks, so replicas of different degrees are nodes of different rank counts (hsdp launch "
-                  "--elastic --nproc-per-node 2,1,1): give one integer to parallel.sharding_degree (0), or "
-                  "parallel.elastic = false")
         found = first_refused({f for f, (_, on) in fields.items() if on})
         if found is None:
             return
