@@ -21,7 +21,11 @@ checkpoint. Checked:
 
 The ``kill`` case also weights every backward by its rows (``model.set_batch_weight``), 2, 4 and 6 per rank on
 replicas 0, 1, 2: each committed step's gradient is the weighted mean over that step's members only, which the
-replay on the concatenated batches of the members is, and an unweighted replay is not (checked to differ). The
+replay on the concatenated batches of the members is, and an unweighted replay is not (checked to differ). Its
+replicas have different shard degrees, ``--nproc-per-node 2,1,1`` (the coordinator told each id's rank count):
+the gradient is the mean over the members' ranks, reduced piece by piece over the quorum's degrees (a replay
+averaging the replicas instead of their ranks is checked to differ), and the killed 1-rank replica is healed from
+the 2-rank replica 0, its rows re-cut on the way (the first quorum heals both 1-rank replicas from it too). The
 ``stop`` case (a stopped replica restarted and healed), the starved replica's job (dropped alive, healed without
 a restart) and the one restarted after the job completed (killed in backward) run tensor parallelism: each
 replica's 2 ranks are one shard position of two tp ranks (``init_mesh(elastic=True, tensor_parallel_degree=2)``),
@@ -52,7 +56,8 @@ HEARTBEAT_TIMEOUT_S = 4  # the coordinator's: above its default 3 s, which a bus
 # the watchdog's bound (what ended that replica and so the survivors' wait before every rank beat) is 15 s there.
 WEIGHTED_ROWS = "2,4,6"  # the kill case: rows per rank of replicas 0, 1, 2, and the batch weight of each
 TP = {"ELASTIC_TP": "2"}  # the starve and completed cases: each replica one shard position of two tp ranks
-CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS},
+HETERO = {"ELASTIC_NPROC": "2,1,1"}  # the kill case: replicas of 2, 1 and 1 ranks (shard degrees)
+CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS, **HETERO},
          "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2", **TP},
          "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15"}}
 RUN_TIMEOUT_S = 300
@@ -66,7 +71,8 @@ def _run(out: Path, case: dict[str, str]) -> str:
     """The launch, checked to end well: status 0, nothing left behind; its output."""
     tools = find_tools() if os.geteuid() == 0 else None
     before = set(list_namespaces(tools)) if tools is not None else set()
-    flags = ["--elastic", "--nodes", str(REPLICAS), "--nproc-per-node", str(RANKS), "--max-restarts", "1",
+    flags = ["--elastic", "--nodes", str(REPLICAS), "--nproc-per-node", case.get("ELASTIC_NPROC", str(RANKS)),
+             "--max-restarts", "1",
              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
              "--require-emulation" if tools is not None else "--no-emulation"]
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_VICTIM": str(VICTIM),
@@ -97,15 +103,23 @@ def _worker() -> ModuleType:
     return module
 
 
-def _replay(steps: list[dict], case: dict[str, str], weighted: bool = True
+def _nproc(case: dict[str, str]) -> list[int]:
+    """Each replica's rank count."""
+    return [int(n) for n in case.get("ELASTIC_NPROC", ",".join([str(RANKS)] * REPLICAS)).split(",")]
+
+
+def _replay(steps: list[dict], case: dict[str, str], weighted: bool = True, per_replica: bool = False
             ) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], list[float]]]:
     """One process: every committed step on the concatenated batches of its replicas (and micro-batches, of one
     size per replica: the mean over every row is the mean of the batches' mean losses weighted by their rows,
-    what ``set_batch_weight(rows)`` asks for); not ``weighted``: the plain mean of the batches' mean losses.
-    The losses each rank saw, by (step, replica, rank in the replica's job)."""
+    what ``set_batch_weight(rows)`` asks for); not ``weighted``: the plain mean of the batches' mean losses;
+    ``per_replica``: each replica's ranks weighing as much as one rank of any other (the mean over replicas, not
+    ranks: what a reduction ignoring the replicas' degrees would compute). The losses each rank saw, by (step,
+    replica, rank in the replica's job)."""
     accum, tp = int(case.get("ELASTIC_ACCUM", "1")), int(case.get("ELASTIC_TP", "1"))
     rows = [int(n) for n in case.get("ELASTIC_ROWS", "4,4,4").split(",")]
-    seq, positions = (4 if tp > 1 else 5), RANKS // tp
+    nproc = _nproc(case)
+    seq, positions = (4 if tp > 1 else 5), [n // tp for n in nproc]
     torch.manual_seed(0)  # the first quorum healed every replica from replica 0
     model = tiny_gpt() if tp > 1 else ParityNet()
     opt = _worker().optimizer(model.parameters(), tp)
@@ -117,15 +131,18 @@ def _replay(steps: list[dict], case: dict[str, str], weighted: bool = True
     for record in steps:
         k, members = record["step"], record["replicas"]
         parts = {(r, s, m): batch(1000 * m + k, REPLICAS * r + s, rows[r], seq)
-                 for r in range(REPLICAS) for s in range(positions) for m in range(accum)}
+                 for r in range(REPLICAS) for s in range(positions[r]) for m in range(accum)}
         with torch.no_grad():
             for r in range(REPLICAS):
-                for rank in range(RANKS):
+                for rank in range(nproc[r]):
                     losses[(k, r, rank)] = [loss_of(*parts[(r, rank // tp, m)]).item() for m in range(accum)]
         if not record["committed"]:
             continue
-        chosen = [parts[(r, s, m)] for r in members for s in range(positions) for m in range(accum)]
-        if weighted:
+        chosen = [parts[(r, s, m)] for r in members for s in range(positions[r]) for m in range(accum)]
+        if per_replica:
+            shares = [rows[r] / positions[r] for r in members for _ in range(positions[r]) for _ in range(accum)]
+            (sum(w * loss_of(x, y) for w, (x, y) in zip(shares, chosen, strict=True)) / sum(shares)).backward()
+        elif weighted:
             loss_of(torch.cat([x for x, _ in chosen]), torch.cat([y for _, y in chosen])).backward()
         else:
             (sum(loss_of(x, y) for x, y in chosen) / len(chosen)).backward()
@@ -157,7 +174,7 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
     joined = logs[(VICTIM, 0)][1][0]["joined"]
     assert joined > FAULT_STEP and {r["step"]: r for r in survivor}[joined]["replicas"] == [0, 1, 2]
     for replica in range(REPLICAS):  # every replica agrees on the committed history it took part in
-        for rank in range(RANKS):
+        for rank in range(_nproc(CASES[fault])[replica]):
             mine = [r for r in logs[(replica, rank)][-1] if "step" in r]
             assert [(r["step"], r["committed"], r["replicas"]) for r in mine] == [
                 (r["step"], r["committed"], r["replicas"]) for r in survivor if r["step"] >= mine[0]["step"]]
@@ -165,6 +182,10 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
     if "ELASTIC_ROWS" in CASES[fault]:  # the weights mattered: ignoring them would fail the replay
         unweighted, _ = _replay(survivor, CASES[fault], weighted=False)
         assert max((params[n] - unweighted[n]).abs().max().item() for n in params) > 1e-3
+    if "ELASTIC_NPROC" in CASES[fault]:  # so did the degrees: a mean over replicas, not ranks, would fail it
+        per_replica, _ = _replay(survivor, CASES[fault], per_replica=True)
+        assert max((params[n] - per_replica[n]).abs().max().item() for n in params) > 1e-3
+        assert len(logs[(VICTIM, 0)]) == 2 and (VICTIM, 1) not in logs  # one rank, killed and healed from 2
 
 
 def test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart(tmp_path: Path) -> None:

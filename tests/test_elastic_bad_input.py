@@ -246,6 +246,35 @@ def test_replicas_of_another_rank_count_are_refused_at_the_start_and_the_rest_st
     assert right[0].quorum(0).members == (1, 2) and coord.state.degree == 2
 
 
+def test_declared_rank_counts_admit_replicas_of_different_degrees_and_refuse_misfits() -> None:
+    """``--nproc-per-replica 2,1,1``: replicas of 2 and 1 ranks train together (the quorum carries their counts);
+    a replica of another count than its id's, or of another tensor-parallel degree, is refused naming the fix."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    coord = Coordinator(master, "job", replicas=3, policy=POLICY, start_grace=0.5, ranks=(2, 1, 1))
+    stop = threading.Event()
+    thread = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{master.port}"
+    try:
+        wrong = _client(address, 2, degree=2)  # id 2 was declared with 1 rank
+        right = [_client(address, 0, degree=2), _client(address, 1, degree=1)]
+        message, waited = _refusal(wrong)
+        assert message.startswith("replica 2 of job 'job' has 2 rank(s), its id was declared with 1 "
+                                  "(--nproc-per-replica 2,1,1): start it with 1 ranks"), message
+        assert waited < BOUND_S and [c.admitted() for c in right] == [0, 0]
+        assert right[0].quorum(0).members == (0, 1) and right[0].quorum(0).ranks == (2, 1)
+        tp = ReplicaClient(connect(address, "job", POLICY), address, "job", 2, 0, POLICY)
+        tp.tp_degree = 2  # one rank count right, but not the job's tensor-parallel degree
+        tp.register(1)
+        tp.ready()
+        message, waited = _refusal(tp)
+        assert "has tensor_parallel_degree=2, the job's replicas have 1" in message and waited < BOUND_S
+    finally:
+        ReplicaClient.close_all()
+        stop.set()
+        thread.join()
+
+
 def test_below_the_minimum_the_reason_says_what_to_do(coordinator: tuple[str, Coordinator]) -> None:
     address, _ = coordinator
     clients = [_client(address, r) for r in range(3)]

@@ -76,7 +76,6 @@ def test_elastic_flags_parse_with_three_restarts_by_default(tmp_path: Path) -> N
     (["--min-replicas", "1"], "only apply to an elastic job"),
     (["--heartbeat-timeout", "5"], "--heartbeat-timeout only apply to an elastic job"),
     (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0.0: give a positive number of seconds"),
-    (["--elastic", "--nproc-per-node", "2,1"], "every replica must have the same number of ranks"),
     (["--elastic", "--nodes", "3", "--min-replicas", "4"], "give a count in 1..3"),
     (["--elastic", "--nodes", "3", "--min-replicas", "0"], "give a count in 1..3"),
     (["--elastic", "--max-restarts", "-1"], "--max-restarts -1: give a whole number, at least 0"),
@@ -143,13 +142,18 @@ def test_in_namespaces_each_node_enters_its_own_and_the_coordinator_sits_on_node
         assert agent.command[4:7] == (sys.executable, "-m", "hsdp.tools.launch.agent")
         assert agent.env["GLOO_SOCKET_IFNAME"] == node.interface and agent.env["HSDP_REPLICA_ID"] == str(i)
         assert agent.env["HSDP_COORDINATOR"] == "10.213.7.1:555"
-    command = coordinator_command(places[0], 3, ElasticOptions(min_replicas=1, job="j", heartbeat_timeout=4.5))
+    command = coordinator_command(places[0], NodeLayout.of(1, 3), ElasticOptions(min_replicas=1, job="j",
+                                                                                   heartbeat_timeout=4.5))
     assert command[:4] == ["/sbin/ip", "netns", "exec", spec.node(0).namespace]
     assert command[4:7] == [sys.executable, "-m", "hsdp"]
     args = build_parser().parse_args(command[7:])
     assert (args.command, args.host, args.port, args.replicas, args.min_replicas, args.job, args.start_grace,
             args.heartbeat_timeout) == ("coordinator", "10.213.7.1", 0, 3, 1, "j", elastic.START_GRACE_S, 4.5)
     assert args.linger == float("inf")  # a node restarted too late to train is told the job completed
+    assert args.nproc_per_replica is None  # one rank count: nothing to declare
+    # Nodes of different rank counts: replicas of different degrees, each id's count told to the coordinator.
+    mixed = build_parser().parse_args(coordinator_command(places[0], NodeLayout.of((2, 1, 1), 3), ElasticOptions())[7:])
+    assert (mixed.replicas, mixed.nproc_per_replica) == (3, "2,1,1")
     assert replica_command(2, 0, ["-m", "pkg"])[-2:] == ["-m", "pkg"]
 
 

@@ -116,6 +116,10 @@ def _agree(model: ShardedModel, total: torch.Tensor) -> torch.Tensor:
     (``check_replicas`` reports it). One scalar's all-reduce (the largest) gives every replica the same norm."""
     agreed = total.reshape(1).clone()
     model.comm.all_reduce(agreed, "world", op=dist.ReduceOp.MAX, label="grad norm")
+    layer = model.mesh.replicas
+    if layer.outside_world:  # the world was this replica's job (elastic): across replicas over the position groups
+        for group in layer.own_position_groups():
+            model.comm.replica_view(group).all_reduce(agreed, "replicate", op=dist.ReduceOp.MAX, label="grad norm")
     return agreed[0]
 
 

@@ -60,7 +60,7 @@ class Comm:
         self._layer = mesh.replicas
         self._groups = {"shard": mesh.shard_group, "world": None, "tp": mesh.tp_group}
         self._sizes = {"shard": mesh.sharding_degree, "world": mesh.world_size, "tp": mesh.tp_degree}
-        self._replicate: tuple[dist.ProcessGroup, int] | None = None  # a view's own group and size
+        self._replicate: tuple[int, ...] | None = None  # a view's holder tuple (its group: the layer's)
         # Every collective is entered in the watchdog's ledger (hang detection, see faults/ledger.py).
         self._watchdog = mesh.watchdog
         self._gloo = dist.get_backend() == "gloo"  # inter-node reduce-scatter as all-to-all + sum (reduce_scatter)
@@ -94,7 +94,7 @@ class Comm:
         if group != "replicate":
             return self._sizes[group]
         if self._replicate is not None:
-            return self._replicate[1]
+            return len(self._replicate)
         self._layer.await_step()  # the step's replicas (an elastic quorum is waited for here, once per step)
         return self._layer.count
 
@@ -102,7 +102,9 @@ class Comm:
         if group != "replicate":
             return self._groups[group]
         if self._replicate is not None:
-            return self._replicate[0]
+            # Looked up per collective: an elastic layer's groups are its step's quorum epoch's (a dict lookup).
+            self._layer.await_step()
+            return self._layer.group(self._replicate)
         self._layer.await_step()
         pg = self._layer.replicate_group
         if pg is None and self.size("replicate") > 1:
@@ -142,7 +144,7 @@ class Comm:
         view = self._views.get(holders)
         if view is None:
             view = copy.copy(self)
-            view._replicate = (self._layer.group(holders), len(holders))
+            view._replicate = holders
             self._views[holders] = view
         return view
 

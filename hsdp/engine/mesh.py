@@ -35,7 +35,6 @@ from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.faults.watchdog import Watchdog, start_watchdog
 from hsdp.engine.hop_worker import HopWorker
 from hsdp.engine.mesh_layout import SHARDING_DEGREE_ENV, device_type_for, mesh_shape
-from hsdp.engine.replicate.combinations import Feature, refused
 from hsdp.engine.replicate.degrees import check_degrees, default_degrees, is_regular
 from hsdp.engine.replicate.elastic.bootstrap import elastic_env
 from hsdp.engine.replicate.elastic.bootstrap import join as elastic_join
@@ -303,8 +302,11 @@ def init_mesh(
     ranks shard every parameter (``sharding_degree`` is the job's world size, divided by T below); the replica is
     admitted once its ``ShardedOptimizer`` exists (a joiner is healed there). With ``tensor_parallel_degree=T``
     every replica's job is ``sharding_degree x T`` ranks (tp ranks adjacent), the same T in every replica: gradients
-    are reduced, and joiners healed, per (shard rank, tp rank) position across the members. A list of degrees is
-    refused.
+    are reduced, and joiners healed, per (shard rank, tp rank) position across the members. Replicas of different
+    shard degrees are replicas of different rank counts, declared on the coordinator (``hsdp coordinator
+    --nproc-per-replica 2,1,1``, or ``hsdp launch --elastic --nproc-per-node 2,1,1``), not a list here (refused):
+    each step's gradient is then the mean over its members' ranks, reduced piece by piece, and a joiner is healed
+    from a member of any degree.
     """
     if elastic:
         return _elastic_mesh(sharding_degree, tensor_parallel_degree, device_mesh, coordinator, timeout, fault_policy,
@@ -343,10 +345,11 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
     """One replica of an elastic job (see :func:`init_mesh`): checks first, then the process group of this
     torchrun job, the coordinator's admission, and the replica's shard mesh: 1-D ``("shard",)``, or 2-D
     ``("shard", "tp")`` with ``tp_degree`` (tp ranks adjacent, as on a grid)."""
-    if device_mesh is not None or (isinstance(sharding_degree, list | tuple)
-                                   and refused(Feature.ELASTIC, Feature.HETEROGENEOUS)):
+    if device_mesh is not None or isinstance(sharding_degree, list | tuple):
         raise ValueError("init_mesh(elastic=True) builds one replica per torchrun job, sharded over its ranks: drop "
-                         "device_mesh and per-replica degree lists")
+                         "device_mesh and per-replica degree lists (replicas of different degrees: give each "
+                         "replica's torchrun its own --nproc-per-node and the coordinator --nproc-per-replica, "
+                         "e.g. hsdp launch --elastic --nproc-per-node 2,1,1)")
     found = elastic_env(coordinator)
     world_size = int(os.environ.get("WORLD_SIZE", "0"))
     if world_size:  # before any collective where torchrun tells the world size
@@ -365,15 +368,18 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     watchdog = start_watchdog(fault_policy) if fault_policy is not None else None
     watch_launcher(watchdog)
-    client, replicas = elastic_join(found, world, policy)
+    joined = elastic_join(found, world, policy, tp_degree or 1)
     if tp_degree is None:
         param_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
         tp_rank = 0
     else:
         param_mesh = init_device_mesh(device_type, (degree, tp_degree), mesh_dim_names=("shard", "tp"))
         tp_rank = param_mesh.get_local_rank("tp")
-    layer = ElasticLayer(client, found.replica_id, degree, replicas, param_mesh.get_local_rank("shard"),
-                         param_mesh.get_group("shard"), param_mesh, device_type, policy, tp_rank, tp_degree or 1)
+    declared = None if joined.ranks is None or len(set(joined.ranks)) == 1 else \
+        tuple(n // (tp_degree or 1) for n in joined.ranks)
+    layer = ElasticLayer(joined.client, found.replica_id, degree, joined.replicas, param_mesh.get_local_rank("shard"),
+                         param_mesh.get_group("shard"), param_mesh, device_type, policy, tp_rank, tp_degree or 1,
+                         declared)
     return HSDPMesh(None, watchdog, layer=layer)
 
 

@@ -119,6 +119,11 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object,
                          "own): turn shard_optimizer_across_replicas off")
     if getattr(mesh, "elastic", None) is not None:
         # An elastic sync is a transaction of the replicas present (optim/outer_transaction.py); what is not built:
+        if getattr(mesh, "heterogeneous", False):
+            raise ValueError("replica_sync=DiLoCo on an elastic job of replicas of different shard degrees is not "
+                             "supported yet (a joiner's global copy and outer state are not re-cut across degrees): "
+                             "use the per-step reduction there (replica_sync=None), give every replica the same "
+                             "rank count, or run DiLoCo on a fixed mesh of different degrees")
         if sync.fragments > 1 or sync.delay > 0:
             raise ValueError(f"Streaming DiLoCo (fragments={sync.fragments}, delay={sync.delay}) on an elastic "
                              f"mesh is not supported yet: use DiLoCo(fragments=1, delay=0) there")

@@ -57,6 +57,7 @@ def check_replica_shards(params: list[ShardedParam], comm: Comm, *, shards: list
     """
     locals_ = [p.sharded_local.detach() for p in params] if shards is None else shards
     if comm.mesh.heterogeneous:
+        comm.mesh.replicas.await_step()  # the pieces are the step's degrees' (an elastic quorum's)
         problems = _check_pieces(params, locals_, comm, what)
     else:
         mine = _checksums(locals_).to(comm.mesh.device)
@@ -139,7 +140,7 @@ def _check_pieces(params: list[ShardedParam], locals_: list[torch.Tensor], comm:
                 by_holders.setdefault(group, []).append((p, local))
             continue
         first = p.layout.row_offset()
-        for piece in pieces_of_rank(p.layout.rows, layer.degrees, layer.index, layer.shard_rank):
+        for piece in pieces_of_rank(p.layout.rows, layer.degrees, layer.member, layer.shard_rank):
             by_holders.setdefault(piece.holders, []).append((p, local[piece.start - first: piece.stop - first]))
     problems = []
     for holders in sorted(by_holders):

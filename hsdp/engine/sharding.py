@@ -32,7 +32,7 @@ from hsdp.engine.policy import MixedPrecision
 from hsdp.engine.replicate.combinations import Feature, refused
 from hsdp.engine.runtime.buffers import move_buffers
 from hsdp.engine.runtime.layout import ShardLayout
-from hsdp.engine.runtime.piece_plan import holder_tuples
+from hsdp.engine.runtime.piece_plan import piece_rows
 from hsdp.engine.runtime.piece_slice import piece_slice
 from hsdp.engine.runtime.replica_slice import SliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -140,7 +140,7 @@ def shard_module(module: nn.Module, mesh: HSDPMesh, wrap: WrapPolicy, options: U
             units.append(_build_unit(m, group, [value_of[id(a.param)] for a in group], comm, mesh, options, key))
     # Heterogeneous replicas: the groups every unit's pieces are reduced over, created now on every rank.
     if mesh.heterogeneous:
-        mesh.replicas.ensure_groups(holder_tuples([p.layout for u in units for p in u.params], mesh.replicas.degrees))
+        mesh.replicas.ensure_groups(piece_rows([p.layout for u in units for p in u.params]))
     skip = {id(b) for n in nested for b in n.buffers()}
     move_buffers(module, mesh.device, skip)
     _broadcast_from_rank0(comm, _own_buffers(module, skip), mesh.device)

@@ -14,7 +14,9 @@ Every replica trains the same tiny model with AdamW; at step k, replica r's rank
 ``ELASTIC_ROWS=a,b,c``, of ``a``, ``b``, ``c`` rows on replica 0, 1, 2, each rank weighting its backwards by its
 rows (``model.set_batch_weight``). ``ELASTIC_TP=2``: every replica's two ranks are one shard position of two tp
 ranks (``init_mesh(elastic=True, tensor_parallel_degree=2)``), training a tiny GPT split by ``hsdp.tp_plans``
-with SGD and momentum (sequences of 4 tokens); both read the batch of that position.
+with SGD and momentum (sequences of 4 tokens); both read the batch of that position. ``ELASTIC_NPROC=2,1,1``: the
+replicas' rank counts (``hsdp launch --elastic --nproc-per-node 2,1,1``, replicas of different shard degrees; the
+worker reads it only to know which files the others save).
 Each rank appends what ``model.last_step`` says after every optimizer step, with the loss of the step, to
 ``<out>/r<replica>_s<rank>_i<incarnation>.jsonl`` (``{"healed": k}`` instead when the step ended with this
 replica healed to go on at step k, after the coordinator had dropped it); the run stops after two consecutive
@@ -48,6 +50,7 @@ STARVE_S = 6.0  # above the coordinator's heartbeat timeout (4 s in tests/test_e
 TP = int(os.environ.get("ELASTIC_TP", "1"))
 SEQ = 4 if TP > 1 else 5  # sequence parallelism splits every sequence over the tp ranks
 ROWS = tuple(int(n) for n in os.environ.get("ELASTIC_ROWS", "").split(",") if n)  # per replica: weighted
+NPROC = tuple(int(n) for n in os.environ.get("ELASTIC_NPROC", "2,2,2").split(","))  # per replica: its ranks
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
 
@@ -167,7 +170,8 @@ def optimizer(params: object, tp: int) -> torch.optim.Optimizer:
 
 def _wait_for_the_others(out: str, replica: int) -> None:
     """Until every other replica saved its parameters (bounded: the test fails on what follows instead)."""
-    others = [os.path.join(out, f"params_r{r}_s{s}.pt") for r in range(REPLICAS) if r != replica for s in range(2)]
+    others = [os.path.join(out, f"params_r{r}_s{s}.pt") for r in range(REPLICAS) if r != replica
+              for s in range(NPROC[r])]
     deadline = time.monotonic() + 120
     while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -55,6 +55,10 @@ def add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--linger", type=float, default=5.0, metavar="S",
                    help="seconds to serve on once the job completed (its last replicas finished), telling a "
                         "replica that arrives late that the job is over (inf: until stopped)")
+    p.add_argument("--nproc-per-replica", default=None, metavar="N,N,...",
+                   help="each replica id's rank count, for replicas of different shard degrees (e.g. 2,1,1: "
+                        "gradients are averaged over the pieces of the members' degrees, a joiner is healed from "
+                        "a replica of any degree); default: every replica has the same count")
     p.set_defaults(func=run_coordinator)
     return p
 
@@ -64,10 +68,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from hsdp.tools.coordinator.config import CoordinatorConfig
 
     try:
+        counts = None if args.nproc_per_replica is None else _counts(args.nproc_per_replica)
         config = CoordinatorConfig(port=args.port, replicas=args.replicas, host=args.host,
                                    min_replicas=args.min_replicas, job=args.job,
                                    heartbeat_timeout=args.heartbeat_timeout, start_grace=args.start_grace,
-                                   linger=args.linger)
+                                   linger=args.linger, nproc_per_replica=counts)
     except ValueError as e:
         print(f"hsdp coordinator: error: {e}\nusage: hsdp coordinator --port PORT --replicas N [options]",
               file=sys.stderr)
@@ -75,3 +80,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from hsdp.tools.coordinator.service import serve
 
     return serve(config)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """``2,1,1`` -> ``(2, 1, 1)``; ``ValueError`` naming the form."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"--nproc-per-replica {text!r}: give comma-separated rank counts, e.g. 2,1,1") from None

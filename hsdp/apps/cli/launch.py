@@ -38,7 +38,8 @@ job (--standalone --nnodes 1 --max-restarts K; WORLD_SIZE is the node's ranks) w
 HSDP_COORDINATOR, HSDP_REPLICA_ID (the node index) and HSDP_ELASTIC_JOB, plus an `hsdp coordinator` on
 node 0 that this launch starts first and stops last. A node whose rank dies is restarted by its torchrun and
 rejoins while the others go on; the launch ends when every node has ended, with the first failed node's
-status (0 when none failed past its restarts). Every node needs the same number of ranks.
+status (0 when none failed past its restarts). Nodes of different rank counts (--nproc-per-node 2,1,1) are
+replicas of different shard degrees: the coordinator is told each node's count (--nproc-per-replica).
 """
 
 

@@ -221,10 +221,13 @@ class ParallelConfig:
     --elastic -- -m hsdp.apps.train parallel.elastic=true``. Each replica is sharded over its own job's ranks
     (``sharding_degree`` 0 or that count, divided by ``tensor_parallel``); a list of batch weights splits every
     configured replica's data as above, and a step's gradient weighs its members' pieces only (a replica that is
-    absent reads nothing and weighs nothing). A list of degrees, the replica-sharded optimizer and
-    ``batch_weights = "auto"`` (its calibration gathers over every rank) are refused with it. ``replica_sync``:
-    ``"every_step"`` (the hop above) or ``"diloco"`` (weights synced every ``diloco_every`` steps, not DDP's math;
-    its options and refusals: :mod:`hsdp.apps.train.replica_sync`)."""
+    absent reads nothing and weighs nothing). Replicas of different degrees are nodes of different rank counts
+    (``hsdp launch --elastic --nproc-per-node 2,1,1``, which declares them to the coordinator); a list of
+    degrees then names them (per replica id), checked against the coordinator's declaration. The
+    replica-sharded optimizer and ``batch_weights = "auto"`` (its calibration gathers over every rank) are
+    refused with it.
+    ``replica_sync``: ``"every_step"`` (the hop above) or ``"diloco"`` (weights synced every ``diloco_every``
+    steps, not DDP's math; its options and refusals: :mod:`hsdp.apps.train.replica_sync`)."""
 
     SECTION: ClassVar[str] = "parallel"
     nodes: int = 2

@@ -69,7 +69,16 @@ def _init_mesh(cfg: RunConfig) -> hsdp.HSDPMesh:
     par = cfg.parallel
     tp = par.tensor_parallel if par.tensor_parallel > 1 else None
     if par.elastic:  # one replica of an elastic job: its own torchrun job's ranks shard everything (x T)
-        return hsdp.init_mesh(par.sharding_degree or None, tensor_parallel_degree=tp, elastic=True)
+        listed = par.degree_list
+        mesh = hsdp.init_mesh(None if listed is not None else par.sharding_degree or None,
+                              tensor_parallel_degree=tp, elastic=True)
+        if listed is not None and mesh.replicas.data_parallel_degrees != listed:
+            # The same on every rank of the replica (each read the coordinator's declaration): no rank waits.
+            raise ValueError(f"parallel.sharding_degree = {list(listed)}, but the elastic job's replicas have "
+                             f"degrees {list(mesh.replicas.data_parallel_degrees)} (the coordinator's "
+                             f"--nproc-per-replica, / parallel.tensor_parallel): declare them to the coordinator "
+                             f"(hsdp launch --elastic --nproc-per-node N,N,...), or drop the list")
+        return mesh
     degree = list(par.degree_list) if par.degree_list is not None else (par.sharding_degree or None)
     return hsdp.init_mesh(degree, tensor_parallel_degree=tp)
 

@@ -2,13 +2,16 @@
 
 A joining replica's rank receives, from the same shard rank of the quorum's ``source`` replica, over the new
 epoch's replicate group: every unit's flat shard (the parameters), the buffers, the optimizer's state of its
-shards and its param groups' hyperparameters (a scheduled learning rate included), and hsdp's step counters. No
-checkpoint is read; a stateful hop's residuals start from zero (``runtime/hop_transaction.py``). Under DiLoCo
-also the global copy, the outer optimizer's state and the phase (``outer_transaction.py``). The other members
-take part in the same broadcasts (their values are already equal, but for the weights of DiLoCo's members
-mid-phase, which they receive into scratch and drop). The heal runs where the step's
-quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first inter-node
-collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's LR
+shards and its param groups' hyperparameters (a scheduled learning rate included), and hsdp's step counters.
+Across replicas of different shard degrees the rows are re-cut on the way (``runtime/piece_broadcast.py``): the
+flat shards and the optimizer's shard-shaped state piece by piece over the holder groups, each from the source's
+holder of those rows (``state_rows.py``), the rest (buffers, scalars, hyperparameters) over the position
+groups, so the source may be a replica of any degree. No checkpoint is read; a stateful hop's residuals start
+from zero (``runtime/hop_transaction.py``). Under DiLoCo also the global copy, the outer optimizer's state and the
+phase (``outer_transaction.py``). The other members take part in the same broadcasts (their values are already
+equal, but for the weights of DiLoCo's members mid-phase, which they receive into scratch and drop). The heal
+runs where the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
+inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's LR
 scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
 
 :func:`elastic_step` gates ``ShardedOptimizer.step``: the step is applied only when the coordinator committed
@@ -25,8 +28,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hsdp.engine.optim.outer_heal import heal_outer
+from hsdp.engine.optim.state_rows import ROWS, Entry, exchange_rows, take_rows
 from hsdp.engine.replicate.elastic.protocol import Quorum
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops
+from hsdp.engine.runtime.piece_broadcast import broadcast_bytes_whole, broadcast_rows, broadcast_whole
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
@@ -43,19 +48,26 @@ def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
         joining, sending = layer.index in quorum.joiners, layer.index == quorum.source
         comm = model.comm
         outer = optimizer._hsdp_outer  # type: ignore[attr-defined]
+        apart = not layer.regular  # replicas of different degrees: shard-shaped state crosses row by row
+        rows: dict[Entry, torch.Tensor] = {}
         with torch.no_grad():
             for unit in model._hsdp_state.units:
                 if unit.params:
                     # Only a joiner takes the weights: under DiLoCo the other members' differ mid-phase.
                     into = unit.sharded_flat if joining or sending else torch.empty_like(unit.sharded_flat)
-                    comm.broadcast(into, source, "replicate")
-            model._hsdp_state.buffers.broadcast(lambda flat: comm.broadcast(flat, source, "replicate"))
-            payload = _optimizer_payload(optimizer) if sending else None
-            data = comm.broadcast_bytes(payload, source, "replicate")
+                    broadcast_rows(comm, into, [p.layout for p in unit.params], _offsets(unit.params), source)
+            model._hsdp_state.buffers.broadcast(lambda flat: broadcast_whole(comm, flat, source))
+            payload = _optimizer_payload(optimizer, apart) if sending else None
+            data = broadcast_bytes_whole(comm, payload, source)
+            if apart:
+                received = _decode(data)
+                shards = {id(sp.sharded): sp for sp in model.sharded_params()}
+                rows = exchange_rows(comm, optimizer, shards, received["optimizer"]["state"],
+                                     [tuple(e) for e in received[ROWS]], source, joining)
             if outer is not None:  # DiLoCo: the global copy, the outer state, the phase (outer_transaction.py)
                 heal_outer(outer, comm, source, sending, joining)
         if joining:
-            _load_optimizer_payload(optimizer, data)
+            _load_optimizer_payload(optimizer, data, rows)
             reset_hops(model._hsdp_state.units)  # its own rounding errors: none yet (hop_transaction.py)
 
     layer.attach(heal)
@@ -72,20 +84,41 @@ def finish_step(model: ShardedModel) -> bool:
     return committed
 
 
-def _optimizer_payload(optimizer: torch.optim.Optimizer) -> bytes:
+def _offsets(params: list[Any]) -> list[int]:
+    """Where each parameter's padded chunk starts in its unit's flat shard."""
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += p.layout.padded_numel
+    return offsets
+
+
+def _optimizer_payload(optimizer: torch.optim.Optimizer, apart: bool = False) -> bytes:
     """The optimizer's state of this rank's shards (DTensors as their local tensors), in torch's index layout
-    (every member's parameters are in the same order), and hsdp's step counter."""
+    (every member's parameters are in the same order), and hsdp's step counter. ``apart``: the shard-shaped
+    tensors are left out, listed under ``rows`` (``state_rows.py``: they cross piece by piece)."""
     state = torch.optim.Optimizer.state_dict(optimizer)
     state["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
                       for i, entry in state["state"].items()}
+    payload: dict[str, Any] = {"optimizer": state, "steps": optimizer._hsdp_steps}  # type: ignore[attr-defined]
+    if apart:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        payload[ROWS] = [list(e) for e in take_rows(state["state"], params)]
     buffer = io.BytesIO()
-    torch.save({"optimizer": state, "steps": optimizer._hsdp_steps}, buffer)  # type: ignore[attr-defined]
+    torch.save(payload, buffer)
     return buffer.getvalue()
 
 
-def _load_optimizer_payload(optimizer: torch.optim.Optimizer, data: bytes) -> None:
-    payload: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+def _decode(data: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _load_optimizer_payload(optimizer: torch.optim.Optimizer, data: bytes,
+                            rows: dict[Entry, torch.Tensor] | None = None) -> None:
+    payload = _decode(data)
     state = payload["optimizer"]
+    for (i, k), v in (rows or {}).items():  # received row by row (replicas of different degrees)
+        state["state"][i][k] = v
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for i, entry in state["state"].items():
         p = params[i]

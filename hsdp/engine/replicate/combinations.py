@@ -82,7 +82,6 @@ class Rule:
 
 F = Feature
 _ELASTIC_TEST = "tests/test_elastic_bad_input.py::test_an_elastic_replica_refuses_what_it_cannot_do_naming_the_fix"
-_ELASTIC_CONFIG_TEST = "tests/test_train_elastic.py::test_elastic_refusals_before_anything_starts"
 _WEIGHTS_TEST = "tests/test_batch_weights.py::test_weighted_backwards_equal_one_process_over_the_concatenated_batches"
 _DILOCO_TEST = "tests/test_diloco.py::test_refusals_name_the_fix"
 
@@ -97,8 +96,8 @@ def _supported(*tests: str) -> Rule:
 
 
 TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in {
-    (F.HETEROGENEOUS, F.ELASTIC): _refused("an elastic replica is one torchrun job sharded over all its ranks; "
-                                           "joiners of another degree are not healed yet", _ELASTIC_CONFIG_TEST),
+    (F.HETEROGENEOUS, F.ELASTIC): _supported("tests/test_elastic.py::test_a_failed_replica_costs_a_step_and_rejoins_"
+                                             "from_a_peer"),
     (F.HETEROGENEOUS, F.DILOCO): _supported(
         "tests/test_diloco_compose.py::test_diloco_on_degrees_2_1_equals_two_simulated_workers",
         "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1"),

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.engine.replicate.degrees import replica_of_rank, replica_starts
 from hsdp.engine.replicate.layer import Heal, Holders, StepRecord
-from hsdp.engine.replicate.pieces import global_ranks, position_groups
+from hsdp.engine.replicate.pieces import global_ranks, holder_tuples, position_groups
 from hsdp.engine.store_exchange import exchange
 
 
@@ -58,6 +58,11 @@ class FixedLayer:
     @property
     def regular(self) -> bool:
         return len(set(self.degrees)) == 1
+
+    @property
+    def member(self) -> int:
+        """This rank's replica's place in :attr:`degrees`: its index (the replicas never change)."""
+        return self.index
 
     @property
     def degree(self) -> int:
@@ -133,14 +138,15 @@ class FixedLayer:
             raise RuntimeError(f"no replicate group for holders {holders} was created at wrap time "
                                f"(FixedLayer.ensure_groups; an hsdp bug)") from None
 
-    def ensure_groups(self, tuples: Iterable[Holders]) -> None:
-        """Create the groups of ``tuples`` not created yet, in sorted order. A collective over the world:
-        every rank calls it with the same tuples (they come from the model's shapes, the same everywhere).
-        A no-op on a grid, whose groups are the mesh's. With tensor parallelism a tuple is one group per tp
-        coordinate (the same rows of the same tensor-parallel piece); this rank keeps its own coordinate's."""
+    def ensure_groups(self, rows: Iterable[int]) -> None:
+        """Create the groups of the pieces of parameters of ``rows`` rows (and the position groups) not created
+        yet, in sorted order. A collective over the world: every rank calls it with the same rows (they come
+        from the model's shapes, the same everywhere). A no-op on a grid, whose groups are the mesh's. With
+        tensor parallelism a tuple is one group per tp coordinate (the same rows of the same tensor-parallel
+        piece); this rank keeps its own coordinate's."""
         if self.regular:
             return
-        for holders in sorted(set(tuples) - self._created):
+        for holders in sorted(holder_tuples(rows, self.degrees) - self._created):
             for t in range(self.tp_degree):
                 group = dist.new_group(list(global_ranks(holders, self.degrees, self.tp_degree, t)))
                 if holders[self.index] == self.shard_rank and t == self.tp_rank:
@@ -231,5 +237,5 @@ def heterogeneous_layer(degrees: tuple[int, ...], rank: int, device_type: str, t
         param_mesh = DeviceMesh.from_group([shard_mine, tp_mine], device_type, mesh=grid,
                                            mesh_dim_names=("shard", "tp"))
     layer = FixedLayer(degrees, index, shard_rank, shard_mine, param_mesh, t_deg, tp_rank)
-    layer.ensure_groups(position_groups(degrees))  # every unit reduces its flags there
+    layer.ensure_groups(())  # the position groups: every unit reduces its flags there
     return layer

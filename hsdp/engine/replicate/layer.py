@@ -6,9 +6,13 @@ Every mesh has one replicate layer (``HSDPMesh.replicas``), whatever its kind:
 * elastic membership (``elastic/layer.py``): replicas that leave and rejoin between steps.
 
 The layer has two faces. Its *shape* says which ranks hold the same rows on other replicas and which groups
-reduce them (``degrees``, ``index``, ``group(holders)``, ...): reading it never blocks; on an elastic mesh it is
-the shape of the last quorum this replica took part in. Its *lifecycle* is the step as a transaction, called by
-the runtime on every mesh kind, with no ``if elastic`` branch in the caller:
+reduce them (``degrees``, ``member``, ``group(holders)``, ...): reading it never blocks; on an elastic mesh it is
+the shape of the last quorum this replica took part in. ``index`` is this replica's id, which fixes the data it
+reads; ``member`` its place in ``degrees``, which fixes the pieces it holds (the same on a fixed layer; on an
+elastic one the quorum's members are numbered in id order, so the place moves when others leave).
+
+Its *lifecycle* is the step as a transaction, called by the runtime on every mesh kind, with no ``if elastic``
+branch in the caller:
 
 ``begin_step()``
     a training forward began (the root unit's pre-forward): elastic tells the coordinator it reached the step.
@@ -77,6 +81,10 @@ class ReplicateLayer(Protocol):
     @property
     def index(self) -> int: ...
     @property
+    def member(self) -> int:
+        """This rank's replica's place in :attr:`degrees` (the holder tuples' and the groups' order)."""
+        ...
+    @property
     def shard_rank(self) -> int: ...
     @property
     def shard_group(self) -> dist.ProcessGroup: ...
@@ -115,7 +123,10 @@ class ReplicateLayer(Protocol):
     def step_open(self) -> bool: ...
     def own_position_groups(self) -> list[Holders]: ...
     def group(self, holders: Holders) -> dist.ProcessGroup: ...
-    def ensure_groups(self, tuples: Iterable[Holders]) -> None: ...
+    def ensure_groups(self, rows: Iterable[int]) -> None:
+        """Make the groups of the pieces of parameters of ``rows`` rows (TP-local dim-0 sizes), and of the
+        position groups, available to :meth:`group`: at wrap, on every rank alike."""
+        ...
     def interrupt(self) -> Callable[[], str] | None:
         """What a host wait on a replicate collective polls to give up early (``""``: go on), or ``None``."""
         ...

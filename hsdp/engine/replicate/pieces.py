@@ -23,6 +23,7 @@ Pure arithmetic: no processes, no tensors (``docs/design/replicate_layer.md``, s
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -76,6 +77,15 @@ def position_groups(degrees: tuple[int, ...]) -> list[tuple[int, ...]]:
     more (used for what every rank needs whole: 0-d parameters, flags, batch weights)."""
     validate_degrees(degrees)
     return sorted({tuple(j % d for d in degrees) for j in range(max(degrees))})
+
+
+def holder_tuples(rows: Iterable[int], degrees: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """Every holder tuple over ``degrees`` that parameters of ``rows`` rows are reduced over, on any rank: their
+    pieces' and the position groups (the groups to create)."""
+    tuples = set(position_groups(degrees))
+    for n in rows:
+        tuples.update(p.holders for p in pieces(n, degrees))
+    return tuples
 
 
 def global_ranks(holders: tuple[int, ...], degrees: tuple[int, ...], tp_degree: int = 1,

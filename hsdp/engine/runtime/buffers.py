@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from hsdp.engine.collectives import Comm
+from hsdp.engine.runtime.piece_broadcast import broadcast_whole
 
 
 def updates_running_stats(module: nn.Module) -> bool:
@@ -127,4 +128,4 @@ class BufferSync:
         layer = self.comm.mesh.replicas
         if layer.outside_world:  # the world was the replica's own job: now across replicas, from the lowest
             layer.await_step()
-            self.comm.broadcast(flat, layer.lowest_member, "replicate")
+            broadcast_whole(self.comm, flat, layer.lowest_member)

@@ -25,10 +25,13 @@ from hsdp.engine.runtime.sharded_param import ShardedParam
 
 def plan_of(comm: Comm, params: list[ShardedParam], offsets: list[int], n_extra: int, slot_numel: int,
             cache: dict[tuple[int, ...], PiecePlan | None]) -> PiecePlan | None:
-    """The piece plan of a reduction of ``params`` (cached per parameter set: which are trainable may change)."""
-    key = tuple(id(p) for p in params)
+    """The piece plan of a reduction of ``params`` (cached per parameter set, which are trainable may change, and
+    per degrees and place: an elastic job's quorums change them)."""
+    layer = comm.mesh.replicas
+    layer.await_step()  # the step's degrees (an elastic quorum's), waited for once per step
+    key = (*layer.degrees, -1, layer.member, -1, *(id(p) for p in params))
     if key not in cache:
-        cache[key] = plan_pieces([p.layout for p in params], offsets, n_extra, slot_numel, comm.mesh.replicas)
+        cache[key] = plan_pieces([p.layout for p in params], offsets, n_extra, slot_numel, layer)
     return cache[key]
 
 

@@ -21,7 +21,8 @@ per coordinate, and so its own plan.
 
 Math: the reduce-scatter averaged over the ``d_r`` ranks of this replica only, so the slot is first multiplied
 by ``d_r x R / W`` (``FixedLayer.scale``); the replicate average then yields the average over all ``W`` ranks,
-the same weighted mean a grid computes. Pure: built once per unit at wrap time.
+the same weighted mean a grid computes. Pure: built once per unit and set of degrees (an elastic job of
+replicas of different degrees has the degrees of each quorum: ``piece_hop.plan_of`` keys its cache by them).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Shard
 
-from hsdp.engine.replicate.fixed import FixedLayer, Holders
-from hsdp.engine.replicate.pieces import chunk_rows, pieces, pieces_of_rank, position_groups
+from hsdp.engine.replicate.layer import Holders, ReplicateLayer
+from hsdp.engine.replicate.pieces import chunk_rows, pieces_of_rank
 from hsdp.engine.runtime.layout import ShardLayout
 
 Segment = tuple[int, int]  # (offset in the reduced slot, numel)
@@ -58,15 +59,10 @@ class PiecePlan:
     scale: float
 
 
-def holder_tuples(layouts: list[ShardLayout], degrees: tuple[int, ...]) -> set[Holders]:
-    """Every holder tuple a unit of ``layouts`` reduces over, on any rank (every tp coordinate's too: the
-    groups are created on every rank alike): the groups to create at wrap."""
-    tuples = set(position_groups(degrees))
-    for layout in layouts:
-        if not layout.replicated:
-            for rows in tp_local_rows(layout):
-                tuples.update(p.holders for p in pieces(rows, degrees))
-    return tuples
+def piece_rows(layouts: list[ShardLayout]) -> set[int]:
+    """The dim-0 sizes whose pieces units of ``layouts`` reduce, on any rank (every tp coordinate's too: the
+    groups are created on every rank alike): what the replicate layer makes groups for at wrap."""
+    return {rows for layout in layouts if not layout.replicated for rows in tp_local_rows(layout)}
 
 
 def tp_local_rows(layout: ShardLayout) -> set[int]:
@@ -80,12 +76,12 @@ def tp_local_rows(layout: ShardLayout) -> set[int]:
 
 
 def plan_pieces(layouts: list[ShardLayout], offsets: list[int], n_extra: int, slot_numel: int,
-                layer: FixedLayer) -> PiecePlan | None:
+                layer: ReplicateLayer) -> PiecePlan | None:
     """This rank's buckets for a reduced slot of ``layouts`` at ``offsets`` (``slot_numel`` elements, then
     ``n_extra`` values); ``None`` on a grid, whose whole slot is one hop over the ``"replicate"`` group."""
     if layer.regular:
         return None
-    degrees, r, s = layer.degrees, layer.index, layer.shard_rank
+    degrees, r, s = layer.degrees, layer.member, layer.shard_rank
     by_holders: dict[Holders, list[Segment]] = {}
     tail: list[Segment] = []
     for layout, offset in zip(layouts, offsets, strict=True):

@@ -41,10 +41,12 @@ class CoordinatorConfig:
     majority); ``start_grace`` seconds at step 0 to wait for every replica before starting with the minimum;
     ``linger`` seconds to serve on once the job completed (its last members finished), telling replicas that
     arrive late (a restart still starting) that the job is over, so they end cleanly; ``inf``: until stopped
-    (``hsdp launch --elastic`` stops it once every node ended).
+    (``hsdp launch --elastic`` stops it once every node ended). ``nproc_per_replica``: each replica id's rank
+    count, for replicas of different shard degrees (``None``: every replica has the first quorum's count).
 
     ``ValueError`` naming the fix for a port outside 0..65535, a bad count or minimum, an empty job name or
-    one with ``/``, a timeout that is not positive, a negative linger."""
+    one with ``/``, a timeout that is not positive, a negative linger, rank counts that are not one positive
+    count per replica."""
 
     port: int
     replicas: int
@@ -54,8 +56,13 @@ class CoordinatorConfig:
     heartbeat_timeout: float = ElasticPolicy.heartbeat_timeout
     start_grace: float = 10.0
     linger: float = 5.0
+    nproc_per_replica: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        counts = self.nproc_per_replica
+        if counts is not None and (len(counts) != self.replicas or min(counts) < 1):
+            raise ValueError(f"--nproc-per-replica {','.join(map(str, counts))}: give one rank count >= 1 per "
+                             f"replica id 0..{self.replicas - 1}, e.g. 2,1,1 for three replicas of 2, 1 and 1 ranks")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port}: give a TCP port in 1..65535, or 0 for a free one")
         object.__setattr__(self, "min_replicas", check_replicas(self.replicas, self.min_replicas))

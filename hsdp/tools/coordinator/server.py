@@ -12,8 +12,10 @@ second of a kill instead of after the heartbeat timeout, while a slow or stopped
 Refused, each told why (``reject/...``): an id used twice (a second incarnation while the first still beats past
 the heartbeat timeout, admitted or not; a torchrun restart is told from it by the old one going silent), a
 replica whose rank count is not the job's (fixed by the first quorum: the most common count among the ready
-replicas), and any replica once the job stopped (below the minimum, or every replica died) or completed (its
-last members finished training: ``completed`` tells a late replica it has nothing to join).
+replicas; in a job of replicas of different degrees, declared per id with ``ranks``: not its id's), one whose
+tensor-parallel degree is not the job's (fixed alike), and any replica once the job stopped (below the
+minimum, or every replica died) or completed (its last members finished training: ``completed`` tells a late
+replica it has nothing to join).
 
 State is tiny (members, step, epoch) and lives in this process: like torchft's lighthouse the coordinator is a
 single point of failure. It is reached through the ``Store`` interface only, so a replicated store (etcd, which
@@ -25,7 +27,7 @@ from __future__ import annotations
 import collections
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -44,8 +46,9 @@ PROBE_TIMEOUT_S = 0.1
 class _Incarnation:
     replica: int
     number: int
-    degree: int
+    degree: int  # its rank count (tp ranks included)
     registered: float
+    tp: int = 1  # its tensor-parallel degree
     ready: bool = False
     refused: bool = False  # told why it cannot join (``reject/...``); never admitted
     # Per rank of the replica (every rank beats): its heartbeat counter as last read (-1: never), the
@@ -76,7 +79,8 @@ class JobState:
     # Later incarnations of an id whose pending one still beats: a restart (admitted once the older one is
     # silent) or a second replica using the id (refused).
     claims: list[_Incarnation] = field(default_factory=list)
-    degree: int | None = None  # every replica's rank count, fixed by the first quorum
+    degree: int | None = None  # every replica's rank count, fixed by the first quorum (one degree per job)
+    tp: int | None = None  # every replica's tensor-parallel degree, fixed by the first quorum
     known: dict[int, int] = field(default_factory=dict)  # replica id -> incarnations seen
     quorum: Quorum | None = None  # published for ``step``, awaiting votes
     last: dict[int, int] = field(default_factory=dict)  # the previous quorum's members: id -> incarnation
@@ -91,13 +95,18 @@ class JobState:
 
 class Coordinator:
     """Decide quorums and commits for ``job``: ``replicas`` configured replica ids (0..replicas-1), at least
-    ``min_replicas`` live ones to go on (default: a majority). Call :meth:`poll` in a loop (:meth:`serve`)."""
+    ``min_replicas`` live ones to go on (default: a majority). ``ranks``: the rank count of each id, for a job
+    of replicas of different shard degrees (told to the replicas, which then reduce over pieces; a replica of
+    another count than its id's is refused); ``None``: every replica has the first quorum's count. Call
+    :meth:`poll` in a loop (:meth:`serve`)."""
 
     def __init__(self, store: dist.Store, job: str, replicas: int, min_replicas: int | None = None,
                  policy: ElasticPolicy | None = None, clock: Callable[[], float] = time.monotonic,
-                 start_grace: float = 10.0) -> None:
+                 start_grace: float = 10.0, ranks: Sequence[int] | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"an elastic job needs at least one replica, got replicas={replicas}")
+        if ranks is not None and (len(ranks) != replicas or min(ranks) < 1):
+            raise ValueError(f"ranks={list(ranks)}: give one positive rank count per replica id 0..{replicas - 1}")
         self.min_replicas = replicas // 2 + 1 if min_replicas is None else min_replicas
         if not 1 <= self.min_replicas <= replicas:
             raise ValueError(f"min_replicas={min_replicas} must lie in 1..{replicas} (replicas={replicas})")
@@ -109,7 +118,11 @@ class Coordinator:
         self._started = clock()
         self._next_probe = 0.0  # when members late for a step may be probed again
         self._probed = -1  # the last step whose failed vote had every member probed
-        store.set(key(job, "coordinator"), json.dumps({"replicas": replicas, "min_replicas": self.min_replicas}))
+        self.ranks = tuple(ranks) if ranks is not None else None
+        told: dict[str, object] = {"replicas": replicas, "min_replicas": self.min_replicas}
+        if self.ranks is not None:
+            told["ranks"] = list(self.ranks)
+        store.set(key(job, "coordinator"), json.dumps(told))
 
     def serve(self, stop: Callable[[], bool] = lambda: False, period: float = 0.005) -> None:
         """Poll until ``stop()`` is true."""
@@ -127,8 +140,7 @@ class Coordinator:
         self._beat()
         self._reject_duplicates()
         self._settle_claims()
-        if self.state.degree is not None:
-            self._refuse_other_degrees(self.state.degree)
+        self._refuse_misfits()
         if self.state.quorum is None:
             self._maybe_decide_quorum()
         else:
@@ -150,7 +162,8 @@ class Coordinator:
                 reg = self._get("reg", replica, number)
                 if reg is None:
                     return  # registered its number but not yet its details: next round
-                inc = _Incarnation(replica, number, json.loads(reg)["degree"], self.clock())
+                told = json.loads(reg)
+                inc = _Incarnation(replica, number, told["degree"], self.clock(), told.get("tp", 1))
                 held = s.pending.get(replica)
                 if held is not None and not held.refused and self._alive(held):
                     s.claims.append(inc)  # judged by _settle_claims once the older one had time to go silent
@@ -254,22 +267,41 @@ class Coordinator:
         self.state.refusals.append((inc.replica, inc.number, why))
         self.store.set(key(self.job, "reject", inc.replica, inc.number), why)
 
-    def _refuse_other_degrees(self, degree: int) -> bool:
-        """Refuse waiting incarnations whose rank count is not ``degree``; whether any was. They stay pending,
-        refused, so the membership log says nothing it would word as an id in use."""
-        odd = [inc for inc in self.state.pending.values() if not inc.refused and inc.degree != degree]
-        for inc in odd:
-            self._reject(inc, f"replica {inc.replica} of job {self.job!r} has {inc.degree} rank(s), the job's "
-                              f"replicas have {degree}: every replica needs the same number of ranks (a joiner is "
-                              f"healed shard by shard from a live one): start it with {degree} ranks (torchrun "
-                              f"--nproc-per-node {degree}), or run a different job under its own HSDP_ELASTIC_JOB "
-                              f"(hsdp coordinator --job NAME) or coordinator")
+    def _refuse_misfits(self) -> bool:
+        """Refuse waiting incarnations that cannot reduce with the job's replicas (:meth:`_misfit`); whether any
+        was. They stay pending, refused, so the membership log says nothing it would word as an id in use."""
+        odd = [(inc, why) for inc in self.state.pending.values() if not inc.refused and (why := self._misfit(inc))]
+        for inc, why in odd:
+            self._reject(inc, why)
         return bool(odd)
 
-    def _first_degree(self) -> int:
-        """The rank count of the first quorum: the most common among the ready replicas (ties: the lowest
-        id's), so one replica started with the wrong count does not refuse all the others."""
-        ready = sorted((r, inc.degree) for r, inc in self.state.pending.items() if self._ready(inc))
+    def _misfit(self, inc: _Incarnation) -> str:
+        """Why ``inc`` cannot join ("" when it can): a rank count other than its id's (replicas of different
+        degrees) or the job's (one degree: a joiner is healed shard by shard), or another tensor-parallel degree
+        (the replicate groups are per (shard, tp) position)."""
+        s, other = self.state, "or run a different job under its own HSDP_ELASTIC_JOB (hsdp coordinator --job NAME)"
+        if self.ranks is not None and inc.degree != self.ranks[inc.replica]:
+            want = self.ranks[inc.replica]
+            return (f"replica {inc.replica} of job {self.job!r} has {inc.degree} rank(s), its id was declared with "
+                    f"{want} (--nproc-per-replica {','.join(map(str, self.ranks))}): start it with {want} ranks "
+                    f"(torchrun --nproc-per-node {want}), fix --nproc-per-replica, {other}")
+        if self.ranks is None and s.degree is not None and inc.degree != s.degree:
+            return (f"replica {inc.replica} of job {self.job!r} has {inc.degree} rank(s), the job's replicas have "
+                    f"{s.degree}: every replica needs the same number of ranks (a joiner is healed shard by shard "
+                    f"from a live one): start it with {s.degree} ranks (torchrun --nproc-per-node {s.degree}), "
+                    f"{other} or coordinator; for replicas of different degrees declare each id's rank count "
+                    f"(hsdp coordinator --nproc-per-replica N,N,...)")
+        if s.tp is not None and inc.tp != s.tp:
+            return (f"replica {inc.replica} of job {self.job!r} has tensor_parallel_degree={inc.tp}, the job's "
+                    f"replicas have {s.tp}: every replica needs the same tensor-parallel degree (gradients are "
+                    f"reduced per (shard, tp) position): start it with tensor_parallel_degree={s.tp}, {other}")
+        return ""
+
+    def _first(self, attribute: str) -> int:
+        """The first quorum's value of an incarnation ``attribute`` (rank count, tp degree): the most common
+        among the ready replicas (ties: the lowest id's), so one replica started wrong does not refuse all the
+        others."""
+        ready = sorted((r, getattr(inc, attribute)) for r, inc in self.state.pending.items() if self._ready(inc))
         counts = collections.Counter(d for _, d in ready)
         return max((d for _, d in ready), key=lambda d: counts[d])  # max keeps the first (lowest id) of a tie
 
@@ -295,9 +327,10 @@ class Coordinator:
         if s.step == 0 and not s.members:
             if not self._start_ready():
                 return
-            if s.degree is None:
-                s.degree = self._first_degree()
-                if self._refuse_other_degrees(s.degree):
+            if s.tp is None:
+                s.degree = self._first("degree") if self.ranks is None else None
+                s.tp = self._first("tp")
+                if self._refuse_misfits():
                     return  # decide again without them (they no longer count as ready)
         elif not s.members and s.finished:
             self._complete()  # the last members finished training: a late replica has nothing to join
@@ -332,7 +365,7 @@ class Coordinator:
         s.finished = set()  # those that finished before this quorum did not end the job: its members go on
         ids = tuple(sorted(merged))
         s.quorum = Quorum(s.step, s.epoch, ids, tuple(merged[r].number for r in ids), tuple(sorted(joiners)),
-                          source if joiners else None)
+                          source if joiners else None, tuple(merged[r].degree for r in ids))
         self.store.set(key(self.job, "quorum", s.step), s.quorum.to_json())
 
     def _probe_late(self) -> None:

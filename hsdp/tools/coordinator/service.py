@@ -61,7 +61,7 @@ def serve(config: CoordinatorConfig, *, out: IO[str] | None = None, err: IO[str]
         return 1
     started = time.monotonic()
     coordinator = Coordinator(store, config.job, config.replicas, config.min_replicas, config.policy(),
-                              start_grace=config.start_grace)
+                              start_grace=config.start_grace, ranks=config.nproc_per_replica)
     log = MembershipLog(config.heartbeat_timeout)
     _say(out, f"hsdp coordinator: elastic job {config.job!r}, {config.replicas} replica(s) (ids 0.."
               f"{config.replicas - 1}), going on with at least {coordinator.min_replicas}; heartbeat timeout "

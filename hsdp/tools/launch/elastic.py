@@ -69,13 +69,9 @@ class ElasticOptions:
             raise ValueError(f"--heartbeat-timeout {self.heartbeat_timeout}: give a positive number of seconds")
 
     def check(self, layout: NodeLayout) -> None:
-        """``ValueError`` naming the fix when ``layout`` cannot be an elastic job: its nodes differ in rank count
-        (every replica must have the same shard degree, so any one can heal another), or ``min_replicas``
-        lies outside ``1..nodes``."""
-        if not layout.uniform:
-            counts = ",".join(map(str, layout.nprocs))
-            raise ValueError(f"--elastic with --nproc-per-node {counts}: every replica must have the same number of "
-                             f"ranks (a joiner is healed from any live replica, shard by shard); give one count")
+        """``ValueError`` naming the fix when ``layout`` cannot be an elastic job: ``min_replicas`` lies outside
+        ``1..nodes``. Nodes of different rank counts are replicas of different shard degrees (the coordinator
+        is told each node's count)."""
         check_replicas(layout.nodes, self.min_replicas, flag="--nodes")
 
 
@@ -114,26 +110,28 @@ def replica_env(address: str, node: int, job: str) -> dict[str, str]:
     return {COORDINATOR_ENV: address, REPLICA_ID_ENV: str(node), JOB_ENV: job}
 
 
-def coordinator_command(place: NodePlace, replicas: int, options: ElasticOptions) -> list[str]:
-    """``hsdp coordinator`` on node ``place`` (node 0), on a free port it prints (so nothing can take it first);
+def coordinator_command(place: NodePlace, layout: NodeLayout, options: ElasticOptions) -> list[str]:
+    """``hsdp coordinator`` on node ``place`` (node 0), on a free port it prints (so nothing can take it first),
+    for the nodes of ``layout`` (told each node's rank count when they differ: replicas of different degrees);
     the first step waits up to :data:`START_GRACE_S` for every node (they all start now, but not equally fast
     on a busy machine: one that misses the start joins later and is healed, a step's cost). Once the job
     completed it serves on until this launch stops it after the last node: a node that torchrun restarted and
     that was still starting when the others finished is told the job is over and ends with status 0."""
     minimum = [] if options.min_replicas is None else ["--min-replicas", str(options.min_replicas)]
     timeout = [] if options.heartbeat_timeout is None else ["--heartbeat-timeout", f"{options.heartbeat_timeout:g}"]
+    counts = [] if layout.uniform else ["--nproc-per-replica", ",".join(map(str, layout.nprocs))]
     return [*place.prefix, sys.executable, "-m", "hsdp", "coordinator", "--host", place.address, "--port", "0",
-            "--replicas", str(replicas), *minimum, *timeout, "--job", options.job, "--start-grace",
+            "--replicas", str(layout.nodes), *minimum, *timeout, *counts, "--job", options.job, "--start-grace",
             f"{START_GRACE_S:g}", "--linger", "inf"]
 
 
-def coordinator_spec(place: NodePlace, replicas: int, options: ElasticOptions,
+def coordinator_spec(place: NodePlace, layout: NodeLayout, options: ElasticOptions,
                      env: Mapping[str, str] | None = None) -> AgentSpec:
     """The coordinator process: one thread of work (it polls a store), its lines unbuffered, torch's C++
     warnings off unless asked for (a store client's address without a host name, in a namespace, is not news)."""
     extra = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
              "PYTHONUNBUFFERED": "1", **place.env}
-    return AgentSpec(tuple(coordinator_command(place, replicas, options)), extra, COORDINATOR_LABEL)
+    return AgentSpec(tuple(coordinator_command(place, layout, options)), extra, COORDINATOR_LABEL)
 
 
 def elastic_agents(places: Sequence[NodePlace], layout: NodeLayout, script_args: Sequence[str], address: str,
@@ -156,7 +154,7 @@ def run_elastic(places: Sequence[NodePlace], layout: NodeLayout, script_args: Se
     supervise them until every node has ended; the exit status (the first failed node's, 0 if none failed;
     1 when the coordinator cannot start or exits early; ``128 + n`` after signal ``n``)."""
     try:
-        service, line = start_service(coordinator_spec(places[0], layout.nodes, options, env), ADDRESS_LINE,
+        service, line = start_service(coordinator_spec(places[0], layout, options, env), ADDRESS_LINE,
                                       COORDINATOR_READY_S)
     except RuntimeError as e:
         print(f"hsdp launch: error: the elastic coordinator did not start: {e}", file=sys.stderr, flush=True)

@@ -7,6 +7,11 @@ coordinator (``$HSDP_COORDINATOR``, ``host:port``), this replica's stable id (``
 the replica's leader (local rank 0 of its job), the one rank that registered and waited for it, through the
 replica's own rendezvous store (its other ranks wait as long as the leader may: ``ElasticPolicy.leader_wait``).
 A replica that comes after the job completed is told so and ends cleanly (:class:`JobCompleted`).
+
+A job of replicas of different shard degrees is declared on the coordinator (``hsdp coordinator
+--nproc-per-replica 2,1,1``; ``hsdp launch --elastic`` with per-node rank counts does it): every replica learns
+each id's rank count when it joins (:class:`Joined`), before its model is wrapped, so it reduces over pieces
+from its first step to its last (the path never changes mid-run), and its data does not move when others leave.
 """
 
 from __future__ import annotations
@@ -23,6 +28,16 @@ import torch.distributed as dist
 from hsdp.engine.replicate.elastic.client import CoordinatorClient, JobCompleted, connect
 from hsdp.engine.replicate.elastic.protocol import COORDINATOR_ENV, JOB_ENV, REPLICA_ID_ENV, ElasticPolicy, key
 from hsdp.engine.store_exchange import exchange
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What a replica learns when it joins: its ``client``, the configured replica count, and each id's rank
+    count when the job declared replicas of different degrees (``None``: one rank count for every replica)."""
+
+    client: CoordinatorClient
+    replicas: int
+    ranks: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -47,27 +62,47 @@ def elastic_env(coordinator: str | None, env: Mapping[str, str] | None = None) -
     return ElasticEnv(address, int(text), env.get(JOB_ENV, "default"))
 
 
-def join(found: ElasticEnv, degree: int, policy: ElasticPolicy) -> tuple[CoordinatorClient, int]:
-    """Connect every rank and register this replica (its leader; every rank's heartbeat starts);
-    ``(client, configured replica count)``. Admission waits until the replica is ready (:func:`admit`).
-    :class:`JobCompleted` on every rank when the job is over already."""
+def join(found: ElasticEnv, degree: int, policy: ElasticPolicy, tp_degree: int = 1) -> Joined:
+    """Connect every rank and register this replica of ``degree`` ranks (``tp_degree`` tp ranks per shard
+    position) with its leader (every rank's heartbeat starts). Admission waits until the replica is ready
+    (:func:`admit`). :class:`JobCompleted` on every rank when the job is over already; ``ValueError`` on every
+    rank when its id is out of range, or its rank count is not the one the job declared for its id."""
     store = connect(found.address, found.job, policy)
     client = CoordinatorClient(store, found.address, found.job, found.replica_id, dist.get_rank(), policy)
+    client.tp_degree = tp_degree
     answer: dict[str, object] = {}
     if client.leader:
         try:
             client.raise_if_completed()  # a restart that was still starting when training ended
-            answer["replicas"] = configured = _configured(store, found)
+            served = json.loads(store.get(key(found.job, "coordinator")).decode())
+            answer["replicas"] = configured = int(served["replicas"])
+            answer["ranks"] = served.get("ranks")
             if found.replica_id >= configured:
                 raise ValueError(f"{REPLICA_ID_ENV}={found.replica_id} is outside the coordinator's {configured} "
                                  f"replicas (ids 0..{configured - 1}): start it with more --replicas")
+            _check_declared(found.replica_id, degree, tp_degree, served.get("ranks"))
             answer["incarnation"] = client.register(degree)
         except (ValueError, TimeoutError, JobCompleted) as e:
             answer.update(_failure(e))
     told = _told(client, answer, "its registration")
     if not client.leader:  # the leader beats since it registered
         client.beat(int(told["incarnation"]))
-    return client, int(told["replicas"])
+    ranks = told.get("ranks")
+    return Joined(client, int(told["replicas"]), None if ranks is None else tuple(ranks))
+
+
+def _check_declared(replica_id: int, degree: int, tp_degree: int, ranks: list[int] | None) -> None:
+    """``ValueError`` naming the fix when the job declared rank counts per id (replicas of different degrees)
+    and this replica's is not its id's, or some id's count is no whole number of tensor-parallel groups."""
+    if ranks is None:
+        return
+    if ranks[replica_id] != degree:
+        raise ValueError(f"replica {replica_id} has {degree} rank(s), the coordinator declares {ranks[replica_id]} "
+                         f"for it (--nproc-per-replica {','.join(map(str, ranks))}): start it with torchrun "
+                         f"--nproc-per-node {ranks[replica_id]}, or fix the coordinator's --nproc-per-replica")
+    if any(n % tp_degree for n in ranks):
+        raise ValueError(f"tensor_parallel_degree={tp_degree} does not divide every replica's rank count "
+                         f"({list(ranks)}, --nproc-per-replica): every replica holds whole tensor-parallel groups")
 
 
 def admit(client: CoordinatorClient) -> int:
@@ -126,6 +161,3 @@ def _told(client: CoordinatorClient, answer: dict[str, object], what: str) -> di
         raise ValueError(told["error"])
     return told
 
-
-def _configured(store: dist.Store, found: ElasticEnv) -> int:
-    return int(json.loads(store.get(key(found.job, "coordinator")).decode())["replicas"])

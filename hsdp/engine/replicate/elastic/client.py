@@ -100,6 +100,7 @@ class CoordinatorClient:
         self.store, self.address, self.job, self.replica_id = store, address, job, replica_id
         self.rank, self.policy = rank, policy
         self.incarnation = 0  # the leader's registration; the other ranks learn it from the leader (beat())
+        self.tp_degree = 1  # the replica's tensor-parallel degree, registered with its rank count
         self._stop = threading.Event()
         self._beat: tuple[threading.Thread, threading.Event] | None = None  # this incarnation's heartbeat
         self._watch: dist.Store | None = None  # down(): a connection of its own
@@ -112,9 +113,11 @@ class CoordinatorClient:
 
     # -- leader ------------------------------------------------------------------------------------------
     def register(self, degree: int) -> int:
-        """Leader: announce a new incarnation of this replica (``degree`` ranks) and start its own heartbeat."""
+        """Leader: announce a new incarnation of this replica (``degree`` ranks, of :attr:`tp_degree` tp ranks
+        each) and start its own heartbeat."""
         self.incarnation = int(self.store.add(key(self.job, "inc", self.replica_id), 1))
-        self.store.set(key(self.job, "reg", self.replica_id, self.incarnation), json.dumps({"degree": degree}))
+        self.store.set(key(self.job, "reg", self.replica_id, self.incarnation),
+                       json.dumps({"degree": degree, "tp": self.tp_degree}))
         self.beat(self.incarnation)
         return self.incarnation
 

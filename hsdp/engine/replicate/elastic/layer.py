@@ -5,9 +5,18 @@ same way): this rank's replica is its
 own torchrun job, whose world is the shard group and whose mesh is ``param_mesh``; the other replicas are the
 current quorum's members (``protocol.Quorum``), and the ``"replicate"`` group is that quorum's group for this
 rank's position (``groups.py``: its shard rank, and its tp rank with tensor parallelism), rebuilt when the epoch
-changes. Every replica has the same degree (and the same tp degree), so the replica hop is the grid's: one
+changes. When every replica has the same degree (and the same tp degree), the replica hop is the grid's: one
 all-reduce of the whole slot (no piece plan), and a joiner's rank is healed from the same position of a live
 member.
+
+A job declared with replicas of different shard degrees (the coordinator's ``--nproc-per-replica``, learnt at
+join: ``declared``) is never regular, from its first step to its last: each quorum carries its members' rank
+counts, whose degrees (in member order, the replica's place in them :attr:`member`) cut every parameter into
+pieces as on a fixed heterogeneous mesh (``runtime/piece_plan.py``, pre-scaled by ``d_r x R / W`` of the
+quorum), reduced over one group per holder tuple, made per epoch (``piece_groups.py``) for the row counts
+registered at wrap (:meth:`ensure_groups`); joiners are healed piece by piece from a member of any degree
+(``optim/elastic_heal.py``). The data a replica reads stays its id's: its ranks follow the declared degrees of
+the lower ids.
 
 One step is one transaction: :meth:`begin_step` (the root's forward) tells the coordinator this replica reached
 the step; the first inter-node collective, or the commit, waits for the step's quorum (:meth:`await_quorum`:
@@ -31,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,31 +48,37 @@ from torch.distributed.device_mesh import DeviceMesh
 from hsdp.engine.replicate.elastic.bootstrap import admit, rejoin
 from hsdp.engine.replicate.elastic.client import CoordinatorClient, QuorumLost
 from hsdp.engine.replicate.elastic.groups import abort_group, build_group
+from hsdp.engine.replicate.elastic.piece_groups import build_piece_groups, own_tuples
 from hsdp.engine.replicate.elastic.protocol import ElasticPolicy, Quorum
-from hsdp.engine.replicate.layer import Heal, StepRecord
+from hsdp.engine.replicate.layer import Heal, Holders, StepRecord
+from hsdp.engine.replicate.pieces import position_groups
 
 
 class ElasticLayer:
-    """The quorum of an elastic job as the runtime's replicate layer (see the module docstring)."""
-
-    regular = True  # every replica has the same degree: one hop over the "replicate" group
-    scale = 1.0
+    """The quorum of an elastic job as the runtime's replicate layer (see the module docstring). ``declared``:
+    every replica id's shard degree when the job declared replicas of different degrees, else ``None``."""
 
     def __init__(self, client: CoordinatorClient, replica_id: int, degree: int, replicas: int, shard_rank: int,
                  shard_group: dist.ProcessGroup, param_mesh: DeviceMesh, device_type: str,
-                 policy: ElasticPolicy, tp_rank: int = 0, tp_degree: int = 1) -> None:
+                 policy: ElasticPolicy, tp_rank: int = 0, tp_degree: int = 1,
+                 declared: tuple[int, ...] | None = None) -> None:
         self.client, self.replica_id, self.degree, self.configured = client, replica_id, degree, replicas
         self.shard_rank, self.shard_group, self.param_mesh = shard_rank, shard_group, param_mesh
         # The replicate groups' position: one per (shard rank, tp rank); T is in the name, so replicas of another
         # tp degree never meet in one group.
         self.position = str(shard_rank) if tp_degree == 1 else f"{shard_rank}.tp{tp_rank}of{tp_degree}"
         self.ranks = degree * tp_degree  # the replica's job: what it registers with the coordinator
+        self.tp_degree, self.declared = tp_degree, declared
+        self._tp_position = "" if tp_degree == 1 else f".tp{tp_rank}of{tp_degree}"  # the piece groups' tp part
+        self._rows: set[int] = set()  # the parameters' row counts (ensure_groups): the piece groups to make
+        self._pieces: dict[Holders, dist.ProcessGroup] = {}  # the epoch's piece groups (declared degrees only)
         self.device_type, self.policy = device_type, policy
         self.step: int | None = None  # the next step this replica runs; known once admitted
         self.quorum: Quorum | None = None
         self.last: StepRecord | None = None
         self.heals: list[Heal] = []
         self._group: dist.ProcessGroup | None = None
+        self._built = False  # the current epoch's groups exist
         self._epoch = -1
         self._wanted = -1
         self._failure = ""  # why this step's inter-node reduction failed on this rank ("" = it did not)
@@ -77,8 +92,19 @@ class ElasticLayer:
 
     # -- shape (layer.py): the last quorum's, never waited for here ----------------------------------------
     @property
+    def regular(self) -> bool:
+        """Every replica of one degree: one hop of the whole slot over the "replicate" group. Fixed for the run
+        (a job declared with different degrees reduces pieces even in a quorum whose members share one)."""
+        return self.declared is None
+
+    @property
     def index(self) -> int:
         return self.replica_id  # stable: the data this replica reads does not move when others leave
+
+    @property
+    def member(self) -> int:
+        """This replica's place in the last quorum (members in id order; its id before the first)."""
+        return self.quorum.index(self.replica_id) if self.quorum is not None else self.replica_id
 
     @property
     def count(self) -> int:
@@ -88,20 +114,37 @@ class ElasticLayer:
 
     @property
     def degrees(self) -> tuple[int, ...]:
-        return (self.degree,) * self.count
+        """The shard degrees of the last quorum's members, in member order (every configured replica's before
+        the first)."""
+        if self.declared is None:
+            return (self.degree,) * self.count
+        return self._degrees_of(self.quorum) if self.quorum is not None else self.declared
+
+    def _degrees_of(self, quorum: Quorum) -> tuple[int, ...]:
+        return tuple(n // self.tp_degree for n in quorum.ranks)
+
+    @property
+    def scale(self) -> float:
+        """``d_r x R / W`` over the quorum's degrees (``FixedLayer.scale``): 1 when every degree is equal."""
+        if self.declared is None:
+            return 1.0
+        degrees = self.degrees
+        return self.degree * len(degrees) / sum(degrees)
 
     @property
     def start(self) -> int:
+        if self.declared is not None:
+            return sum(self.declared[:self.replica_id])
         return self.replica_id * self.degree
 
     @property
     def data_parallel_size(self) -> int:
-        return self.configured * self.degree
+        return sum(self.data_parallel_degrees)
 
     @property
     def data_parallel_degrees(self) -> tuple[int, ...]:
         """Every configured replica, present or not: a replica's data does not move when others leave."""
-        return (self.degree,) * self.configured
+        return self.declared if self.declared is not None else (self.degree,) * self.configured
 
     @property
     def job_degrees(self) -> tuple[int, ...]:
@@ -121,20 +164,36 @@ class ElasticLayer:
         return self.quorum.members.index(min(self.quorum.members))
 
     @property
-    def replicate_group(self) -> dist.ProcessGroup:
-        if self._group is None or self.quorum is None or self.quorum.step != self.step:
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """This position's group of the step's quorum; ``None`` across replicas of different degrees, whose
+        pieces go over several (:meth:`group`)."""
+        if not self._built or self.quorum is None or self.quorum.step != self.step:
             raise RuntimeError("the elastic replicate group was read before this step's quorum was awaited "
                                "(ReplicateLayer.await_step; an hsdp bug)")
         return self._group
 
     def own_position_groups(self) -> list[tuple[int, ...]]:
-        return [(self.shard_rank,) * self.count]
+        if self.regular:
+            return [(self.shard_rank,) * self.count]
+        return [g for g in position_groups(self.degrees) if g[self.member] == self.shard_rank]
 
     def group(self, holders: tuple[int, ...]) -> dist.ProcessGroup:
-        return self.replicate_group
+        if self.regular:
+            group = self.replicate_group
+            assert group is not None
+            return group
+        self.replicate_group  # noqa: B018 -- raises when read before the step's quorum
+        try:
+            return self._pieces[holders]
+        except KeyError:
+            raise RuntimeError(f"no elastic piece group for holders {holders} in epoch {self._epoch} (member "
+                               f"{self.member}, shard rank {self.shard_rank}): a parameter's rows were not "
+                               f"registered at wrap (ElasticLayer.ensure_groups; an hsdp bug)") from None
 
-    def ensure_groups(self, tuples: object) -> None:
-        pass  # groups are per quorum epoch, built when it starts
+    def ensure_groups(self, rows: Iterable[int]) -> None:
+        """Remember the parameters' row counts: each epoch makes the groups of their pieces over its quorum's
+        degrees (a model wrapped after the first quorum gets its groups from the next epoch on)."""
+        self._rows.update(rows)
 
     def interrupt(self) -> Callable[[], str] | None:
         return self.interrupted
@@ -191,13 +250,11 @@ class ElasticLayer:
             if not self._member(quorum):
                 return self._evicted(quorum)
             if quorum.epoch != self._epoch:
-                self._retire(self._group)
-                self._group = build_group(self.client.store, self.client.job, quorum.epoch, self.position,
-                                          quorum.index(self.replica_id), len(quorum.members), self.device_type,
-                                          self.policy.hop_timeout)
+                self._retire()
+                self._build(quorum.epoch, quorum)
                 self._epoch = quorum.epoch
                 if self.device_type == "cuda":
-                    self._watch(quorum.epoch, self._group)
+                    self._watch(quorum.epoch, self._groups())
             self.quorum = quorum
             if quorum.joiners:
                 self._unhealed = quorum
@@ -220,12 +277,11 @@ class ElasticLayer:
                   f"heartbeat was silent for more than the coordinator's heartbeat timeout (a long call holding "
                   f"the GIL, a paused or overloaded host?). Discarding this step here and registering again, to be "
                   f"healed from a live replica (no restart)", file=sys.stderr, flush=True)
-        self._retire(self._group)
+        self._retire()
         alone = f"alone-{self.replica_id}-{self.client.incarnation}"  # a group name no quorum epoch takes
-        self._group = build_group(self.client.store, self.client.job, alone, self.position, 0, 1,
-                                  self.device_type, self.policy.hop_timeout)
+        self.quorum = Quorum(quorum.step, -1, (self.replica_id,), (self.client.incarnation,), ranks=(self.ranks,))
+        self._build(alone, self.quorum)
         self._epoch = -1  # no coordinator notice concerns a group of one
-        self.quorum = Quorum(quorum.step, -1, (self.replica_id,), (self.client.incarnation,))
         self._dropped = True
         return self.quorum
 
@@ -258,26 +314,46 @@ class ElasticLayer:
                 self.last = StepRecord(quorum.step - 1, True, tuple(r for r in quorum.members
                                                                     if r not in quorum.joiners))
 
-    def _retire(self, group: dist.ProcessGroup | None) -> None:
-        """Abort a replaced group and keep it for ``hop_timeout``: destroying a gloo group joins its threads, and a
-        thread in a collective with a stopped (not dead) peer returns only at that timeout, so dropping the group
-        at once would block this step for it. Groups retired longer ago are dropped now (their collectives
-        have ended)."""
-        if group is None:
+    def _build(self, name: int | str, quorum: Quorum) -> None:
+        """The groups of ``quorum`` under the epoch name ``name``: this position's one group, or across replicas of
+        different degrees one per holder tuple this rank is in (``piece_groups.py``)."""
+        member, store, job = quorum.index(self.replica_id), self.client.store, self.client.job
+        if self.regular:
+            self._group = build_group(store, job, name, self.position, member, len(quorum.members), self.device_type,
+                                      self.policy.hop_timeout)
+        else:
+            tuples = own_tuples(self._rows, self._degrees_of(quorum), member, self.shard_rank)
+            self._pieces = build_piece_groups(store, job, name, tuples, self._tp_position, member, self.device_type,
+                                              self.policy.hop_timeout)
+        self._built = True
+
+    def _groups(self) -> list[dist.ProcessGroup]:
+        """The current epoch's groups."""
+        return ([self._group] if self._group is not None else []) + list(self._pieces.values())
+
+    def _retire(self) -> None:
+        """Abort the replaced epoch's groups and keep them for ``hop_timeout``: destroying a gloo group joins its
+        threads, and a thread in a collective with a stopped (not dead) peer returns only at that timeout, so
+        dropping the group at once would block this step for it. Groups retired longer ago are dropped now
+        (their collectives have ended)."""
+        groups, self._group, self._pieces, self._built = self._groups(), None, {}, False
+        if not groups:
             return
-        abort_group(group)
+        for group in groups:
+            abort_group(group)
         now = time.monotonic()
         bound = self.policy.hop_timeout + 5.0
-        self._retired = [(t, g) for t, g in self._retired if now - t < bound] + [(now, group)]
+        self._retired = [(t, g) for t, g in self._retired if now - t < bound] + [(now, g) for g in groups]
 
-    def _watch(self, epoch: int, group: dist.ProcessGroup) -> None:
+    def _watch(self, epoch: int, groups: list[dist.ProcessGroup]) -> None:
         """NCCL: a host wait does not block (the stream does), so a stuck collective cannot be given up by the
-        waiting thread as on gloo (``handles.py``); a thread aborts the epoch's communicator on the
+        waiting thread as on gloo (``handles.py``); a thread aborts the epoch's communicators on the
         coordinator's ``down`` notice instead, which fails its collectives in flight."""
         def run() -> None:
             while self._epoch == epoch and not self.client.closed:
                 if self.client.down(epoch):
-                    abort_group(group)
+                    for group in groups:
+                        abort_group(group)
                     return
                 time.sleep(self.policy.heartbeat_interval)
 
@@ -288,8 +364,8 @@ class ElasticLayer:
         leaves because its training is done (the coordinator then tells a replica arriving after every member
         finished that the job completed, instead of that it was lost)."""
         self.client.close(finished)
-        group, self._group = self._group, None
-        if group is not None:
+        groups, self._group, self._pieces, self._built = self._groups(), None, {}, False
+        for group in groups:
             with contextlib.suppress(RuntimeError):
                 group.shutdown()
         # Retired groups are dropped here, on this thread: one whose collective still waits out a stopped peer

@@ -16,7 +16,8 @@ only one that decides; replicas write requests and read decisions, all under one
 * ``ready/<id>/<incarnation>``: its model and optimizer exist (a replica is admitted only then, so a member's
   heal never waits for a joiner's start-up); ``admit/<id>/<incarnation>``: the step the coordinator admits it
   at, or ``reject/...``: why not (the id is used by a live replica, even one not yet admitted; the replica has
-  another rank count than the job's; the job stopped);
+  another rank count than the job's, or than its id's in a job of replicas of different degrees, or another
+  tensor-parallel degree; the job stopped);
 * ``want/<step>/<id>``: a member reached step ``step``; ``quorum/<step>``: the members of that step (JSON,
   :class:`Quorum`), published once every live member asked, or ``stop`` below the minimum;
 * ``ok/<step>/<id>`` (a counter, one per rank) and ``fail/<step>``: each rank's vote on whether its
@@ -86,7 +87,8 @@ class Quorum:
     """The replicas that reduce together at ``step``: ``members`` (replica ids, sorted; their incarnations in
     ``incarnations``), of which ``joiners`` are new and are healed from ``source`` (a member that trained the
     previous step) before the step; ``epoch`` changes whenever the members do (the replicate groups are rebuilt
-    under it)."""
+    under it). ``ranks``: each member's rank count (its torchrun job's world, tp ranks included), in member
+    order: a job of replicas of different degrees reduces over the pieces of exactly these degrees."""
 
     step: int
     epoch: int
@@ -94,17 +96,18 @@ class Quorum:
     incarnations: tuple[int, ...]
     joiners: tuple[int, ...] = ()
     source: int | None = None
+    ranks: tuple[int, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps({"step": self.step, "epoch": self.epoch, "members": list(self.members),
                            "incarnations": list(self.incarnations), "joiners": list(self.joiners),
-                           "source": self.source})
+                           "source": self.source, "ranks": list(self.ranks)})
 
     @classmethod
     def from_json(cls, text: str) -> Quorum:
         d = json.loads(text)
         return cls(d["step"], d["epoch"], tuple(d["members"]), tuple(d["incarnations"]), tuple(d["joiners"]),
-                   d["source"])
+                   d["source"], tuple(d.get("ranks", ())))
 
     def index(self, replica_id: int) -> int:
         """This replica's rank in the quorum's groups (members in id order)."""
