@@ -2,7 +2,7 @@
 
 ``hsdp launch --elastic --nodes 3 --nproc-per-node 2``: three replicas of two ranks, each its own torchrun job
 (``--max-restarts 1``), a coordinator on node 0, every node in its network namespace (with root and iproute2;
-on the loopback otherwise). ``tests/programs/elastic_worker.py`` is the training loop. At step 10 of its first
+on the loopback otherwise). ``tests/programs/elastic_worker.py`` is the training loop. At step 6 of its first
 incarnation, node 2's ranks die in backward (SIGKILL), or its rank 0 is stopped (SIGSTOP; rank 1's watchdog
 then ends the replica, the store rank 0 hosts no longer answering; that case also accumulates two
 micro-batches per step, the hop deferred to the last); its torchrun restarts it (a stopped rank after
@@ -25,7 +25,8 @@ replay on the concatenated batches of the members is, and an unweighted replay i
 replicas have different shard degrees, ``--nproc-per-node 2,1,1`` (the coordinator told each id's rank count):
 the gradient is the mean over the members' ranks, reduced piece by piece over the quorum's degrees (a replay
 averaging the replicas instead of their ranks is checked to differ), and the killed 1-rank replica is healed from
-the 2-rank replica 0, its rows re-cut on the way (the first quorum heals both 1-rank replicas from it too). The
+the 2-rank replica 0, its rows re-cut on the way (the first quorum heals both 1-rank replicas from it too); the
+``stop-rank-1`` case runs replicas of 1, 1 and 2 ranks (the victim the 2-rank one: fewer processes on 2 cores). The
 ``stop`` case (a stopped replica restarted and healed), the starved replica's job (dropped alive, healed without
 a restart) and the one restarted after the job completed (killed in backward) run tensor parallelism: each
 replica's 2 ranks are one shard position of two tp ranks (``init_mesh(elastic=True, tensor_parallel_degree=2)``),
@@ -49,17 +50,18 @@ from models import ParityNet, batch, logits, loss_fn, tiny_gpt
 from hsdp.tools.launch.netns import find_tools, list_namespaces
 
 PROGRAM = Path(__file__).parent / "programs" / "elastic_worker.py"
-REPLICAS, RANKS, VICTIM, FAULT_STEP = 3, 2, 2, 10
+REPLICAS, RANKS, VICTIM, FAULT_STEP = 3, 2, 2, 6
 HEARTBEAT_TIMEOUT_S = 4  # the coordinator's: above its default 3 s, which a busy 2-core machine can miss
 # Each case's fault and worker settings: the stopped rank 0 also accumulates two micro-batches per step; a
 # stopped rank 1 leaves its replica's rank 0 beating while it waits in the reduce-scatter inside the node, and
 # the watchdog's bound (what ended that replica and so the survivors' wait before every rank beat) is 15 s there.
 WEIGHTED_ROWS = "2,4,6"  # the kill case: rows per rank of replicas 0, 1, 2, and the batch weight of each
 TP = {"ELASTIC_TP": "2"}  # the starve and completed cases: each replica one shard position of two tp ranks
-HETERO = {"ELASTIC_NPROC": "2,1,1"}  # the kill case: replicas of 2, 1 and 1 ranks (shard degrees)
+HETERO = {"ELASTIC_NPROC": "2,1,1"}  # the kill case: replicas of 2, 1 and 1 ranks (shard degrees; stop-rank-1: 1,1,2)
 CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS, **HETERO},
          "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2", **TP},
-         "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15"}}
+         "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15",
+                         "ELASTIC_NPROC": "1,1,2"}}
 RUN_TIMEOUT_S = 300
 # A SIGKILL to the survivors' next committed step: under 1 s in three runs, 1.21 s once in a full `make test` (the
 # victim's restart imports torch on the same 2 cores meanwhile); without the liveness probe it is the 4 s heartbeat
@@ -185,12 +187,13 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
     if "ELASTIC_NPROC" in CASES[fault]:  # so did the degrees: a mean over replicas, not ranks, would fail it
         per_replica, _ = _replay(survivor, CASES[fault], per_replica=True)
         assert max((params[n] - per_replica[n]).abs().max().item() for n in params) > 1e-3
-        assert len(logs[(VICTIM, 0)]) == 2 and (VICTIM, 1) not in logs  # one rank, killed and healed from 2
+        if fault == "kill":
+            assert len(logs[(VICTIM, 0)]) == 2 and (VICTIM, 1) not in logs  # one rank, killed and healed from 2
 
 
 def test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart(tmp_path: Path) -> None:
     case = {"ELASTIC_FAULT": "starve", **TP}
-    output = _run(tmp_path, case)  # its ranks hold the GIL 6 s after step 10
+    output = _run(tmp_path, case)  # its ranks hold the GIL 6 s after step 6
     assert f"hsdp elastic: replica {VICTIM} (incarnation 1) is alive but the coordinator dropped it" in output
     assert re.search(rf"\[coordinator\] .*replica {VICTIM} left", output), output[-6000:]
     assert re.search(rf"\[coordinator\] .*replica {VICTIM} rejoined \(incarnation 2, healed from replica 0\)",
