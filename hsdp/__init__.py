@@ -44,7 +44,7 @@ _EXPORTS = {
     "StateBytes": "hsdp.engine.memory",
     "state_bytes": "hsdp.engine.memory",
     "HSDPMesh": "hsdp.engine.mesh",
-    "init_mesh": "hsdp.engine.mesh",
+    "init_mesh": "hsdp.engine.mesh_init",
     "rank_grid": "hsdp.engine.mesh_layout",
     "ShardedModel": "hsdp.engine.model",
     "ShardedOptimizer": "hsdp.engine.optim.sharded_optimizer",
@@ -88,7 +88,8 @@ if TYPE_CHECKING:
     from hsdp.engine.hops import AllReduceHop, Int8ErrorFeedbackHop, ReplicaHop
     from hsdp.engine.init import load_pretrained, materialize
     from hsdp.engine.memory import StateBytes, state_bytes
-    from hsdp.engine.mesh import HSDPMesh, init_mesh
+    from hsdp.engine.mesh import HSDPMesh
+    from hsdp.engine.mesh_init import init_mesh
     from hsdp.engine.mesh_layout import rank_grid
     from hsdp.engine.model import ShardedModel, check_replicas
     from hsdp.engine.optim.grad_scaler import ShardedGradScaler

@@ -331,7 +331,7 @@ def test_unreachable_or_wrong_coordinator_fails_fast_naming_the_fix() -> None:
 
 
 def test_elastic_mesh_refusals_before_any_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsdp.engine.mesh import init_mesh
+    from hsdp.engine.mesh_init import init_mesh
     from hsdp.engine.replicate.elastic.bootstrap import elastic_env
 
     with pytest.raises(ValueError, match="drop device_mesh and per-replica degree lists"):

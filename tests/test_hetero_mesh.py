@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hsdp
-from hsdp.engine.mesh import check_degree_list, data_parallel_world, init_mesh, positions_per_node
+from hsdp.engine.mesh_init import check_degree_list, data_parallel_world, init_mesh, positions_per_node
 from hsdp.engine.replicate.pieces import pieces
 
 STEPS = 3

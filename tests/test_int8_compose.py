@@ -34,7 +34,7 @@ from reference import max_distance as _distance
 from torch import nn
 
 import hsdp
-from hsdp.engine.mesh import init_mesh
+from hsdp.engine.mesh_init import init_mesh
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops, snapshot_hops
 
 STEPS, LR, BLOCK, WIDE = 4, 0.5, 64, 256

@@ -34,7 +34,7 @@ from reference import max_distance as _distance
 from torch import nn
 
 import hsdp
-from hsdp.engine.mesh import init_mesh
+from hsdp.engine.mesh_init import init_mesh
 
 STEPS, SAVE_AT, LR, MAX_NORM = 3, 2, 1e-2, 1.0
 SIZES = [[1, 1], [2, 2], [3, 3]]  # per rank, the samples of each of two micro-batches (the weighted run)

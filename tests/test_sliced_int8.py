@@ -32,7 +32,7 @@ from reference import max_distance as _distance
 from torch import nn
 
 import hsdp
-from hsdp.engine.mesh import init_mesh
+from hsdp.engine.mesh_init import init_mesh
 
 STEPS, SAVE_AT, LR, BLOCK, WIDE = 4, 2, 0.5, 64, 256
 _int8 = functools.partial(int8_roundtrip, block=BLOCK)  # the quantiser, written out (tests/reference.py)

@@ -12,7 +12,8 @@ from torch import nn
 from hsdp.engine.class_swap import swap_class
 from hsdp.engine.collectives import Comm
 from hsdp.engine.hops import AllReduceHop, ReplicaHop
-from hsdp.engine.mesh import HSDPMesh, check_degree_agrees, init_mesh
+from hsdp.engine.mesh import HSDPMesh, check_degree_agrees
+from hsdp.engine.mesh_init import init_mesh
 from hsdp.engine.policy import FULL_PRECISION, MixedPrecision, check_policies
 from hsdp.engine.replica_sync import DiLoCo, check_replica_sync
 from hsdp.engine.replicas import check_replica_shards

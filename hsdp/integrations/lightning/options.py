@@ -17,14 +17,8 @@ from hsdp.checkpoint import CheckpointOptions
 from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.hops import ReplicaHop
 from hsdp.engine.init import materialize
-from hsdp.engine.mesh import (
-    DEFAULT_FAULT_POLICY,
-    DEFAULT_TIMEOUT,
-    MESH_DIM_NAMES,
-    TP_MESH_DIM_NAMES,
-    HSDPMesh,
-    init_mesh,
-)
+from hsdp.engine.mesh import MESH_DIM_NAMES, TP_MESH_DIM_NAMES, HSDPMesh
+from hsdp.engine.mesh_init import DEFAULT_FAULT_POLICY, DEFAULT_TIMEOUT, init_mesh
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.policy import MixedPrecision, check_policies
 from hsdp.engine.wrap import WrapPolicy

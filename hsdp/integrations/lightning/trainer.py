@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hsdp.checkpoint import CheckpointOptions
 from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.hops import ReplicaHop
-from hsdp.engine.mesh import DEFAULT_FAULT_POLICY, DEFAULT_TIMEOUT
+from hsdp.engine.mesh_init import DEFAULT_FAULT_POLICY, DEFAULT_TIMEOUT
 from hsdp.engine.model import ShardedModel
 from hsdp.engine.optim.sharded_optimizer import ShardedOptimizer
 from hsdp.engine.policy import MixedPrecision
