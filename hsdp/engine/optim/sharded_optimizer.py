@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from hsdp.engine.class_swap import original_class, swap_class
 from hsdp.engine.model import ShardedModel
@@ -178,6 +177,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _verified_step(self) -> Any:
         """The first step of an optimizer hsdp does not know: warn if DTensor had to communicate."""
+        # Imported here, not at the top: it pulls in torch._dynamo and torch._inductor (about a second of every
+        # rank's start-up on a CPU), and only an optimizer hsdp does not know needs it.
+        from torch.distributed.tensor.debug import CommDebugMode
+
         with CommDebugMode() as mode:
             result = super().step()
         self._hsdp_unverified = False
