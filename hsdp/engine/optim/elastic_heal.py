@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hsdp.engine.optim.outer_heal import heal_outer
-from hsdp.engine.optim.state_rows import ROWS, Entry, exchange_rows, take_rows
+from hsdp.engine.optim.state_rows import ROWS, Cut, Entry, exchange_rows, take_rows
 from hsdp.engine.replicate.elastic.protocol import Quorum
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops
 from hsdp.engine.runtime.piece_broadcast import broadcast_bytes_whole, broadcast_rows, broadcast_whole
@@ -61,8 +61,8 @@ def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
             data = broadcast_bytes_whole(comm, payload, source)
             if apart:
                 received = _decode(data)
-                shards = {id(sp.sharded): sp for sp in model.sharded_params()}
-                rows = exchange_rows(comm, optimizer, shards, received["optimizer"]["state"],
+                cuts: dict[int, Cut] = {id(sp.sharded): [(sp.layout, 0)] for sp in model.sharded_params()}
+                rows = exchange_rows(comm, optimizer, cuts, received["optimizer"]["state"],
                                      [tuple(e) for e in received[ROWS]], source, joining)
             if outer is not None:  # DiLoCo: the global copy, the outer state, the phase (outer_transaction.py)
                 heal_outer(outer, comm, source, sending, joining)
