@@ -187,7 +187,7 @@ def test_diloco_on_elastic_replicas_of_2_1_1_ranks_heals_across_degrees_and_repl
     params, losses = _replay(syncs, joined, HETERO)
     _check_replay(out, logs, params, losses)
     by_ranks, _ = _replay(syncs, joined, HETERO, by_ranks=True)
-    assert max((params[n] - by_ranks[n]).abs().max().item() for n in params) > 1e-4
+    assert max((params[n] - by_ranks[n]).abs().max().item() for n in params) > 1e-3  # 0.1 measured
 
 
 def test_diloco_on_elastic_replicas_of_different_degrees_is_accepted_but_not_its_int8_wire() -> None:
