@@ -8,8 +8,9 @@ flat shards and the optimizer's shard-shaped state piece by piece over the holde
 holder of those rows (``state_rows.py``), the rest (buffers, scalars, hyperparameters) over the position
 groups, so the source may be a replica of any degree. No checkpoint is read; a stateful hop's residuals start
 from zero (``runtime/hop_transaction.py``). Under DiLoCo also the global copy, the outer optimizer's state and the
-phase (``outer_transaction.py``). The other members take part in the same broadcasts (their values are already
-equal, but for the weights of DiLoCo's members mid-phase, which they receive into scratch and drop). The heal
+phase (``outer_transaction.py``; ``outer_heal.py``, re-cut the same way). The other members take part in the same
+broadcasts (their values are already equal, but for the weights of DiLoCo's members mid-phase, which they receive
+into scratch and drop). The heal
 runs where the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
 inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's LR
 scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
