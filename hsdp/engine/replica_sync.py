@@ -118,12 +118,9 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object,
         raise ValueError("replica_sync=DiLoCo keeps a whole optimizer state per replica (each replica steps on its "
                          "own): turn shard_optimizer_across_replicas off")
     if getattr(mesh, "elastic", None) is not None:
-        # An elastic sync is a transaction of the replicas present (optim/outer_transaction.py); what is not built:
-        if getattr(mesh, "heterogeneous", False):
-            raise ValueError("replica_sync=DiLoCo on an elastic job of replicas of different shard degrees is not "
-                             "supported yet (a joiner's global copy and outer state are not re-cut across degrees): "
-                             "use the per-step reduction there (replica_sync=None), give every replica the same "
-                             "rank count, or run DiLoCo on a fixed mesh of different degrees")
+        # An elastic sync is a transaction of the replicas present (optim/outer_transaction.py), of any shard
+        # degrees (its pseudo-gradients reduced piece by piece, a joiner's outer state re-cut: outer_heal.py);
+        # what is not built:
         if sync.fragments > 1 or sync.delay > 0:
             raise ValueError(f"Streaming DiLoCo (fragments={sync.fragments}, delay={sync.delay}) on an elastic "
                              f"mesh is not supported yet: use DiLoCo(fragments=1, delay=0) there")
@@ -131,4 +128,9 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object,
             raise ValueError("replica_sync=DiLoCo on an elastic mesh with buffers broadcast every step (running "
                              "statistics: BatchNorm) is not supported yet: pass broadcast_buffers=False, or use a "
                              "model without running statistics (LayerNorm)")
+        if sync.wire_dtype == torch.int8 and getattr(mesh, "heterogeneous", False):
+            # Its residuals are kept per bucket of pieces, and the buckets change with the quorum's degrees.
+            raise ValueError("DiLoCo(wire_dtype=torch.int8) on an elastic job of replicas of different shard degrees "
+                             "is not supported yet: use wire_dtype=torch.bfloat16 or None there, or give every "
+                             "replica the same rank count")
     return NoHop()

@@ -1,10 +1,12 @@
 """One rank of one replica of an elastic DiLoCo job (tests/test_elastic_diloco.py runs it under ``hsdp launch
 --elastic``).
 
-Environment: what torchrun and ``hsdp launch --elastic`` give a rank, and ``ELASTIC_OUT`` (a folder). Three
-replicas train the same tiny model, inner AdamW, syncing every ``EVERY`` inner steps through an outer Nesterov SGD
-(``hsdp.DiLoCo``); at inner step k, replica r's rank s reads batch ``(k, 3 r + s)``. Two faults, each in a
-replica's first incarnation (torchrun restarts it, and it rejoins at a sync boundary):
+Environment: what torchrun and ``hsdp launch --elastic`` give a rank, ``ELASTIC_OUT`` (a folder) and
+``ELASTIC_MID_SYNC`` ("0": replica 1 does not die mid-sync; default "1"). Three replicas (of any rank counts: the
+launch's ``--nproc-per-node 2,1,1`` gives them different shard degrees) train the same tiny model, inner AdamW,
+syncing every ``EVERY`` inner steps through an outer Nesterov SGD (``hsdp.DiLoCo``); at inner step k, replica r's
+rank s reads batch ``(k, 3 r + s)``. Two faults (one without ``ELASTIC_MID_SYNC``), each in a replica's first
+incarnation (torchrun restarts it, and it rejoins at a sync boundary):
 
 - mid-phase: replica ``2``'s ranks SIGKILL themselves in the backward of inner step ``MID_PHASE_STEP``;
 - mid-sync: once replica 2 is back (a sync with all three more than a phase after that step), replica ``1``'s
@@ -14,8 +16,8 @@ replica's first incarnation (torchrun restarts it, and it rejoins at a sync boun
 Each rank logs to ``<out>/r<replica>_s<rank>_i<pid>.jsonl``: ``{"joined": k}`` once its optimizer exists (k: the
 inner step it goes on at, after the heal), then per inner step its loss, whether a sync landed after it and the
 sync's replicas (``model.last_step``). The run stops after two consecutive syncs of all three replicas following a
-sync without replica 1 (a restarted replica 1 counts its own join as one), then checks replicas (the global copy)
-and saves the full parameters.
+sync without the last victim (replica 1; replica 2 without the mid-sync fault), the restarted victim counting its own
+join as one, then checks replicas (the global copy) and saves the full parameters.
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ from models import ParityNet, batch, loss_fn
 REPLICAS, EVERY, MID_PHASE_STEP = 3, 3, 4
 MAX_STEPS = 600  # a safety bound
 PACE_S = 0.05  # a pause per step: survivors leave the CPUs to a restart (2 cores in CI)
+# While a replica is away (the last sync lacked one) the survivors pause longer: fewer syncs before its restart is
+# back however slow the machine (each adds float rounding for the replay to match at 1e-5), more CPU for it.
+AWAY_PACE_S = 1.0
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
 SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9)
+MID_SYNC = os.environ.get("ELASTIC_MID_SYNC", "1") == "1"
+LAST_VICTIM = 1 if MID_SYNC else 2  # whose rejoining ends the run
 
 
 def main() -> None:
@@ -63,7 +70,7 @@ def main() -> None:
             fault("mid-sync")
         return start(self, fragment)
 
-    if replica == 1 and first:
+    if replica == 1 and first and MID_SYNC:
         outer_step.OuterState._start = start_or_die  # type: ignore[method-assign]
 
     torch.manual_seed(replica)  # replicas start different: the first sync's heal makes them all replica 0
@@ -79,8 +86,8 @@ def main() -> None:
             fault("mid-phase")
 
     model.blocks[1].register_full_backward_pre_hook(die)
-    # A restarted replica 1 came back after the mid-sync fault: its join is a sync of all three after it.
-    after = not first and replica == 1
+    # A restarted last victim came back after its fault: its join is a sync of all three after it.
+    after = not first and replica == LAST_VICTIM
     together = 1 if after and len(model.last_step.replicas) == REPLICAS else 0
     while step < MAX_STEPS:
         step_now["k"] = step
@@ -89,8 +96,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        time.sleep(PACE_S)
         last, synced = model.last_step, bool(opt.last_sync.landed)
+        time.sleep(PACE_S if len(last.replicas) == REPLICAS else AWAY_PACE_S)
         log.write(json.dumps({"step": last.step, "loss": loss.item(), "synced": synced,
                               "replicas": list(last.replicas), "t": time.time()}) + "\n")
         log.flush()
@@ -98,7 +105,7 @@ def main() -> None:
         if not synced:
             continue
         everyone = len(last.replicas) == REPLICAS
-        if 1 not in last.replicas:
+        if LAST_VICTIM not in last.replicas:
             after = True
         together = together + 1 if after and everyone else 0
         if replica == 1 and everyone and last.step > MID_PHASE_STEP + EVERY:

@@ -28,8 +28,10 @@ parameters (refused by the optimizer at start-up).
 What DiLoCo does not combine with is refused when the configuration is read, before any rank starts: a
 ``parallel.replica_hop`` other than ``fp32`` (there is no per-step hop to compress; the wire dtype is
 ``diloco_wire_dtype``), ``shard_optimizer_across_replicas`` (each replica steps its own whole optimizer state), and
-``elastic``. A list of sharding degrees and batch weights combine with it (a sync averages the pseudo-gradients
-piece by piece, each replica's weighted by the batch weight it processed since the last sync). Checkpoints
+with ``elastic`` the streaming fields (and ``int8`` across replicas of different degrees, refused when the model is
+wrapped). A list of sharding degrees, batch weights and ``elastic`` combine with it (a sync averages the
+pseudo-gradients piece by piece, each replica's weighted by the batch weight it processed since the last sync; on an
+elastic job, replicas of different degrees included, each sync is a transaction of the replicas present). Checkpoints
 (``hsdp.save_checkpoint``: every replica's weights and AdamW state, the global copy, the outer momentum, the phase
 and, with ``diloco_delay`` > 0, the fragments' all-reduces in flight) resume a DiLoCo run bit for bit, mid-phase
 too; a resume on another number of replicas starts every replica from the global copy at phase 0 (a warning says

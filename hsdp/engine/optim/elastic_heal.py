@@ -8,8 +8,9 @@ flat shards and the optimizer's shard-shaped state piece by piece over the holde
 holder of those rows (``state_rows.py``), the rest (buffers, scalars, hyperparameters) over the position
 groups, so the source may be a replica of any degree. No checkpoint is read; a stateful hop's residuals start
 from zero (``runtime/hop_transaction.py``). Under DiLoCo also the global copy, the outer optimizer's state and the
-phase (``outer_transaction.py``). The other members take part in the same broadcasts (their values are already
-equal, but for the weights of DiLoCo's members mid-phase, which they receive into scratch and drop). The heal
+phase (``outer_transaction.py``; ``outer_heal.py``, re-cut the same way). The other members take part in the same
+broadcasts (their values are already equal, but for the weights of DiLoCo's members mid-phase, which they receive
+into scratch and drop). The heal
 runs where the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
 inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's LR
 scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
@@ -28,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hsdp.engine.optim.outer_heal import heal_outer
-from hsdp.engine.optim.state_rows import ROWS, Entry, exchange_rows, take_rows
+from hsdp.engine.optim.state_rows import ROWS, Cut, Entry, exchange_rows, take_rows
 from hsdp.engine.replicate.elastic.protocol import Quorum
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops
 from hsdp.engine.runtime.piece_broadcast import broadcast_bytes_whole, broadcast_rows, broadcast_whole
@@ -61,8 +62,8 @@ def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
             data = broadcast_bytes_whole(comm, payload, source)
             if apart:
                 received = _decode(data)
-                shards = {id(sp.sharded): sp for sp in model.sharded_params()}
-                rows = exchange_rows(comm, optimizer, shards, received["optimizer"]["state"],
+                cuts: dict[int, Cut] = {id(sp.sharded): [(sp.layout, 0)] for sp in model.sharded_params()}
+                rows = exchange_rows(comm, optimizer, cuts, received["optimizer"]["state"],
                                      [tuple(e) for e in received[ROWS]], source, joining)
             if outer is not None:  # DiLoCo: the global copy, the outer state, the phase (outer_transaction.py)
                 heal_outer(outer, comm, source, sending, joining)

@@ -2,8 +2,15 @@
 
 ``outer_transaction.py`` says when this happens (an elastic joiner, or every replica at an elastic job's start);
 here is what it takes: the lowest-numbered live member's global copy, outer optimizer state and phase
-(:func:`heal_outer`, over the replicate group, after ``elastic_heal.py`` sent the weights and the inner optimizer
-state), and the sync under way that it joins weighing 0 (:func:`join_open_sync`).
+(:func:`heal_outer`, after ``elastic_heal.py`` sent the weights and the inner optimizer state), and the sync under
+way that it joins weighing 0 (:func:`join_open_sync`).
+
+The global copy and the outer state's tensors shaped like it (SGD's momentum) are laid out like the units' flat
+shards, so they cross as the weights do (``runtime/piece_broadcast.py``, ``state_rows.py``): one broadcast over
+the ``"replicate"`` group on a grid; across replicas of different shard degrees piece by piece over the holder
+groups of the current quorum, each from the source's holder of those rows, so a joiner of one degree is healed
+from a member of another, its rows re-cut on the way. The rest (scalars, hyperparameters, the phase) is bytes,
+sent to every rank from a source rank of its position group.
 """
 
 from __future__ import annotations
@@ -12,6 +19,10 @@ import io
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from hsdp.engine.optim.state_rows import ROWS, Cut, exchange_rows, take_rows
+from hsdp.engine.runtime.piece_broadcast import broadcast_bytes_whole, broadcast_rows
+from hsdp.engine.runtime.reduction import slot_offsets
 
 if TYPE_CHECKING:
     from hsdp.engine.collectives import Comm
@@ -34,17 +45,22 @@ def join_open_sync(outer: OuterState) -> None:
 
 @torch.no_grad()
 def heal_outer(outer: OuterState, comm: Comm, source: int, sending: bool, joining: bool) -> None:
-    """DiLoCo's part of the heal, over the replicate group from member ``source`` (``sending`` on its ranks): the
-    global copy, the outer optimizer's state and the phase; a joiner also forgets its own phase weights (its inner
-    steps before the boundary do not count). The members' global copies and outer states are equal at a sync
-    boundary, so receiving in place changes nothing for them."""
+    """DiLoCo's part of the heal from member ``source`` (``sending`` on its ranks), whatever the members' shard
+    degrees (module docstring): the global copy, the outer optimizer's state and the phase; a joiner also forgets
+    its own phase weights (its inner steps before the boundary do not count). The members' global copies and outer
+    states are equal at a sync boundary, so receiving in place changes nothing for them."""
+    cuts = _cuts(outer)
     for flat in outer.global_copy:
-        comm.broadcast(flat, source, "replicate")
-    payload = _payload(outer) if sending else None
-    data = comm.broadcast_bytes(payload, source, "replicate")
+        layouts, offsets = zip(*cuts[id(flat)], strict=True)
+        broadcast_rows(comm, flat, list(layouts), list(offsets), source)
+    data = broadcast_bytes_whole(comm, _payload(outer) if sending else None, source)
+    state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    received = state["outer"]["state"]
+    rows = exchange_rows(comm, outer.outer, cuts, received, [tuple(e) for e in state[ROWS]], source, joining)
     if not joining:
         return
-    state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    for (i, k), v in rows.items():
+        received[i][k] = v
     outer.outer.load_state_dict(state["outer"])
     outer.inner_steps = state["phase"]
     outer.pending, outer.carried = [], {}  # (none in flight on an elastic mesh: delay 0)
@@ -56,7 +72,20 @@ def heal_outer(outer: OuterState, comm: Comm, source: int, sending: bool, joinin
     outer.mark_written()
 
 
+def _cuts(outer: OuterState) -> dict[int, Cut]:
+    """Each global copy flat's parameters (the outer optimizer's parameters are the flats): laid out like its
+    unit's flat shard, padded chunks back to back."""
+    return {id(flat): list(zip((p.layout for p in unit.params), slot_offsets(unit.params), strict=True))
+            for unit, flat in zip(outer.units, outer.global_copy, strict=True)}
+
+
 def _payload(outer: OuterState) -> bytes:
+    """The outer optimizer's state less its flat-shaped tensors (listed under ``ROWS``: they cross piece by piece,
+    ``state_rows.py``), and the phase."""
+    state = outer.outer.state_dict()
+    # New dicts: torch's state_dict hands out the live per-parameter state, which take_rows must not empty.
+    state["state"] = {i: dict(entry) for i, entry in state["state"].items()}
+    rows = take_rows(state["state"], [p for group in outer.outer.param_groups for p in group["params"]])
     buffer = io.BytesIO()
-    torch.save({"outer": outer.outer.state_dict(), "phase": outer.inner_steps}, buffer)
+    torch.save({"outer": state, ROWS: [list(e) for e in rows], "phase": outer.inner_steps}, buffer)
     return buffer.getvalue()

@@ -96,7 +96,7 @@ def chunks(outer: OuterState, unit_index: int, flat: torch.Tensor) -> Iterator[t
 
 def _take_weight(unit: ShardUnit) -> torch.Tensor:
     """The unit's phase weight ([Note: pieces and weights]), a replica that never weighted counting 1 per
-    backward and rank; reset for the next phase."""
+    backward; reset for the next phase."""
     weight = unit.phase_weight.clone()
     unit.phase_weight.zero_()
     unit.phase_weighted = False

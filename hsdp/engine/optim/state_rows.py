@@ -6,6 +6,10 @@ other rows than the joiner's, so those tensors leave the bytes (each replaced by
 its ``(param index, key)`` listed under :data:`ROWS`) and cross piece by piece like the parameters
 (``runtime/piece_broadcast.py``), one flat per dtype; scalars (step counts), hyperparameters and hsdp's counters
 stay in the bytes, which every rank receives from a source rank of its position group.
+
+The same goes for DiLoCo's outer optimizer (``outer_heal.py``), whose parameters are the global copy's flats, one
+per unit laid out like its flat shard: a state tensor shaped like a flat (SGD's momentum) holds the rows of every
+parameter of the unit, each at its offset. :data:`Cut` says where a state tensor's parameters lie.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hsdp.engine.collectives import Comm
+from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.piece_broadcast import broadcast_rows
-from hsdp.engine.runtime.sharded_param import ShardedParam
 
 ROWS = "rows"  # the payload's list of (param index, state key) sent row by row
 Entry = tuple[int, str]
+Cut = list[tuple[ShardLayout, int]]  # the parameters whose rows a state tensor holds, each at its offset in it
 
 
 def is_rows(value: object, param: torch.Tensor) -> bool:
@@ -41,12 +46,13 @@ def take_rows(state: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> l
     return entries
 
 
-def exchange_rows(comm: Comm, optimizer: torch.optim.Optimizer, shards: dict[int, ShardedParam],
+def exchange_rows(comm: Comm, optimizer: torch.optim.Optimizer, cuts: dict[int, Cut],
                   state: dict[int, dict[str, Any]], entries: list[Entry], root: int,
                   joining: bool) -> dict[Entry, torch.Tensor]:
     """Member ``root``'s values of ``entries`` (of the received ``state``: their dtypes), received into this
     rank's shard layout, one broadcast per dtype and holder tuple; on a joiner the local tensors to load, on the
-    other members scratch (their own state is the source's already) and an empty dict."""
+    other members scratch (their own state is the source's already) and an empty dict. ``cuts``: by ``id`` of
+    each optimizer parameter, the rows its state tensors hold (a sharded parameter's: ``[(layout, 0)]``)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     by_dtype: dict[torch.dtype, list[Entry]] = {}
     for i, k in entries:
@@ -54,15 +60,17 @@ def exchange_rows(comm: Comm, optimizer: torch.optim.Optimizer, shards: dict[int
     out: dict[Entry, torch.Tensor] = {}
     for dtype, group in by_dtype.items():
         locals_ = [_local(optimizer, params[i], k, dtype, joining) for i, k in group]
-        layouts = [shards[id(params[i])].layout for i, _ in group]
-        offsets = [0]
-        for t in locals_[:-1]:
-            offsets.append(offsets[-1] + t.numel())
+        starts, layouts, offsets = [0], [], []
+        for (i, _), t in zip(group, locals_, strict=True):
+            for layout, offset in cuts[id(params[i])]:
+                layouts.append(layout)
+                offsets.append(starts[-1] + offset)
+            starts.append(starts[-1] + t.numel())
         flat = torch.cat([t.reshape(-1) for t in locals_])
         broadcast_rows(comm, flat, layouts, offsets, root)
         if joining:
-            for (i, k), t, offset in zip(group, locals_, offsets, strict=True):
-                out[(i, k)] = flat[offset: offset + t.numel()].view_as(t).clone()
+            for (i, k), t, start in zip(group, locals_, starts[:-1], strict=True):
+                out[(i, k)] = flat[start: start + t.numel()].view_as(t).clone()
     return out
 
 

@@ -84,6 +84,8 @@ F = Feature
 _ELASTIC_TEST = "tests/test_elastic_bad_input.py::test_an_elastic_replica_refuses_what_it_cannot_do_naming_the_fix"
 _WEIGHTS_TEST = "tests/test_batch_weights.py::test_weighted_backwards_equal_one_process_over_the_concatenated_batches"
 _DILOCO_TEST = "tests/test_diloco.py::test_refusals_name_the_fix"
+_ELASTIC_HETERO_DILOCO_TEST = ("tests/test_elastic_diloco.py::test_diloco_on_elastic_replicas_of_2_1_1_ranks_heals_"
+                               "across_degrees_and_replays_exactly")
 
 
 def _refused(why: str, test: str, permanent: bool = False) -> Rule:
@@ -97,10 +99,11 @@ def _supported(*tests: str) -> Rule:
 
 TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in {
     (F.HETEROGENEOUS, F.ELASTIC): _supported("tests/test_elastic.py::test_a_failed_replica_costs_a_step_and_rejoins_"
-                                             "from_a_peer"),
+                                             "from_a_peer", _ELASTIC_HETERO_DILOCO_TEST),
     (F.HETEROGENEOUS, F.DILOCO): _supported(
         "tests/test_diloco_compose.py::test_diloco_on_degrees_2_1_equals_two_simulated_workers",
-        "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1"),
+        "tests/test_diloco_compose.py::test_streaming_diloco_with_delay_and_batch_weights_on_degrees_2_1",
+        _ELASTIC_HETERO_DILOCO_TEST),
     (F.HETEROGENEOUS, F.TENSOR_PARALLEL): _supported(
         "tests/test_tp_hetero.py::test_tp_on_heterogeneous_replicas_matches_one_process"),
     (F.HETEROGENEOUS, F.SLICED_OPTIMIZER): _supported(
@@ -141,7 +144,8 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.DILOCO, F.INT8_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop; its own int8 wire, "
                                                    "DiLoCo(wire_dtype=torch.int8), quantises the pseudo-gradients "
                                                    "with error feedback (the int8 hop's quantiser, residuals per "
-                                                   "replica, any degrees, batch weights, Streaming)",
+                                                   "replica, any degrees, batch weights, Streaming; not yet on an "
+                                                   "elastic job of different degrees)",
                                  ("tests/test_diloco_int8.py::test_int8_wire_equals_two_simulated_workers_with_error_"
                                   "feedback",)),
     (F.DILOCO, F.BF16_HOP): Rule(Status.EXCLUSIVE, "DiLoCo sends no per-step hop (DiLoCo(wire_dtype=bf16) halves "

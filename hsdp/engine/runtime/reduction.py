@@ -227,11 +227,11 @@ class Reduction:
             batch_weight.normalize_(self.output, self.n_extra)
 
     def _add_phase_weight(self) -> None:
-        """DiLoCo: add what this backward weighed on this replica to the unit's phase weight. Under DiLoCo nothing
-        crosses replicas, so the weight slot holds the mean over this replica's ranks (of the window's sum; 1 per
-        rank that set no weight): times the shard degree, the replica's sum."""
-        unit = self.unit
-        unit.phase_weight.add_(self.output[-SLOTS].to(unit.phase_weight.dtype) * unit.sharding_degree)
+        """DiLoCo: add this backward's weight on this replica to the unit's phase weight. The slot holds the mean over
+        the replica's ranks (of the window's sum; nothing crosses replicas): times the degree, the replica's sum;
+        unweighted, 1 (per backward at any degree: where weights always travel, elastic, replicas count once)."""
+        unit, share = self.unit, self.unit.sharding_degree if self.weighted else 1
+        unit.phase_weight.add_(self.output[-SLOTS].to(unit.phase_weight.dtype) * share)
         unit.phase_weighted |= self.weighted
 
     def _hop(self) -> None:
