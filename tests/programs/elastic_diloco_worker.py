@@ -1,21 +1,24 @@
 """One rank of one replica of an elastic DiLoCo job (tests/test_elastic_diloco.py runs it under ``hsdp launch
 --elastic``).
 
-Environment: what torchrun and ``hsdp launch --elastic`` give a rank, and ``ELASTIC_OUT`` (a folder). Three
-replicas train the same tiny model, inner AdamW, syncing every ``EVERY`` inner steps through an outer Nesterov SGD
-(``hsdp.DiLoCo``); at inner step k, replica r's rank s reads batch ``(k, 3 r + s)``. Two faults, each in a
-replica's first incarnation (torchrun restarts it, and it rejoins at a sync boundary):
+Environment: what torchrun and ``hsdp launch --elastic`` give a rank, ``ELASTIC_OUT`` (a folder) and
+``ELASTIC_SYNC`` (a key of ``SYNCS``: whole-model DiLoCo, or Streaming DiLoCo with two fragments and a delay).
+Three replicas train the same tiny model, inner AdamW, syncing each fragment every ``EVERY`` inner steps through
+an outer Nesterov SGD (``hsdp.DiLoCo``); at inner step k, replica r's rank s reads batch ``(k, 3 r + s)``. Two
+faults, each in a replica's first incarnation (torchrun restarts it, and it rejoins at a sync boundary):
 
-- mid-phase: replica ``2``'s ranks SIGKILL themselves in the backward of inner step ``MID_PHASE_STEP``;
+- mid-phase: replica ``2``'s ranks SIGKILL themselves in the backward of inner step ``MID_PHASE_STEP`` (a step
+  with no sync in flight);
 - mid-sync: once replica 2 is back (a sync with all three more than a phase after that step), replica ``1``'s
-  ranks SIGKILL themselves at the next sync, just before their pseudo-gradient all-reduce: the others' all-reduce
-  fails and they redo that sync among themselves.
+  ranks SIGKILL themselves at the next sync's start, just before their pseudo-gradient all-reduce: the others'
+  all-reduce fails and they redo that sync among themselves (with a delay, where it was to land).
 
 Each rank logs to ``<out>/r<replica>_s<rank>_i<pid>.jsonl``: ``{"joined": k}`` once its optimizer exists (k: the
-inner step it goes on at, after the heal), then per inner step its loss, whether a sync landed after it and the
-sync's replicas (``model.last_step``). The run stops after two consecutive syncs of all three replicas following a
-sync without replica 1 (a restarted replica 1 counts its own join as one), then checks replicas (the global copy)
-and saves the full parameters.
+inner step it goes on at, after the heal; with the fragments' parameter names), then per inner step its loss, the
+fragments whose sync started and landed after it and the last sync's replicas (``model.last_step``). The run stops
+after two consecutive syncs of all three replicas following a sync without replica 1 (a restarted replica 1
+counts its own join as one when it landed a sync), then checks replicas (the global copy) and saves the full
+parameters.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ from hsdp.engine.optim import outer_step
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import ParityNet, batch, loss_fn
 
-REPLICAS, EVERY, MID_PHASE_STEP = 3, 3, 4
+REPLICAS, EVERY = 3, 3
+# Per case: the policy, and the inner step in whose backward replica 2 dies (no sync in flight then).
+SYNCS = {"whole": (dict(), 4), "streaming": (dict(fragments=2, delay=1), 5)}
 MAX_STEPS = 600  # a safety bound
 PACE_S = 0.05  # a pause per step: survivors leave the CPUs to a restart (2 cores in CI)
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
-SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9)
+CASE, MID_PHASE_STEP = SYNCS[os.environ.get("ELASTIC_SYNC", "whole")]
+SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9, **CASE)
 
 
 def main() -> None:
@@ -70,7 +76,10 @@ def main() -> None:
     model = hsdp.ShardedModel(ParityNet(), mesh=mesh, replica_sync=SYNC)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     step = model.last_step.step + 1
-    log.write(json.dumps({"joined": step, "replicas": list(model.last_step.replicas), "t": time.time()}) + "\n")
+    outer = opt._hsdp_outer
+    fragments = [[p.fqn for u in outer.fragment_units(f) for p in u.params] for f in range(SYNC.fragments)]
+    log.write(json.dumps({"joined": step, "replicas": list(model.last_step.replicas), "fragments": fragments,
+                          "t": time.time()}) + "\n")
     log.flush()
     step_now = {"k": step}
 
@@ -81,7 +90,8 @@ def main() -> None:
     model.blocks[1].register_full_backward_pre_hook(die)
     # A restarted replica 1 came back after the mid-sync fault: its join is a sync of all three after it.
     after = not first and replica == 1
-    together = 1 if after and len(model.last_step.replicas) == REPLICAS else 0
+    joined_sync = opt.last_sync is not None and bool(opt.last_sync.landed)  # its join landed a sync
+    together = 1 if after and joined_sync and len(model.last_step.replicas) == REPLICAS else 0
     while step < MAX_STEPS:
         step_now["k"] = step
         x, y = batch(step, REPLICAS * replica + rank)
@@ -92,6 +102,7 @@ def main() -> None:
         time.sleep(PACE_S)
         last, synced = model.last_step, bool(opt.last_sync.landed)
         log.write(json.dumps({"step": last.step, "loss": loss.item(), "synced": synced,
+                              "started": list(opt.last_sync.started), "landed": list(opt.last_sync.landed),
                               "replicas": list(last.replicas), "t": time.time()}) + "\n")
         log.flush()
         step = last.step + 1

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from hsdp.engine.optim.outer_step import OuterState, PendingSync, chunks
+from hsdp.engine.optim.outer_pending import PendingSync
+from hsdp.engine.optim.outer_step import OuterState, chunks
 from hsdp.engine.optim.outer_wire import residual_flat, set_residual_flat
 from hsdp.engine.runtime.origin import stamp
 
