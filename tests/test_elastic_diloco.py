@@ -19,11 +19,15 @@ before its pseudo-gradient all-reduce; torchrun restarts each (no checkpoint). C
   over the sync's committed members and the outer step of that fragment, which every member then holds; a joiner
   takes the weights and inner optimizer state of the lowest-numbered member that trained;
 - ``check_replicas`` (the global copy) passes on every member at the end; the launch exits 0, nothing left behind.
+
+And in one process, the transactions stubbed: where a joiner enters the members' syncs of an inner step (a redo
+of a landing, then a start; a live replica healed in its own vote; an elastic job's start).
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import re
@@ -35,6 +39,9 @@ from launched import run_launch
 from models import ParityNet, batch, loss_fn
 
 import hsdp
+from hsdp.engine.optim.outer_pending import PendingSync
+from hsdp.engine.optim.outer_plan import START, SyncPlan
+from hsdp.engine.optim.outer_step import OuterState, SyncStep
 
 PROGRAM = Path(__file__).parent / "programs" / "elastic_diloco_worker.py"
 REPLICAS, EVERY = 3, 3
@@ -116,6 +123,50 @@ def test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members(run: tuple[
         saved = torch.load(out / f"params_r{replica}_s{rank}.pt")
         for name, value in params[replica].items():
             torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-5, msg=f"{replica}/{rank} {name}")
+
+
+def test_a_joiner_runs_the_healing_members_plan_from_the_sync_under_way() -> None:
+    """``outer_plan.py`` in one process, the transactions stubbed (what the launches above cannot time): the plan a
+    member sends crosses the heal's ``torch.load(weights_only=True)``; a joiner healed in the members' redo of a
+    landing takes part in it as a sync of its own, then starts the next fragment as they do; a live replica
+    healed in its own landing's vote (the coordinator dropped it) abandons the rest of its own plan for the
+    members'; at an elastic job's start (no plan sent) every replica syncs the fragment due."""
+    policy = hsdp.DiLoCo(every=3, fragments=2, delay=1)
+    members = SyncPlan.after_step([1], [0], policy.delay)
+    members.at = 0  # healed in the redo of fragment 1's landing
+    buffer = io.BytesIO()
+    torch.save({"plan": members.rest()}, buffer)
+    sent = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)["plan"]
+    outer, calls = _stubbed(policy)
+    outer.run(SyncPlan.joined(sent, outer.due()))
+    assert calls == [("transact", 1), ("open", 0)] and [s.fragment for s in outer.pending] == [0]
+    assert outer.last == SyncStep((0,), (1,)) and outer.plan is None
+
+    outer, calls = _stubbed(policy)
+    outer.pending = [PendingSync(1, 0, [], [], opened=True)]
+
+    def dropped(sync: PendingSync) -> bool:  # its vote: rejoined and healed into the members' start of fragment 1
+        calls.append(("close", sync.fragment))
+        outer.pending, outer.joined = [], SyncPlan.joined([[[START, 1]], None], 0)
+        return False
+
+    outer._close = dropped  # type: ignore[method-assign]
+    assert not outer.run(SyncPlan.after_step([1], [0], policy.delay))
+    assert calls == [("close", 1), ("open", 1)] and outer.last == SyncStep((1,), ())  # not its own start of 0
+    outer, calls = _stubbed(policy)
+    outer.inner_steps = 0
+    outer.enter()
+    assert calls == [("transact", 1)]  # the job's start: the fragment due at phase 0
+
+
+def _stubbed(policy: hsdp.DiLoCo) -> tuple[OuterState, list[tuple[str, int]]]:
+    """An ``OuterState`` with its transactions stubbed, recording them (``outer_plan.py``'s walker alone)."""
+    outer, calls = OuterState.__new__(OuterState), []
+    outer.policy, outer.pending, outer.plan, outer.joined, outer.inner_steps = policy, [], None, None, 1
+    outer._open = lambda f: calls.append(("open", f)) or PendingSync(f, policy.delay, [], [])  # type: ignore
+    outer.transact = lambda f: calls.append(("transact", f)) or True  # type: ignore[method-assign]
+    outer.mark_written = lambda: None  # type: ignore[method-assign]
+    return outer, calls
 
 
 def _simulate(policy: hsdp.DiLoCo, ranks: int, logs: dict[tuple[int, int], list[list[dict]]],

@@ -231,10 +231,11 @@ class OuterState:
         self.plan = plan
         while plan.at < len(plan.steps):
             kind, fragment = plan.steps[plan.at]
-            started += [fragment] if kind != LAND else []
+            if kind != LAND:
+                started.append(fragment)
             if self._run_step(kind, fragment) and kind != START:
                 landed.append(fragment)
-            if self.joined is not None:  # [Note: a joiner enters mid-plan]
+            if self.joined is not None:  # healed meanwhile: the member's plan ([Note: a joiner enters mid-plan])
                 plan, self.joined, started, landed = self.joined, None, [], []
                 self.plan = plan
                 continue
