@@ -64,7 +64,7 @@ from hsdp.engine.collectives import Handle
 from hsdp.engine.hops import AllReduceHop
 from hsdp.engine.optim.outer_pending import Carried, PendingSync
 from hsdp.engine.optim.outer_plan import LAND, START, TRANSACT, SyncPlan
-from hsdp.engine.optim.outer_transaction import OpenSync, close_sync, open_sync, transact_sync
+from hsdp.engine.optim.outer_transaction import OpenSync, close_sync, fail_sync, open_sync, transact_sync
 from hsdp.engine.optim.outer_wire import wire_hop, wire_key
 from hsdp.engine.replica_sync import DiLoCo
 from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
@@ -301,9 +301,15 @@ class OuterState:
         return self.joined is not None
 
     def settle(self) -> None:
-        """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint)."""
-        for sync in self.pending:
-            sync.settle()
+        """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint). One that
+        failed on this rank (a member died) is discarded by the layer where it was to land and redone there, so
+        it holds nothing to keep (raised where the layer cannot discard it)."""
+        for sync in (s for s in self.pending if not s.failed):
+            try:
+                sync.settle()
+            except RuntimeError as e:
+                fail_sync(self.model.mesh.replicas, f"fragment {sync.fragment}'s sync", e)
+                sync.failed = True
 
     def _carried(self, fragment: int) -> Carried:
         """What the fragment's sync sends, taken at its first start and kept until it lands (``Carried``). Where

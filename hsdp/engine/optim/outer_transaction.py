@@ -62,7 +62,7 @@ def open_sync(layer: ReplicateLayer, wire: Int8ErrorFeedbackHop | None, start: C
         layer.await_step()  # the sync's members; joiners are healed here (a member may die meanwhile)
         return OpenSync(start(), residuals)
     except RuntimeError as e:  # (the coordinator stopping the job raises again at finish_step)
-        _failed(layer, what, e)
+        fail_sync(layer, what, e)
         return OpenSync(None, residuals)
 
 
@@ -76,7 +76,7 @@ def close_sync(layer: ReplicateLayer, wire: Int8ErrorFeedbackHop | None, opened:
         try:
             settle(opened.sync)
         except RuntimeError as e:
-            _failed(layer, what, e)
+            fail_sync(layer, what, e)
             opened.sync = None
     if layer.finish_step():
         assert opened.sync is not None, "a sync whose all-reduce failed here was committed (an hsdp bug)"
@@ -102,7 +102,7 @@ def transact_sync(layer: ReplicateLayer, wire: Int8ErrorFeedbackHop | None, atte
             return False
 
 
-def _failed(layer: ReplicateLayer, what: str, e: RuntimeError) -> None:
+def fail_sync(layer: ReplicateLayer, what: str, e: RuntimeError) -> None:
     """A collective of the sync failed on this rank: the layer discards the sync everywhere, or it is raised."""
     if not layer.step_failed(f"{what}: {type(e).__name__}: {e}"):
         raise e
