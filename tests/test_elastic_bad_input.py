@@ -8,9 +8,9 @@ live member, and the quorum below its minimum, there and in ``test_train_elastic
 - no coordinator reachable: ``hsdp train parallel.elastic=true`` (one rank, torchrun's environment, the default
   timeouts) says the address and the command that starts one within 15 s, with no C++ trace around it;
 - a replica id outside the coordinator's range, a shard degree the replica's job does not have, and an elastic
-  mesh with options it does not support (the replica-sharded optimizer, Streaming DiLoCo, DiLoCo with buffers
-  broadcast every step, a plain torch optimizer stepping it): one one-rank replica of a real job against an
-  in-process coordinator;
+  mesh with options it does not support (the replica-sharded optimizer, Streaming DiLoCo with two fragments' syncs
+  in flight at once, DiLoCo with buffers broadcast every step, a plain torch optimizer stepping it): one one-rank
+  replica of a real job against an in-process coordinator;
 - one replica id used twice before either was admitted (as when two jobs start on one coordinator and job
   name): the first is admitted, the second refused naming ``HSDP_REPLICA_ID`` and ``HSDP_ELASTIC_JOB``; a
   restart before admission (the earlier incarnation went silent) is admitted, not refused;
@@ -78,7 +78,7 @@ attempt("shard degree", lambda: hsdp.init_mesh(2, elastic=policy))
 attempt("tp degree", lambda: hsdp.init_mesh(elastic=policy, tensor_parallel_degree=2))
 mesh = hsdp.init_mesh(elastic=policy)
 for case, options in [("replica-sharded optimizer", {"shard_optimizer_across_replicas": True}),
-                      ("streaming diloco", {"replica_sync": hsdp.DiLoCo(every=4, fragments=2)}),
+                      ("streaming diloco", {"replica_sync": hsdp.DiLoCo(every=4, fragments=2, delay=3)}),
                       ("diloco buffers", {"replica_sync": hsdp.DiLoCo(every=4), "broadcast_buffers": True})]:
     attempt(case, lambda: hsdp.ShardedModel(ParityNet(), mesh=mesh, **options))
 model = hsdp.ShardedModel(ParityNet(), mesh=mesh)
@@ -126,8 +126,9 @@ def one_rank_replica(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, st
     ("tp degree", "tensor_parallel_degree=2 does not divide the world size 1: every tensor-parallel group is 2 "
                   "adjacent ranks"),
     ("replica-sharded optimizer", "turn shard_optimizer_across_replicas off"),
-    ("streaming diloco", "Streaming DiLoCo (fragments=2, delay=0) on an elastic mesh is not supported yet: use "
-                         "DiLoCo(fragments=1, delay=0)"),
+    ("streaming diloco", "Streaming DiLoCo (every=4, fragments=2, delay=3) on an elastic mesh keeps one fragment's "
+                         "sync in flight at a time, so a fragment's update must land before the next fragment "
+                         "starts: use delay <= every // fragments (2) there"),
     ("diloco buffers", "buffers broadcast every step (running statistics: BatchNorm) is not supported yet: pass "
                        "broadcast_buffers=False"),
     ("plain optimizer", "SGD steps the parameters of a model that is elastic (a step the coordinator discards must "

@@ -165,9 +165,9 @@ def test_an_int8_wire_sends_about_a_quarter_of_fp32(jobs: tuple[list[dict], Path
     (["parallel.replica_hop=int8", *DILOCO], "set parallel.replica_hop = 'fp32'"),
     (["parallel.shard_optimizer_across_replicas=true", *DILOCO], "set parallel.shard_optimizer_across_replicas = "
                                                                  "false"),
-    (["parallel.elastic=true", "parallel.diloco_fragments=2", *DILOCO], "parallel.diloco_fragments = 2: Streaming "
-                                                                        "DiLoCo with parallel.elastic = true"),
-    (["parallel.elastic=true", "parallel.diloco_delay=1", *DILOCO], "parallel.diloco_delay = 1: Streaming DiLoCo"),
+    (["parallel.elastic=true", "parallel.diloco_every=4", "parallel.diloco_fragments=2", "parallel.diloco_delay=3",
+      *DILOCO], "parallel.diloco_delay = 3: Streaming DiLoCo with parallel.elastic = true keeps one fragment's sync "
+                "in flight at a time"),
     (["parallel.diloco_every=0", *DILOCO], "parallel.diloco_every = 0: the inner steps between syncs"),
     (["parallel.diloco_outer_lr=0", *DILOCO], "parallel.diloco_outer_lr = 0.0: must be positive"),
     (["parallel.diloco_outer_momentum=1", *DILOCO], "parallel.diloco_outer_momentum = 1.0: must lie in [0, 1)"),
@@ -204,6 +204,9 @@ def test_the_defaults_and_the_options_are_read(tmp_path: Path, monkeypatch: pyte
     assert (par.elastic, par.replica_sync, par.diloco_every) == (True, "diloco", 4)
     hetero = resolve_config(None, ["parallel.elastic=true", "parallel.sharding_degree=[2,1]", *DILOCO]).parallel
     assert hetero.degree_list == (2, 1)  # and of replicas of different degrees (tests/test_elastic_diloco.py)
+    par = resolve_config(None, ["parallel.elastic=true", "parallel.replica_sync=diloco", "parallel.diloco_every=4",
+                                "parallel.diloco_fragments=2", "parallel.diloco_delay=2"]).parallel  # Streaming
+    assert (par.elastic, par.diloco_fragments, par.diloco_delay) == (True, 2, 2)
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
 

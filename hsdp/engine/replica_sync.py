@@ -44,7 +44,8 @@ class DiLoCo:
     ``fragments``: Streaming DiLoCo's F, the units split into F fragments synced at staggered steps (at most
     the number of units with parameters, and at most ``every``); ``delay``: tau, inner steps between starting a
     fragment's all-reduce and applying its outer update (0: at once, blocking; ``< every``, so a fragment's
-    update lands before its next sync; ``< every / fragments`` keeps one fragment in flight at a time);
+    update lands before its next sync; ``<= every // fragments`` keeps one fragment in flight at a time, which an
+    elastic mesh requires);
     ``mix``: the share of its own weights a replica keeps when an update lands (alpha; 0 replaces them)."""
 
     every: int = 40
@@ -119,11 +120,14 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object,
                          "own): turn shard_optimizer_across_replicas off")
     if getattr(mesh, "elastic", None) is not None:
         # An elastic sync is a transaction of the replicas present (optim/outer_transaction.py), of any shard
-        # degrees (its pseudo-gradients reduced piece by piece, a joiner's outer state re-cut: outer_heal.py);
-        # what is not built:
-        if sync.fragments > 1 or sync.delay > 0:
-            raise ValueError(f"Streaming DiLoCo (fragments={sync.fragments}, delay={sync.delay}) on an elastic "
-                             f"mesh is not supported yet: use DiLoCo(fragments=1, delay=0) there")
+        # degrees (its pseudo-gradients reduced piece by piece, a joiner's outer state re-cut: outer_heal.py).
+        if sync.delay * sync.fragments > sync.every:
+            # The layer has one transaction open at a time, so a fragment's sync must land before the next one
+            # starts: then nothing but the sync under way is in flight when a joiner is healed (optim/outer_plan.py).
+            raise ValueError(f"Streaming DiLoCo (every={sync.every}, fragments={sync.fragments}, delay={sync.delay}) "
+                             f"on an elastic mesh keeps one fragment's sync in flight at a time, so a fragment's "
+                             f"update must land before the next fragment starts: use delay <= every // fragments "
+                             f"({sync.every // sync.fragments}) there")
         if buffers:
             raise ValueError("replica_sync=DiLoCo on an elastic mesh with buffers broadcast every step (running "
                              "statistics: BatchNorm) is not supported yet: pass broadcast_buffers=False, or use a "

@@ -2,22 +2,25 @@
 --elastic``).
 
 Environment: what torchrun and ``hsdp launch --elastic`` give a rank, ``ELASTIC_OUT`` (a folder) and
+``ELASTIC_SYNC`` (a key of ``SYNCS``: whole-model DiLoCo, or Streaming DiLoCo with two fragments and a delay) and
 ``ELASTIC_MID_SYNC`` ("0": replica 1 does not die mid-sync; default "1"). Three replicas (of any rank counts: the
 launch's ``--nproc-per-node 2,1,1`` gives them different shard degrees) train the same tiny model, inner AdamW,
-syncing every ``EVERY`` inner steps through an outer Nesterov SGD (``hsdp.DiLoCo``); at inner step k, replica r's
-rank s reads batch ``(k, 3 r + s)``. Two faults (one without ``ELASTIC_MID_SYNC``), each in a replica's first
-incarnation (torchrun restarts it, and it rejoins at a sync boundary):
+syncing each fragment every ``EVERY`` inner steps through an outer Nesterov SGD (``hsdp.DiLoCo``); at inner step
+k, replica r's rank s reads batch ``(k, 3 r + s)``. Two faults (one without ``ELASTIC_MID_SYNC``), each in a
+replica's first incarnation (torchrun restarts it, and it rejoins at a sync boundary):
 
-- mid-phase: replica ``2``'s ranks SIGKILL themselves in the backward of inner step ``MID_PHASE_STEP``;
+- mid-phase: replica ``2``'s ranks SIGKILL themselves in the backward of inner step ``MID_PHASE_STEP`` (a step
+  with no sync in flight);
 - mid-sync: once replica 2 is back (a sync with all three more than a phase after that step), replica ``1``'s
-  ranks SIGKILL themselves at the next sync, just before their pseudo-gradient all-reduce: the others' all-reduce
-  fails and they redo that sync among themselves.
+  ranks SIGKILL themselves at the next sync's start, just before their pseudo-gradient all-reduce: the others'
+  all-reduce fails and they redo that sync among themselves (with a delay, where it was to land).
 
 Each rank logs to ``<out>/r<replica>_s<rank>_i<pid>.jsonl``: ``{"joined": k}`` once its optimizer exists (k: the
-inner step it goes on at, after the heal), then per inner step its loss, whether a sync landed after it and the
-sync's replicas (``model.last_step``). The run stops after two consecutive syncs of all three replicas following a
-sync without the last victim (replica 1; replica 2 without the mid-sync fault), the restarted victim counting its own
-join as one, then checks replicas (the global copy) and saves the full parameters.
+inner step it goes on at, after the heal; with the fragments' parameter names), then per inner step its loss, the
+fragments whose sync started and landed after it and the last sync's replicas (``model.last_step``). The run stops
+after two consecutive syncs of all three replicas following a sync without the last victim (replica 1; replica 2
+without the mid-sync fault), the restarted victim counting its own join as one when it landed a sync, then checks
+replicas (the global copy) and saves the full parameters.
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ from hsdp.engine.optim import outer_step
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import ParityNet, batch, loss_fn
 
-REPLICAS, EVERY, MID_PHASE_STEP = 3, 3, 4
+REPLICAS, EVERY = 3, 3
+# Per case: the policy, and the inner step in whose backward replica 2 dies (no sync in flight then).
+SYNCS = {"whole": (dict(), 4), "streaming": (dict(fragments=2, delay=1), 5)}
 MAX_STEPS = 600  # a safety bound
-PACE_S = 0.05  # a pause per step: survivors leave the CPUs to a restart (2 cores in CI)
-# While a replica is away (the last sync lacked one) the survivors pause longer: fewer syncs before its restart is
-# back however slow the machine (each adds float rounding for the replay to match at 1e-5), more CPU for it.
-AWAY_PACE_S = 1.0
+# A pause per step: survivors leave the CPUs to a restart (2 cores in CI), the more while a replica is away: fewer
+# syncs before its restart is back however slow the machine (each adds float rounding for the replay to match at
+# 1e-5: 0.05 s let a slow restart's survivors run 180 steps and drift 1.2e-5 from it), more CPU for it.
+PACE_S, AWAY_PACE_S = 0.05, 0.5
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
-SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9)
+CASE, MID_PHASE_STEP = SYNCS[os.environ.get("ELASTIC_SYNC", "whole")]
+SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9, **CASE)
 MID_SYNC = os.environ.get("ELASTIC_MID_SYNC", "1") == "1"
 LAST_VICTIM = 1 if MID_SYNC else 2  # whose rejoining ends the run
 
@@ -77,7 +83,10 @@ def main() -> None:
     model = hsdp.ShardedModel(ParityNet(), mesh=mesh, replica_sync=SYNC)
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     step = model.last_step.step + 1
-    log.write(json.dumps({"joined": step, "replicas": list(model.last_step.replicas), "t": time.time()}) + "\n")
+    outer = opt._hsdp_outer
+    fragments = [[p.fqn for u in outer.fragment_units(f) for p in u.params] for f in range(SYNC.fragments)]
+    log.write(json.dumps({"joined": step, "replicas": list(model.last_step.replicas), "fragments": fragments,
+                          "t": time.time()}) + "\n")
     log.flush()
     step_now = {"k": step}
 
@@ -88,7 +97,8 @@ def main() -> None:
     model.blocks[1].register_full_backward_pre_hook(die)
     # A restarted last victim came back after its fault: its join is a sync of all three after it.
     after = not first and replica == LAST_VICTIM
-    together = 1 if after and len(model.last_step.replicas) == REPLICAS else 0
+    joined_sync = opt.last_sync is not None and bool(opt.last_sync.landed)  # its join landed a sync
+    together = 1 if after and joined_sync and len(model.last_step.replicas) == REPLICAS else 0
     while step < MAX_STEPS:
         step_now["k"] = step
         x, y = batch(step, REPLICAS * replica + rank)
@@ -99,6 +109,7 @@ def main() -> None:
         last, synced = model.last_step, bool(opt.last_sync.landed)
         time.sleep(PACE_S if len(last.replicas) == REPLICAS else AWAY_PACE_S)
         log.write(json.dumps({"step": last.step, "loss": loss.item(), "synced": synced,
+                              "started": list(opt.last_sync.started), "landed": list(opt.last_sync.landed),
                               "replicas": list(last.replicas), "t": time.time()}) + "\n")
         log.flush()
         step = last.step + 1

@@ -105,10 +105,12 @@ def _streaming_problem(par: SyncFields) -> Problem | None:
 def _combination_problem(par: SyncFields) -> Problem | None:
     """DiLoCo next to a per-step hop setting: two choices of one thing (the pairs that do not combine are the
     one table's: ``ParallelConfig._check_combinations``)."""
-    if par.elastic and (par.diloco_fragments > 1 or par.diloco_delay > 0):
-        name = "diloco_fragments" if par.diloco_fragments > 1 else "diloco_delay"
-        return name, getattr(par, name), ("Streaming DiLoCo with parallel.elastic = true is not supported yet: set "
-                                          "parallel.diloco_fragments = 1 and parallel.diloco_delay = 0 there")
+    if par.elastic and par.diloco_delay * par.diloco_fragments > par.diloco_every:
+        # The library's check (replica_sync.check_replica_sync): one fragment's sync in flight at a time.
+        return "diloco_delay", par.diloco_delay, (
+            f"Streaming DiLoCo with parallel.elastic = true keeps one fragment's sync in flight at a time, so a "
+            f"fragment's update must land before the next fragment starts: use parallel.diloco_delay <= "
+            f"parallel.diloco_every // parallel.diloco_fragments ({par.diloco_every // par.diloco_fragments})")
     if par.replica_hop != "fp32":
         return "replica_hop", par.replica_hop, (
             "does not combine with parallel.replica_sync = 'diloco': DiLoCo sends no per-step inter-node hop to "

@@ -20,7 +20,9 @@ each of the fragment's parameters as ``outer[fqn]["pending_pseudo_gradient"]`` (
 with ``outer_scalars[fqn]["pending_steps_left"]`` (the inner steps before it lands); the load puts the syncs back
 as already reduced, so each lands at the same step with the same values: the resume is bitwise. A load without
 the phase (another replica count: every replica restarts from the global copy) drops them with the inner steps
-since the last sync. The fragments must be split as saved (the same units and ``fragments``).
+since the last sync. The fragments must be split as saved (the same units and ``fragments``). On an elastic mesh a
+sync whose all-reduce failed on this rank (a member died; the survivors redo it where it lands) is not kept: a
+resume from that checkpoint lands nothing for it.
 
 Under ``DiLoCo(wire_dtype=torch.int8)`` each rank's residuals (``outer_wire.py``) are state of its replica, not
 shared: :func:`residual_state_dict` gives them by parameter name (sharded like the parameter), the checkpoint
@@ -43,7 +45,8 @@ from typing import Any
 
 import torch
 
-from hsdp.engine.optim.outer_step import OuterState, PendingSync, chunks
+from hsdp.engine.optim.outer_pending import PendingSync
+from hsdp.engine.optim.outer_step import OuterState, chunks
 from hsdp.engine.optim.outer_wire import residual_flat, set_residual_flat
 from hsdp.engine.runtime.origin import stamp
 
@@ -101,7 +104,7 @@ def outer_state_dict(outer: OuterState) -> dict[str, Any]:
             elif kind == "outer_scalars":
                 for p in outer.units[i].params:
                     out[kind].setdefault(p.fqn, {})[name] = value
-    for sync in outer.pending:
+    for sync in (s for s in outer.pending if not s.failed):  # (a failed one is redone where it lands)
         left = torch.tensor(sync.left, dtype=torch.int64)
         for i, mean in zip(outer.fragments[sync.fragment], sync.settle(), strict=True):
             for p, chunk in chunks(outer, i, mean):

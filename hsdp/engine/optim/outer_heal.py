@@ -1,7 +1,7 @@
 """A replica joining DiLoCo at a sync boundary: what the heal sends besides the weights, and the sync it enters.
 
 ``outer_transaction.py`` says when this happens (an elastic joiner, or every replica at an elastic job's start);
-here is what it takes: the lowest-numbered live member's global copy, outer optimizer state and phase
+here is what it takes: the lowest-numbered live member's global copy, outer optimizer state, phase and plan
 (:func:`heal_outer`, after ``elastic_heal.py`` sent the weights and the inner optimizer state), and the sync under
 way that it joins weighing 0 (:func:`join_open_sync`).
 
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hsdp.engine.optim.outer_plan import SyncPlan
 from hsdp.engine.optim.state_rows import ROWS, Cut, exchange_rows, take_rows
 from hsdp.engine.runtime.piece_broadcast import broadcast_bytes_whole, broadcast_rows
 from hsdp.engine.runtime.reduction import slot_offsets
@@ -30,17 +31,11 @@ if TYPE_CHECKING:
 
 
 def join_open_sync(outer: OuterState) -> None:
-    """At ``ShardedOptimizer`` construction: a replica admitted into a step under way (an elastic joiner, healed
-    at the members' sync boundary; every replica at the job's start) takes part in that sync now, weighing 0."""
-    if not outer.model.mesh.replicas.step_open:
-        return
-    policy = outer.policy
-    # The fragment the members sync at the healed phase (an elastic mesh has one; mid-phase: sync_replicas's).
-    due = [f for f in range(policy.fragments) if policy.offset(f) == outer.inner_steps] or [policy.fragments - 1]
-    outer.transact(due[0])
-    if policy.fragments == 1:  # a whole-model sync leaves the phase at 0 (sync_replicas's too, mid-phase)
-        outer.inner_steps = 0
-    outer.mark_written()
+    """At ``ShardedOptimizer`` construction: a replica admitted into a sync under way (an elastic joiner, healed
+    at the members' sync boundary; every replica at the job's start) takes part in that sync now, weighing 0, and
+    in the members' other syncs of that inner step (``outer_plan.py``, [Note: a joiner enters mid-plan])."""
+    if outer.model.mesh.replicas.step_open:
+        outer.enter()
 
 
 @torch.no_grad()
@@ -63,7 +58,8 @@ def heal_outer(outer: OuterState, comm: Comm, source: int, sending: bool, joinin
         received[i][k] = v
     outer.outer.load_state_dict(state["outer"])
     outer.inner_steps = state["phase"]
-    outer.pending, outer.carried = [], {}  # (none in flight on an elastic mesh: delay 0)
+    outer.pending, outer.carried = [], {}  # the members' syncs in flight are not its own
+    outer.joined = SyncPlan.joined(state["plan"], outer.due())  # the members' syncs from the one under way
     if outer.wire is not None:  # the int8 wire's rounding error of syncs it never sent is not its own
         outer.wire.residuals = {}
     for unit in outer.units:
@@ -87,5 +83,6 @@ def _payload(outer: OuterState) -> bytes:
     state["state"] = {i: dict(entry) for i, entry in state["state"].items()}
     rows = take_rows(state["state"], [p for group in outer.outer.param_groups for p in group["params"]])
     buffer = io.BytesIO()
-    torch.save({"outer": state, ROWS: [list(e) for e in rows], "phase": outer.inner_steps}, buffer)
+    plan = outer.plan.rest() if outer.plan is not None else None  # [Note: a joiner enters mid-plan]
+    torch.save({"outer": state, ROWS: [list(e) for e in rows], "phase": outer.inner_steps, "plan": plan}, buffer)
     return buffer.getvalue()

@@ -11,11 +11,12 @@ quantised with error feedback and all-gathered, ``outer_wire.py``). ``delay`` in
 steps (torch's optimizers skip parameters without a gradient, so one optimizer serves every fragment and the others'
 state is untouched), and the global copy is merged into the shards (``mix * local + (1 - mix) * global``; a plain
 copy at ``mix=0``). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th step, on the same code
-path. With ``delay=0`` a sync's start and landing are one transaction of the replicate layer
-(``outer_transaction.py``: on an elastic mesh the replicas present at the sync, a failed all-reduce redone among
-the survivors, a joiner healed at the boundary and weighing 0). Padding rows are zero on every replica, so they
-stay zero. A checkpoint waits for the syncs in flight and keeps their means and steps left, so they land at the
-same steps after a resume (``outer_checkpoint.py``, [Note: syncs in flight]).
+path. Each sync is a transaction of the replicate layer (``outer_transaction.py``: on an elastic mesh the
+replicas present at the sync, a failed all-reduce redone among the survivors, a joiner healed at the boundary and
+weighing 0), opened at its start and closed at its landing (at once with ``delay=0``); the syncs one call runs
+are a plan (``outer_plan.py``), which a joiner healed in one of them follows from there. Padding rows are zero
+on every replica, so they stay zero. A checkpoint waits for the syncs in flight and keeps their means and steps
+left, so they land at the same steps after a resume (``outer_checkpoint.py``, [Note: syncs in flight]).
 
 [Note: loads after the optimizer] torch lets the optimizer be built before the weights are loaded
 (``model.load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``, a model-only ``hsdp.load_checkpoint``,
@@ -39,6 +40,8 @@ reductions add the replica's weight (summed over its ranks) to ``ShardUnit.phase
 whose units saw a weighted backward since its last sync takes the plain average, bit for bit. Every replica
 must weight its batches or none (a mix within a replica is refused at the step; across replicas the buffers
 would differ in length). The phase weights are not checkpointed: after a resume mid-phase they count from it.
+A replica joining an elastic job restarts them at its heal: it weighs 0 in the sync it enters and, in each other
+fragment's next sync, the batches it processed since.
 
 [Note: one order everywhere] Every rank starts the same fragments' all-reduces after the same inner steps, in
 fragment and unit order, and lands them in the order started, so the replicate group's collectives match on
@@ -51,7 +54,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,7 +62,9 @@ import torch.distributed as dist
 
 from hsdp.engine.collectives import Handle
 from hsdp.engine.hops import AllReduceHop
-from hsdp.engine.optim.outer_transaction import transact_sync
+from hsdp.engine.optim.outer_pending import Carried, PendingSync
+from hsdp.engine.optim.outer_plan import LAND, START, TRANSACT, SyncPlan
+from hsdp.engine.optim.outer_transaction import OpenSync, close_sync, fail_sync, open_sync, transact_sync
 from hsdp.engine.optim.outer_wire import wire_hop, wire_key
 from hsdp.engine.replica_sync import DiLoCo
 from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
@@ -117,33 +122,6 @@ class SyncStep:
     landed: tuple[int, ...] = ()
 
 
-@dataclass
-class PendingSync:
-    """One fragment's pseudo-gradient all-reduce in flight: it lands once ``left`` inner steps have passed."""
-
-    fragment: int
-    left: int
-    handles: list[Handle]
-    sent: list[torch.Tensor]  # the all-reduced buffers (in the wire dtype), one per unit of the fragment
-    weighted: bool = False  # each buffer ends with its replica's weight ([Note: pieces and weights])
-    reduced: list[torch.Tensor] = field(default_factory=list)  # fp32 means, once waited (see settle)
-    empty: bool = False  # weighted and every replica weighed 0: nothing to average (see settle)
-
-    def settle(self) -> list[torch.Tensor]:
-        """Wait for the all-reduces; the fp32 mean pseudo-gradients (weighted: divided by the mean weight)."""
-        if not self.reduced:
-            for handle in self.handles:
-                handle.wait()
-            self.reduced = [s if s.dtype == torch.float32 else s.float() for s in self.sent]
-            if self.weighted:
-                # Nobody contributed (an elastic job's start: every replica weighs 0): no outer update at all.
-                self.empty = bool(torch.stack([r[-1] for r in self.reduced]).eq(0).all())  # one host read
-                # A unit no backward reached on any replica weighs 0 (and moved by weight decay alone): keep it.
-                self.reduced = [r[:-1].div_(r[-1].clamp_min(torch.finfo(r.dtype).tiny)) for r in self.reduced]
-            self.handles, self.sent = [], []
-        return self.reduced
-
-
 class OuterState:
     """The global copy, outer optimizer and in-flight fragment syncs of one model under DiLoCo."""
 
@@ -164,10 +142,10 @@ class OuterState:
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
-        # Per fragment whose sync started and has not landed: (weighted, each unit's phase weight), taken once,
-        # so a sync redone among the survivors (outer_transaction.py) sends the weights of the same phase.
-        self.carried: dict[int, tuple[bool, list[torch.Tensor]]] = {}
+        self.carried: dict[int, Carried] = {}  # per fragment whose sync started and has not landed
         self.last: SyncStep | None = None  # what the last inner step did (None before the first)
+        self.plan: SyncPlan | None = None  # the syncs of the call under way, which a joiner healed in one follows
+        self.joined: SyncPlan | None = None  # healed as a joiner: the healing member's plan, to run instead
         self._seen = self._versions()  # see [Note: loads after the optimizer]
         model._hsdp_state.outer = self  # ShardedModel.check_replicas compares the global copy (compared_shards)
 
@@ -218,79 +196,160 @@ class OuterState:
         return [self.units[i] for i in self.fragments[fragment]]
 
     def after_inner_step(self) -> bool:
-        """Count one inner step: land the syncs due, start those whose offset this is (landing them at once
-        when ``delay`` is 0). True when an outer update landed."""
+        """Count one inner step, then run its syncs (``outer_plan.py``): land the syncs due, start those whose
+        offset this is (landing them at once when ``delay`` is 0). True when an outer update landed."""
         self.inner_steps = (self.inner_steps + 1) % self.policy.every
         for sync in self.pending:
             sync.left -= 1
-        landed = self._land_due()
-        started = [f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps]
-        if self.policy.delay == 0:  # started and landed at once: one transaction each (outer_transaction.py)
-            for fragment in started:
-                self.transact(fragment)
-            landed += started
-        else:
-            self.pending.extend(self._start(fragment) for fragment in started)
-            landed += self._land_due()
-        self.last = SyncStep(tuple(started), tuple(landed))
-        self.mark_written()
-        return bool(landed)
-
-    def transact(self, fragment: int) -> None:
-        """Start and land ``fragment``'s sync as one transaction of the replicate layer (``outer_transaction.py``:
-        redone among the survivors until committed; on a fixed layer, once)."""
-        def attempt() -> PendingSync:
-            sync = self._start(fragment)
-            sync.settle()
-            return sync
-
-        transact_sync(self.model.mesh.replicas, self.wire, attempt, self._land, f"fragment {fragment}'s sync")
+        lands = [s.fragment for s in self.pending if s.left <= 0]
+        starts = [f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps]
+        return self.run(SyncPlan.after_step(lands, starts, self.policy.delay))
 
     def sync_now(self) -> None:
         """Sync every fragment now: land the syncs in flight, then all-reduce and land every fragment's
         pseudo-gradient (one outer step per fragment), so every replica holds the global copy; the phase
         restarts at 0. The same calls on every rank (the end of training, before evaluating or exporting)."""
-        for sync in self.pending:
-            sync.left = 0
-        landed = self._land_due()
-        started = list(range(self.policy.fragments))
-        for fragment in started:  # one transaction each (outer_transaction.py)
-            self.transact(fragment)
-        landed += started
-        self.inner_steps = 0
+        self.run(SyncPlan.sync_all([s.fragment for s in self.pending], self.policy.fragments))
+
+    def enter(self) -> None:
+        """Admitted into a sync under way (``outer_heal.join_open_sync``): run the healing member's plan from that
+        sync on, or at an elastic job's start the sync of the fragment due ([Note: a joiner enters mid-plan])."""
+        plan, self.joined = self.joined or SyncPlan.joined(None, self.due()), None
+        self.run(plan)
+
+    def due(self) -> int:
+        """The fragment whose sync starts at the current phase (the last one, synced at phase 0, between)."""
+        return next((f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps),
+                    self.policy.fragments - 1)
+
+    def run(self, plan: SyncPlan) -> bool:
+        """Run ``plan``'s syncs in order, each a transaction of the replicate layer; a replica healed as a joiner
+        meanwhile (dropped while alive, it rejoined in a sync's vote) drops the rest of its own plan for the
+        healing member's. True when an outer update landed."""
+        started: list[int] = []
+        landed: list[int] = []
+        self.plan = plan
+        while plan.at < len(plan.steps):
+            kind, fragment = plan.steps[plan.at]
+            if kind != LAND:
+                started.append(fragment)
+            if self._run_step(kind, fragment) and kind != START:
+                landed.append(fragment)
+            if self.joined is not None:  # healed meanwhile: the member's plan ([Note: a joiner enters mid-plan])
+                plan, self.joined, started, landed = self.joined, None, [], []
+                self.plan = plan
+                continue
+            plan.at += 1
+        self.plan = None
+        if plan.phase is not None:
+            self.inner_steps = plan.phase
         self.last = SyncStep(tuple(started), tuple(landed))
         self.mark_written()
+        return bool(landed)
+
+    def _run_step(self, kind: str, fragment: int) -> bool:
+        """One step of a plan; True when it committed (and landed, but for a start)."""
+        if kind == START:
+            self.pending.append(self._open(fragment))
+            return True
+        if kind == TRANSACT:
+            return self.transact(fragment)
+        sync = next((s for s in self.pending if s.fragment == fragment), None)
+        if sync is None:  # a joiner healed in the members' redo of this landing: it takes part in the redo
+            return self.transact(fragment)
+        self.pending.remove(sync)
+        return self._close(sync)
+
+    def transact(self, fragment: int) -> bool:
+        """Start and land ``fragment``'s sync as one transaction of the replicate layer (``outer_transaction.py``:
+        redone among the survivors until committed; on a fixed layer, once). False when this replica was healed
+        as a joiner meanwhile (nothing landed)."""
+        def attempt() -> PendingSync:
+            sync = self._start(fragment)
+            sync.settle()
+            return sync
+
+        return transact_sync(self.model.mesh.replicas, self.wire, attempt, self._land, self._rejoined,
+                             f"fragment {fragment}'s sync")
+
+    def _open(self, fragment: int) -> PendingSync:
+        """Start ``fragment``'s sync with its transaction left open, to land ``delay`` inner steps later."""
+        if self.model.mesh.replicas.transactional:
+            # What it sends, taken before the await: a start that fails there is redone with the same buffers.
+            self._carried(fragment)
+        opened = open_sync(self.model.mesh.replicas, self.wire, lambda: self._start(fragment),
+                           f"fragment {fragment}'s sync")
+        sync = opened.sync or PendingSync(fragment, self.policy.delay, [], [], failed=True)
+        sync.opened, sync.residuals = True, opened.residuals
+        return sync
+
+    def _close(self, sync: PendingSync) -> bool:
+        """Land ``sync``, due, once its transaction commits; discarded, it is redone synchronously among the
+        survivors with the buffers it first sent (``Carried``), then landed. False when this replica was healed
+        as a joiner meanwhile."""
+        if not sync.opened:  # put back by a checkpoint, already reduced: no transaction to close
+            self._land(sync)
+            return True
+        opened = OpenSync(None if sync.failed else sync, sync.residuals)
+        what = f"fragment {sync.fragment}'s sync"
+        if close_sync(self.model.mesh.replicas, self.wire, opened, PendingSync.settle, self._rejoined, what):
+            self._land(sync)
+            return True
+        return not self._rejoined() and self.transact(sync.fragment)
+
+    def _rejoined(self) -> bool:
+        return self.joined is not None
 
     def settle(self) -> None:
-        """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint)."""
-        for sync in self.pending:
-            sync.settle()
+        """Wait for every all-reduce in flight, keeping the results to land at their steps (a checkpoint). One that
+        failed on this rank (a member died) is discarded by the layer where it was to land and redone there, so
+        it holds nothing to keep (raised where the layer cannot discard it)."""
+        for sync in (s for s in self.pending if not s.failed):
+            try:
+                sync.settle()
+            except RuntimeError as e:
+                fail_sync(self.model.mesh.replicas, f"fragment {sync.fragment}'s sync", e)
+                sync.failed = True
 
-    def _weights(self, fragment: int) -> tuple[bool, list[torch.Tensor]]:
-        """Whether the fragment's sync sends weights, and each unit's phase weight: taken at the sync's first
-        start, kept until it lands. Where the layer can discard a sync (elastic) the weights always travel, so a
-        replica whose inner steps do not count (a joiner, healed at the sync) weighs 0 and the survivors' redo
-        sends the same."""
+    def _carried(self, fragment: int) -> Carried:
+        """What the fragment's sync sends, taken at its first start and kept until it lands (``Carried``). Where
+        the layer can discard a sync (elastic) the weights always travel, so a replica whose inner steps do not
+        count (a joiner, healed at the sync) weighs 0, and the buffers are kept, so the survivors' redo sends the
+        same pseudo-gradients even after the ``delay`` inner steps it overlapped."""
         if fragment not in self.carried:
             units = self.fragment_units(fragment)
-            weighted = any(u.phase_weighted for u in units) or self.model.mesh.replicas.transactional
-            self.carried[fragment] = (weighted, [_take_weight(unit) for unit in units])
+            transactional = self.model.mesh.replicas.transactional
+            weighted = any(u.phase_weighted for u in units) or transactional
+            carried = Carried(weighted, [_take_weight(unit) for unit in units])
+            if transactional:
+                carried.buffers = list(self._buffers(fragment, carried))
+            self.carried[fragment] = carried
         return self.carried[fragment]
 
     @torch.no_grad()
-    def _start(self, fragment: int) -> PendingSync:
+    def _buffers(self, fragment: int, carried: Carried) -> Iterator[torch.Tensor]:
+        """Each unit's pseudo-gradient (global - local) as sent: weighted, its weight appended ([Note: pieces and
+        weights]); in the wire dtype (int8: fp32, the hop quantises it)."""
         wire = self.policy.wire_dtype
-        units = self.fragment_units(fragment)
-        weighted, weights = self._weights(fragment)
-        handles, sent = [], []
-        for i, unit, weight in zip(self.fragments[fragment], units, weights, strict=True):
+        for i, unit, weight in zip(self.fragments[fragment], self.fragment_units(fragment), carried.weights,
+                                   strict=True):
             delta = self.global_copy[i] - unit.sharded_flat.float()
-            if weighted:  # [Note: pieces and weights]
+            if carried.weighted:
                 delta = torch.cat([delta.mul_(weight), weight.to(delta.dtype).reshape(1)])
-            buffer = delta if wire is None or self.wire is not None else delta.to(wire)  # int8: the hop's
-            handles.append(self._average(unit, buffer, int(weighted)))
+            yield delta if wire is None or self.wire is not None else delta.to(wire)
+
+    @torch.no_grad()
+    def _start(self, fragment: int) -> PendingSync:
+        """Start the average of the fragment's pseudo-gradients over the replicas; kept buffers are sent as
+        copies (the all-reduce writes its buffer)."""
+        carried = self._carried(fragment)
+        buffers = self._buffers(fragment, carried) if carried.buffers is None else \
+            (b.clone() for b in carried.buffers)
+        handles, sent = [], []
+        for unit, buffer in zip(self.fragment_units(fragment), buffers, strict=True):
+            handles.append(self._average(unit, buffer, int(carried.weighted)))
             sent.append(buffer)
-        return PendingSync(fragment, self.policy.delay, handles, sent, weighted)
+        return PendingSync(fragment, self.policy.delay, handles, sent, carried.weighted)
 
     def _average(self, unit: ShardUnit, buffer: torch.Tensor, n_extra: int) -> Handle:
         """Start the average of ``buffer`` (laid out like the unit's flat shard, then ``n_extra`` values) over the
@@ -310,14 +369,6 @@ class OuterState:
         then ``n_extra`` values (``None`` on a grid); the same pieces whatever ``n_extra``."""
         return plan_of(self.model.comm, unit.params, slot_offsets(unit.params), n_extra, unit.sharded_flat.numel(),
                        self._plans[n_extra])
-
-    def _land_due(self) -> list[int]:
-        """Land the syncs due, in the order started; their fragments."""
-        due = [s for s in self.pending if s.left <= 0]
-        self.pending = [s for s in self.pending if s.left > 0]
-        for sync in due:
-            self._land(sync)
-        return [s.fragment for s in due]
 
     @torch.no_grad()
     def _land(self, sync: PendingSync) -> None:

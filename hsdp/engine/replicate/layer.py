@@ -35,8 +35,9 @@ branch in the caller:
     its ``ShardedOptimizer`` construction (``attach``) is inside the members' current step.
 
 Under DiLoCo (``replica_sync=``) the inner steps cross no replicas, so nothing runs this lifecycle per training
-step: the *sync* is the transaction (``optim/outer_transaction.py``). The outer step calls ``begin_step``,
-``await_step``, ``step_failed`` and ``finish_step`` around each sync's pseudo-gradient all-reduce, and lands
+step: each fragment's *sync* is the transaction (``optim/outer_transaction.py``). The outer step calls
+``begin_step`` and ``await_step`` where a sync starts, ``step_failed`` and ``finish_step`` where it lands (at
+once with ``delay=0``; Streaming DiLoCo's ``delay`` inner steps later, the transaction open meanwhile), and lands
 the outer update only when ``finish_step`` says so; an elastic layer's step counter then counts sync attempts
 (a discarded sync is redone among the survivors as the next one), and a replica joining is healed at the sync
 boundary (the heal runs before the sync's all-reduce, in which the joiner's pseudo-gradient weighs 0). On a
