@@ -36,6 +36,8 @@ from torch import nn
 import hsdp
 from hsdp.engine.mesh_init import init_mesh
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops, snapshot_hops
+from hsdp.engine.runtime.piece_hop import follow_plan
+from hsdp.engine.runtime.piece_plan import Bucket, PiecePlan
 
 STEPS, LR, BLOCK, WIDE = 4, 0.5, 64, 256
 _int8 = functools.partial(int8_roundtrip, block=BLOCK)  # the quantiser, written out (tests/reference.py)
@@ -238,3 +240,26 @@ def test_a_discarded_step_puts_the_residuals_back_and_a_joiner_zeroes_them() -> 
     assert torch.equal(hop.residuals["b"], torch.tensor([0.0]))
     reset_hops(units)  # type: ignore[arg-type]
     assert all(not v.any() for v in hop.residuals.values()) and set(hop.residuals) == {"a", "b"}
+
+
+def test_residuals_follow_an_elastic_quorums_pieces_element_by_element() -> None:
+    """``piece_hop.follow_plan`` in one process: a 1-rank replica's 8-element slot (and a 2-element tail) in two
+    buckets while a 2-rank replica is in the quorum, one bucket once it left, two again when it is back: each
+    element's residual goes with it; a bucket state of another plan's size (put back by a discarded step) is
+    dropped, not added to a buffer it does not fit."""
+    halves = PiecePlan((Bucket((0, 2, 3), ((0, 4),), 0), Bucket((1, 2, 3), ((4, 4), (8, 2)), 2)), 1.0)
+    whole = PiecePlan((Bucket((0, 1), ((0, 8), (8, 2)), 2),), 1.0)
+    hop, first, second = hsdp.Int8ErrorFeedbackHop(), torch.arange(4.0), torch.arange(4.0) + 10
+    hop.load_state_dict({"u@0,2,3": first, "u@1,2,3": second})
+    follow_plan(hop, "u", halves, halves, 10, torch.device("cpu"))  # the same plan: nothing moves
+    assert hop.residuals["u@0,2,3"] is first and "u@0,1" not in hop.residuals
+    follow_plan(hop, "u", halves, whole, 10, torch.device("cpu"))
+    assert torch.equal(hop.residuals["u@0,1"], torch.cat([first, second]))
+    hop.load_state_dict({"u@0,1": torch.arange(8.0) - 4})  # the whole-slot bucket's hop: new residuals
+    follow_plan(hop, "u", whole, halves, 10, torch.device("cpu"))
+    assert torch.equal(hop.residuals["u@0,2,3"], torch.arange(4.0) - 4)
+    assert torch.equal(hop.residuals["u@1,2,3"], torch.arange(4.0))
+    hop.load_state_dict({"u@0,1": torch.ones(3)})  # a discarded step put back a state of another plan's size
+    follow_plan(hop, "u", whole, whole, 10, torch.device("cpu"))
+    assert torch.equal(hop.residuals["u@0,1"], torch.zeros(8))
+

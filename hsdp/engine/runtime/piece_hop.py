@@ -72,6 +72,35 @@ def state_segments(plan: PiecePlan) -> list[tuple[tuple[int, ...], list[tuple[in
     return out
 
 
+def follow_plan(hop: ReplicaHop, key: str, old: PiecePlan | None, new: PiecePlan, numel: int,
+                device: torch.device) -> None:
+    """Lay a stateful hop's per-bucket state of unit ``key`` (the int8 hop's residuals) out by ``new``'s buckets
+    before its hops: where a layer's replicas change (elastic), a quorum of other shard degrees regroups this rank's
+    ``numel`` slot elements into other buckets (``old``: the plan the state follows), and each element keeps what
+    rounding lost of it (error feedback's invariant), re-cut on the way. A bucket state of the wrong size for its
+    plan (a discarded step put back one laid out by an earlier plan) counts as none: zeros, never a crash."""
+    state = hop.state_dict()
+    if state is None:
+        return
+
+    def sized(holders: tuple[int, ...], segments: list[tuple[int, int]]) -> torch.Tensor | None:
+        value = state.get(bucket_key(key, holders))
+        return value if value is not None and value.numel() == sum(n for _, n in segments) else None
+
+    flat = None
+    if old is not None and old != new:
+        flat = flat_from_buckets([(sized(h, s), s) for h, s in state_segments(old)], numel, device)
+    fresh = {}
+    for holders, segments in state_segments(new):
+        name = bucket_key(key, holders)
+        if flat is not None:
+            fresh[name] = torch.cat([flat[o: o + n] for o, n in segments])
+        elif name in state and sized(holders, segments) is None:
+            fresh[name] = torch.zeros(sum(n for _, n in segments), device=device)
+    if fresh:
+        hop.load_state_dict(fresh)
+
+
 def start_piece_hops(hop: ReplicaHop, output: torch.Tensor, plan: PiecePlan, comm: Comm, key: str) -> Handle:
     """Scale ``output`` (this replica's reduced slot and tail) and start one hop per bucket, in plan order;
     once the handle is waited ``output`` holds the average over every rank of the mesh."""

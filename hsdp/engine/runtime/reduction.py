@@ -33,7 +33,7 @@ from hsdp.engine.collectives import Chained, Handle
 from hsdp.engine.hops import NoHop, start_split_over_tp
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.batch_weight import SLOTS, Weight
-from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
+from hsdp.engine.runtime.piece_hop import follow_plan, plan_of, start_piece_hops
 from hsdp.engine.runtime.piece_scatter import start_piece_scatters
 from hsdp.engine.runtime.piece_slice import PieceSliceLayout
 from hsdp.engine.runtime.replica_slice import SliceLayout, pack_gradient, packed_numel, replicated_columns
@@ -262,6 +262,9 @@ class Reduction:
                 unit.comm, self.params, slot_offsets(self.params), self.n_extra, self.output.numel() - self.n_extra,
                 unit.piece_plans)
             if plan is not None:
+                if unit.comm.mesh.replicas.transactional:  # (elastic) quorums of other degrees, discarded steps
+                    follow_plan(unit.hop, unit.key, unit.hop_plan, plan, self.output.numel(), self.output.device)
+                    unit.hop_plan = plan
                 self._handle = start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)
             # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces. Nor
             # where the layer discards steps (elastic): a member lost mid-step can fail one tp rank's hop and not

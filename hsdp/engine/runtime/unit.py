@@ -59,6 +59,7 @@ class ShardUnit:
         self.streams = Streams(torch.device("cpu"))
         # Heterogeneous replicas: the reduction's piece plans per set of trainable parameters (piece_hop.py).
         self.piece_plans: dict[tuple[int, ...], PiecePlan | None] = {}
+        self.hop_plan: PiecePlan | None = None  # the plan a stateful hop's state follows (piece_hop.follow_plan)
         # Replica-sharded optimizer: the model's queue of slice all-gathers (set by the runtime).
         self.slice_gathers: SliceGathers | None = None
         # Per-step bookkeeping, reset by the root at the end of backward.
