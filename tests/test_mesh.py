@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from hsdp.engine import mesh as mesh_module
+from hsdp.engine import mesh_init
 from hsdp.engine.mesh_layout import (
     default_sharding_degree,
     device_type_for,
@@ -78,16 +78,16 @@ def test_shard_groups_straddling_nodes_warn_with_the_override() -> None:
 
 def test_init_mesh_warns_when_torchruns_nodes_split_a_shard_group(monkeypatch: pytest.MonkeyPatch) -> None:
     # A process group of 2 nodes x 3 ranks, faked: only the checks before the first collective run.
-    monkeypatch.setattr(mesh_module.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(mesh_module.dist, "get_world_size", lambda: 6)
-    monkeypatch.setattr(mesh_module.dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(mesh_module, "init_device_mesh", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mesh_init.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(mesh_init.dist, "get_world_size", lambda: 6)
+    monkeypatch.setattr(mesh_init.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(mesh_init, "init_device_mesh", lambda *args, **kwargs: None)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.warns(UserWarning, match="Pass sharding_degree=3"):
-        mesh_module.init_mesh(2, fault_policy=None)
+        mesh_init.init_mesh(2, fault_policy=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mesh_module.init_mesh(3, fault_policy=None)  # aligned with the nodes: silent
+        mesh_init.init_mesh(3, fault_policy=None)  # aligned with the nodes: silent
 
 
 def test_device_type_follows_the_backend_and_the_gpus() -> None:
@@ -148,19 +148,19 @@ def test_tp_layout_is_chunks_of_the_tp_piece_uneven_included() -> None:
 
 
 def test_hsdp_initialised_nccl_group_binds_the_local_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert mesh_module.process_group_kwargs(False, {"LOCAL_RANK": "3"}) == {"backend": "gloo"}
-    assert mesh_module.process_group_kwargs(True, {}) == {"backend": "nccl"}
-    assert mesh_module.process_group_kwargs(True, {"LOCAL_RANK": "3"}) == {
+    assert mesh_init.process_group_kwargs(False, {"LOCAL_RANK": "3"}) == {"backend": "gloo"}
+    assert mesh_init.process_group_kwargs(True, {}) == {"backend": "nccl"}
+    assert mesh_init.process_group_kwargs(True, {"LOCAL_RANK": "3"}) == {
         "backend": "nccl", "device_id": torch.device("cuda", 3)}
     # The wiring, without a GPU: what init_process_group and set_device receive.
     calls: list[tuple[str, object]] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-    monkeypatch.setattr(mesh_module.dist, "init_process_group", lambda **kw: calls.append(("init", kw)))
+    monkeypatch.setattr(mesh_init.dist, "init_process_group", lambda **kw: calls.append(("init", kw)))
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "LOCAL_RANK": "1"}
     for key, value in torchrun.items():
         monkeypatch.setenv(key, value)
-    mesh_module._init_process_group(mesh_module.DEFAULT_TIMEOUT)
+    mesh_init._init_process_group(mesh_init.DEFAULT_TIMEOUT)
     assert calls == [("set_device", torch.device("cuda", 1)),
-                     ("init", {"timeout": mesh_module.DEFAULT_TIMEOUT, "backend": "nccl",
+                     ("init", {"timeout": mesh_init.DEFAULT_TIMEOUT, "backend": "nccl",
                                "device_id": torch.device("cuda", 1)})]

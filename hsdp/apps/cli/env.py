@@ -99,7 +99,7 @@ def backends() -> dict[str, bool]:
 
 def default_mesh(environ: dict[str, str]) -> dict[str, Any]:
     """The replicate x shard mesh ``init_mesh()`` (no arguments) would build under these variables,
-    from :func:`hsdp.engine.mesh.default_sharding_degree`; ``error`` holds what init_mesh would raise, and
+    from :func:`hsdp.engine.mesh_layout.default_sharding_degree`; ``error`` holds what init_mesh would raise, and
     ``not_a_rank`` says why there is no mesh to show outside a launcher (the normal case, not an error)."""
     from hsdp.engine.mesh_layout import default_sharding_degree, node_crossing_warning
 
