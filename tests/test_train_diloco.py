@@ -177,8 +177,6 @@ def test_an_int8_wire_sends_about_a_quarter_of_fp32(jobs: tuple[list[dict], Path
     (["parallel.diloco_every=4", "parallel.diloco_delay=4", *DILOCO], "parallel.diloco_delay = 4: a fragment's "
                                                                       "update must land before its next sync"),
     (["parallel.diloco_mix=1", *DILOCO], "parallel.diloco_mix = 1.0: must lie in [0, 1)"),
-    (["parallel.elastic=true", "parallel.sharding_degree=[2,1]", "parallel.diloco_wire_dtype=int8", *DILOCO],
-     "parallel.diloco_wire_dtype = 'int8': on an elastic job of replicas of different degrees is not supported yet"),
     (["parallel.diloco_fragments=2"], "parallel.diloco_fragments = 2: is read only with"),
     (["parallel.replica_sync=every_h"], "parallel.replica_sync = 'every_h': choose one of"),
     (["parallel.diloco_every=10"], "parallel.diloco_every = 10: is read only with parallel.replica_sync = 'diloco'"),
@@ -202,7 +200,8 @@ def test_the_defaults_and_the_options_are_read(tmp_path: Path, monkeypatch: pyte
     par = resolve_config(None, ["parallel.elastic=true", "parallel.replica_sync=diloco", "parallel.diloco_every=4"]
                          ).parallel  # an elastic DiLoCo job (tests/test_elastic_diloco.py)
     assert (par.elastic, par.replica_sync, par.diloco_every) == (True, "diloco", 4)
-    hetero = resolve_config(None, ["parallel.elastic=true", "parallel.sharding_degree=[2,1]", *DILOCO]).parallel
+    hetero = resolve_config(None, ["parallel.elastic=true", "parallel.sharding_degree=[2,1]", *DILOCO,
+                                   "parallel.diloco_wire_dtype=int8"]).parallel
     assert hetero.degree_list == (2, 1)  # and of replicas of different degrees (tests/test_elastic_diloco.py)
     par = resolve_config(None, ["parallel.elastic=true", "parallel.replica_sync=diloco", "parallel.diloco_every=4",
                                 "parallel.diloco_fragments=2", "parallel.diloco_delay=2"]).parallel  # Streaming

@@ -132,9 +132,4 @@ def check_replica_sync(sync: object, hop: object, sliced: bool, mesh: object,
             raise ValueError("replica_sync=DiLoCo on an elastic mesh with buffers broadcast every step (running "
                              "statistics: BatchNorm) is not supported yet: pass broadcast_buffers=False, or use a "
                              "model without running statistics (LayerNorm)")
-        if sync.wire_dtype == torch.int8 and getattr(mesh, "heterogeneous", False):
-            # Its residuals are kept per bucket of pieces, and the buckets change with the quorum's degrees.
-            raise ValueError("DiLoCo(wire_dtype=torch.int8) on an elastic job of replicas of different shard degrees "
-                             "is not supported yet: use wire_dtype=torch.bfloat16 or None there, or give every "
-                             "replica the same rank count")
     return NoHop()

@@ -1,10 +1,11 @@
 """One rank of one replica of an elastic DiLoCo job (tests/test_elastic_diloco.py runs it under ``hsdp launch
 --elastic``).
 
-Environment: what torchrun and ``hsdp launch --elastic`` give a rank, ``ELASTIC_OUT`` (a folder) and
-``ELASTIC_SYNC`` (a key of ``SYNCS``: whole-model DiLoCo, or Streaming DiLoCo with two fragments and a delay) and
-``ELASTIC_MID_SYNC`` ("0": replica 1 does not die mid-sync; default "1"). Three replicas (of any rank counts: the
-launch's ``--nproc-per-node 2,1,1`` gives them different shard degrees) train the same tiny model, inner AdamW,
+Environment: what torchrun and ``hsdp launch --elastic`` give a rank, ``ELASTIC_OUT`` (a folder),
+``ELASTIC_SYNC`` (a key of ``SYNCS``: whole-model DiLoCo, or Streaming DiLoCo with two fragments and a delay),
+``ELASTIC_MID_SYNC`` ("0": replica 1 does not die mid-sync; default "1") and ``ELASTIC_WIRE`` ("int8": the int8
+wire). Three replicas (of any rank counts: the launch's ``--nproc-per-node 2,1,1`` gives them different shard
+degrees) train the same tiny model, inner AdamW,
 syncing each fragment every ``EVERY`` inner steps through an outer Nesterov SGD (``hsdp.DiLoCo``); at inner step
 k, replica r's rank s reads batch ``(k, 3 r + s)``. Two faults (one without ``ELASTIC_MID_SYNC``), each in a
 replica's first incarnation (torchrun restarts it, and it rejoins at a sync boundary):
@@ -50,7 +51,8 @@ PACE_S, AWAY_PACE_S = 0.05, 0.5
 POLICY = hsdp.ElasticPolicy(heartbeat_interval=0.1, heartbeat_timeout=4.0, hop_timeout=60.0, connect_timeout=10.0,
                             join_timeout=120.0)
 CASE, MID_PHASE_STEP = SYNCS[os.environ.get("ELASTIC_SYNC", "whole")]
-SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9, **CASE)
+WIRE = torch.int8 if os.environ.get("ELASTIC_WIRE") == "int8" else None  # ELASTIC_WIRE=int8: DiLoCo's int8 wire
+SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9, wire_dtype=WIRE, **CASE)
 MID_SYNC = os.environ.get("ELASTIC_MID_SYNC", "1") == "1"
 LAST_VICTIM = 1 if MID_SYNC else 2  # whose rejoining ends the run
 

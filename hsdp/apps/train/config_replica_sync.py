@@ -116,8 +116,4 @@ def _combination_problem(par: SyncFields) -> Problem | None:
             "does not combine with parallel.replica_sync = 'diloco': DiLoCo sends no per-step inter-node hop to "
             "compress: set parallel.replica_hop = 'fp32' (parallel.diloco_wire_dtype = 'bf16' halves the sync's "
             "bytes, 'int8' quarters them), or parallel.replica_sync = 'every_step'")
-    if par.elastic and par.degree_list is not None and par.diloco_wire_dtype == "int8":
-        # (Without the list the library refuses it when the model is wrapped: the coordinator declares the degrees.)
-        return "diloco_wire_dtype", "int8", ("on an elastic job of replicas of different degrees is not supported "
-                                             "yet: set parallel.diloco_wire_dtype = 'bf16' or 'fp32' there")
     return None

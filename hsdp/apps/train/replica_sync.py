@@ -28,8 +28,8 @@ parameters (refused by the optimizer at start-up).
 What DiLoCo does not combine with is refused when the configuration is read, before any rank starts: a
 ``parallel.replica_hop`` other than ``fp32`` (there is no per-step hop to compress; the wire dtype is
 ``diloco_wire_dtype``), ``shard_optimizer_across_replicas`` (each replica steps its own whole optimizer state), and
-with ``elastic`` the streaming fields (and ``int8`` across replicas of different degrees, refused when the model is
-wrapped). A list of sharding degrees, batch weights and ``elastic`` combine with it (a sync averages the
+with ``elastic`` a ``diloco_delay`` above ``diloco_every // diloco_fragments`` (one fragment's sync in flight at a
+time). A list of sharding degrees, batch weights and ``elastic`` combine with it (a sync averages the
 pseudo-gradients piece by piece, each replica's weighted by the batch weight it processed since the last sync; on an
 elastic job, replicas of different degrees included, each sync is a transaction of the replicas present). Checkpoints
 (``hsdp.save_checkpoint``: every replica's weights and AdamW state, the global copy, the outer momentum, the phase

@@ -67,7 +67,7 @@ from hsdp.engine.optim.outer_plan import LAND, START, TRANSACT, SyncPlan
 from hsdp.engine.optim.outer_transaction import OpenSync, close_sync, fail_sync, open_sync, transact_sync
 from hsdp.engine.optim.outer_wire import wire_hop, wire_key
 from hsdp.engine.replica_sync import DiLoCo
-from hsdp.engine.runtime.piece_hop import plan_of, start_piece_hops
+from hsdp.engine.runtime.piece_hop import follow_plan, plan_of, start_piece_hops
 from hsdp.engine.runtime.piece_plan import PiecePlan
 from hsdp.engine.runtime.reduction import slot_offsets
 
@@ -139,6 +139,7 @@ class OuterState:
             unit.phase_weight = torch.zeros((), dtype=torch.float64, device=unit.sharded_flat.device)
         self.global_copy = [u.sharded_flat.detach().float().clone() for u in self.units]
         self.wire = wire_hop(policy)  # the int8 wire's quantiser and residuals (``outer_wire.py``); None for floats
+        self._wire_plans: dict[str, PiecePlan] = {}  # the plan each unit's wire residuals follow (elastic)
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
@@ -362,6 +363,9 @@ class OuterState:
             return comm.all_reduce(buffer, "replicate", op=dist.ReduceOp.AVG, async_op=True, label=label)
         # Scale 1: each replica's pseudo-gradient counts once (the gradients' pre-scale weighs ranks, not replicas).
         hop = AllReduceHop() if self.wire is None else self.wire
+        if self.wire is not None and self.model.mesh.replicas.transactional:  # quorums of other degrees (elastic)
+            follow_plan(self.wire, label, self._wire_plans.get(label), plan, buffer.numel(), buffer.device)
+            self._wire_plans[label] = plan
         return start_piece_hops(hop, buffer, dataclasses.replace(plan, scale=1.0), comm, label)
 
     def piece_plan(self, unit: ShardUnit, n_extra: int = 0) -> PiecePlan | None:

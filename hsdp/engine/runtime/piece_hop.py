@@ -78,7 +78,9 @@ def follow_plan(hop: ReplicaHop, key: str, old: PiecePlan | None, new: PiecePlan
     before its hops: where a layer's replicas change (elastic), a quorum of other shard degrees regroups this rank's
     ``numel`` slot elements into other buckets (``old``: the plan the state follows), and each element keeps what
     rounding lost of it (error feedback's invariant), re-cut on the way. A bucket state of the wrong size for its
-    plan (a discarded step put back one laid out by an earlier plan) counts as none: zeros, never a crash."""
+    plan (a discarded step put back one laid out by an earlier plan) counts as none: zeros, never a crash. (Where a
+    plan change and a discard coincide, a state of the right size put back under a name the new plan reuses is taken
+    as it is: one quantisation step's error on other elements, once.)"""
     state = hop.state_dict()
     if state is None:
         return
