@@ -24,7 +24,8 @@ committed, the quorum's replicas, torchrun's restart count):
   committed steps per second of each outside the faults (equal when the machine was equally busy);
 * recovery: the kill -> the survivors' first committed step without the killed replica; rejoin: the kill ->
   the killed replica's first committed step (torchrun's restart, interpreter and torch start-up, admission and
-  healing included); medians over the kills.
+  healing included); medians over the kills. hsdp's job also logs when its new incarnation started, imported,
+  built its mesh, its model and its optimizer (admitted and healed): the rejoin part by part.
 
 After the window the driver waits until all three replicas commit together, then asks every replica to stop
 at a step 20 ahead (a file they check each step), so all of them end at the same step and the launch exits 0.
@@ -72,19 +73,26 @@ def seed(step: int, replica: int, rank: int) -> int:
 # One rank of hsdp's job (under torchrun, one job per node); torchft's is in elastic_recovery_torchft.py.
 # ---------------------------------------------------------------------------------------------------------
 def job(preset_name: str, out: Path) -> None:
+    phases = {"started": _process_start()}  # when this incarnation reached each point: the rejoin's parts
     import torch
 
     import hsdp
     from hsdp.models.gpt import GPT, preset
 
+    phases["imported"] = time.time()
     torch.set_num_threads(1)
     mesh = hsdp.init_mesh(elastic=True)
+    phases["mesh"] = time.time()
     replica, restart = int(os.environ["HSDP_REPLICA_ID"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     cfg = preset(preset_name)
     torch.manual_seed(0)
     model = hsdp.ShardedModel(GPT(cfg), mesh=mesh)
+    phases["model"] = time.time()
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    phases["admitted"] = time.time()  # the coordinator admitted it and a live replica healed it
     log = open(out / f"steps_r{replica}.jsonl", "a") if mesh.shard_rank == 0 else None  # noqa: SIM115
+    if log is not None:
+        log.write(json.dumps({"phases": phases, "restart": restart}) + "\n")
     step = model.last_step.step + 1 if model.last_step is not None else 0
     stop_file, stop_at = out / "stop", None
     while stop_at is None or step <= stop_at:
@@ -104,16 +112,30 @@ def job(preset_name: str, out: Path) -> None:
         step = last.step + 1
 
 
+def _process_start() -> float:
+    """This process's start, wall-clock seconds (Linux: its start tick in /proc after boot)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The driver.
 # ---------------------------------------------------------------------------------------------------------
 def _records(out: Path) -> dict[int, list[dict]]:
+    """Each replica's step records (``phases``: an incarnation's start-up, kept apart under ``"phases"``)."""
     records: dict[int, list[dict]] = {}
     for replica in range(NODES):
         path = out / f"steps_r{replica}.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
         records[replica] = [json.loads(line) for line in lines if line.endswith("}")]  # a line being written
     return records
+
+
+def _steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if "step" in r]
 
 
 def _ranks_of(replica: int, marker: str) -> list[int]:
@@ -143,7 +165,7 @@ def _wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, proc: 
 
 def _all_together(out: Path, after: float) -> bool:
     return any(r["committed"] and len(r["replicas"]) == NODES and r["t"] > after
-               for r in _records(out).get(0, []))
+               for r in _steps(_records(out).get(0, [])))
 
 
 def _job_args(system: str, port: int | None) -> list[str]:
@@ -183,8 +205,8 @@ def run_once(args: argparse.Namespace, kills: bool, tmp: Path, system: str = "hs
             if port is not None:
                 lighthouse = torchft_side.start_lighthouse(MARKER_ENV, marker, port, lighthouse_sink,
                                                            alive=lambda: proc.poll() is None)
-            _wait_for("first committed step", lambda: any(r["committed"] for r in _records(out)[0]), 600, proc)
-            t0 = min(r["t"] for r in _records(out)[0] if r["committed"])
+            _wait_for("first committed step", lambda: any(r["committed"] for r in _steps(_records(out)[0])), 600, proc)
+            t0 = min(r["t"] for r in _steps(_records(out)[0]) if r["committed"])
             events = []
             k = 1
             while kills and k * args.kill_every <= window - args.margin:
@@ -200,7 +222,7 @@ def run_once(args: argparse.Namespace, kills: bool, tmp: Path, system: str = "hs
                 k += 1
             time.sleep(max(0.0, t0 + window - time.time()))
             _wait_for("step of all three replicas", lambda: _all_together(out, t0 + window - 1), 300, proc)
-            (out / "stop").write_text(str(max(r["step"] for r in _records(out)[0]) + 20))
+            (out / "stop").write_text(str(max(r["step"] for r in _steps(_records(out)[0])) + 20))
             code = proc.wait(timeout=600)
         finally:
             if proc.poll() is None:
@@ -215,7 +237,7 @@ def run_once(args: argparse.Namespace, kills: bool, tmp: Path, system: str = "hs
 
 
 def _committed_in_window(run: dict) -> int:
-    steps = {r["step"] for rs in run["records"].values() for r in rs
+    steps = {r["step"] for rs in run["records"].values() for r in _steps(rs)
              if r["committed"] and run["t0"] <= r["t"] <= run["t0"] + run["window"]}
     return len(steps)
 
@@ -225,22 +247,50 @@ def _recoveries(run: dict) -> tuple[list[float], list[float]]:
     for kill in run["kills"]:
         t, victim = kill["t"], kill["victim"]
         # Without the victim: a step whose votes were all in before the kill may still commit just after it.
-        survivors = [r["t"] for q, rs in run["records"].items() if q != victim for r in rs
+        survivors = [r["t"] for q, rs in run["records"].items() if q != victim for r in _steps(rs)
                      if r["committed"] and r["t"] > t and victim not in r["replicas"]]
-        restart_before = max((r["restart"] for r in run["records"][victim] if r["t"] <= t), default=-1)
-        back = [r["t"] for r in run["records"][victim] if r["committed"] and r["t"] > t
-                and r["restart"] > restart_before]
+        back = _back(run["records"][victim], t)
         if survivors:
             recovery.append(min(survivors) - t)
         if back:
-            rejoin.append(min(back) - t)
+            rejoin.append(back[0]["t"] - t)
     return recovery, rejoin
+
+
+def _back(records: list[dict], kill_t: float) -> list[dict]:
+    """The victim's committed steps after the kill at ``kill_t``, by its later incarnations (a higher restart)."""
+    steps = _steps(records)
+    restart_before = max((r["restart"] for r in steps if r["t"] <= kill_t), default=-1)
+    return [r for r in steps if r["committed"] and r["t"] > kill_t and r["restart"] > restart_before]
+
+
+# The rejoin's parts, each the time from the previous point of the killed node's next incarnation (the kill first).
+REJOIN_PARTS = (("restart", "started"), ("imports", "imported"), ("mesh and admission wait", "mesh"),
+                ("model", "model"), ("optimizer and heal", "admitted"), ("first committed step", "step"))
+
+
+def _rejoin_parts(run: dict) -> dict[str, float]:
+    """The median seconds of each part of the rejoins (:data:`REJOIN_PARTS`), over the kills whose restart logged
+    its start-up (hsdp's job does; an empty dict otherwise)."""
+    parts: dict[str, list[float]] = {name: [] for name, _ in REJOIN_PARTS}
+    for kill in run["kills"]:
+        records, t = run["records"][kill["victim"]], kill["t"]
+        back = _back(records, t)
+        phases = next((r["phases"] for r in records if "phases" in r and back and r["restart"] == back[0]["restart"]),
+                      None)
+        if phases is None:
+            continue
+        points = [t] + [phases[key] if key != "step" else back[0]["t"] for _, key in REJOIN_PARTS]
+        for (name, _), a, b in zip(REJOIN_PARTS, points, points[1:]):
+            parts[name].append(b - a)
+    return {name: round(statistics.median(v), 2) for name, v in parts.items() if v}
 
 
 def _steady_rate(run: dict, busy: list[tuple[float, float]]) -> float:
     """Committed steps per second of the window outside the ``busy`` intervals (kill -> rejoin + 2 s)."""
     t0, end = run["t0"], run["t0"] + run["window"]
-    outside = [t for t in {r["step"]: r["t"] for rs in run["records"].values() for r in rs if r["committed"]}.values()
+    outside = [t for t in {r["step"]: r["t"] for rs in run["records"].values() for r in _steps(rs)
+                           if r["committed"]}.values()
                if t0 <= t <= end and not any(a <= t <= b for a, b in busy)]
     span = run["window"] - sum(min(b, end) - a for a, b in busy)
     return len(outside) / span if span > 0 else 0.0
@@ -263,7 +313,7 @@ def measure(clean: dict, faulty: dict) -> dict:
             "victims": [k["victim"] for k in faulty["kills"]],
             "recovery_s": [round(x, 2) for x in recovery], "rejoin_s": [round(x, 2) for x in rejoin],
             "recovery_median_s": _median(recovery), "rejoin_median_s": _median(rejoin),
-            "emulated": faulty["emulated"]}
+            "rejoin_parts_median_s": _rejoin_parts(faulty), "emulated": faulty["emulated"]}
 
 
 def _check_systems(systems: list[str]) -> None:
@@ -351,6 +401,9 @@ def _write(result: dict, tag: str) -> None:
     lines.append("")
     for name, m in systems.items():
         lines.append(f"{name}: per kill, recovery (s): {m['recovery_s']}; rejoin (s): {m['rejoin_s']}.")
+        if m.get("rejoin_parts_median_s"):
+            lines.append(f"{name}: the rejoin, part by part (medians, s): " + ", ".join(
+                f"{part} {seconds:g}" for part, seconds in m["rejoin_parts_median_s"].items()) + ".")
     lines += ["", "The two rates of a system tell whether the machine was as busy in both its runs (the emulated "
               "nodes share its CPUs" + (f"; each node capped and weighted at {result['node_cpus']} CPU"
                                          if result["node_cpus"] else "") + ")."]

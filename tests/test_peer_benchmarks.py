@@ -58,6 +58,19 @@ def test_measure_recovery_rejoin_and_ratio():
     assert (m["kills"], m["ranks_killed"], m["victims"]) == (1, [2], [0])
 
 
+def test_the_rejoin_part_by_part():
+    """The restarted incarnation's start-up records split the kill -> first committed step into its parts."""
+    run = _faulty()
+    phases = {"started": KILL_T + 1, "imported": KILL_T + 4, "mesh": KILL_T + 5, "model": KILL_T + 5.5,
+              "admitted": KILL_T + 9}
+    run["records"][0].insert(50, {"phases": phases, "restart": 1})  # written before its first step record
+    parts = bench.measure(_clean(), run)["rejoin_parts_median_s"]
+    assert parts == {"restart": 1.0, "imports": 3.0, "mesh and admission wait": 1.0, "model": 0.5,
+                     "optimizer and heal": 3.5, "first committed step": pytest.approx(1.0, abs=0.11)}
+    assert sum(parts.values()) == pytest.approx(REJOIN_S, abs=0.11)
+    assert bench.measure(_clean(), _faulty())["rejoin_parts_median_s"] == {}  # torchft's job logs no phases
+
+
 def test_table_has_a_column_per_system(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "RESULTS", tmp_path)
     hsdp, torchft = bench.measure(_clean(), _faulty()), bench.measure(_clean(), _clean() | {"kills": []})
