@@ -22,7 +22,6 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -67,14 +66,16 @@ def serve(config: CoordinatorConfig, *, out: IO[str] | None = None, err: IO[str]
               f"{config.replicas - 1}), going on with at least {coordinator.min_replicas}; heartbeat timeout "
               f"{config.heartbeat_timeout:g} s; listening on port {store.port}. Every replica's ranks need:")
     _say(out, f"{ADDRESS_LINE}{advertised_host(config.host)}:{store.port}")
-    stopping = threading.Event()
+    # A plain flag, not a threading.Event: the handler runs in the main thread between two bytecodes, and
+    # Event.set() there deadlocks when the signal lands while Event.wait() holds the event's (non-reentrant) lock.
+    stopping = [False]
 
     def on_signal(signum: int, frame: Any) -> None:
-        stopping.set()
+        stopping[0] = True
 
     stopped_at: float | None = None
     with handle_signals(_STOP_SIGNALS, on_signal):
-        while not stopping.is_set() and not (stop is not None and stop()):
+        while not stopping[0] and not (stop is not None and stop()):
             coordinator.poll()
             for line in log.observe(coordinator.state):
                 _say(out, line)
@@ -83,9 +84,9 @@ def serve(config: CoordinatorConfig, *, out: IO[str] | None = None, err: IO[str]
                 stopped_at = stopped_at or time.monotonic()
                 if time.monotonic() - stopped_at >= (config.linger if state.completed else linger):
                     break
-            stopping.wait(period)
+            time.sleep(period)
     _say(out, log.summary(coordinator.state, config.job, time.monotonic() - started))
-    if stopping.is_set() or not coordinator.state.stopped:
+    if stopping[0] or not coordinator.state.stopped:
         return 0  # stopped by a signal, or the job completed
     return BELOW_MINIMUM if coordinator.state.members else 0
 
