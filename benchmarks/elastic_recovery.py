@@ -75,6 +75,8 @@ def seed(step: int, replica: int, rank: int) -> int:
 def job(preset_name: str, out: Path) -> None:
     phases = {"started": _process_start()}  # when this incarnation reached each point: the rejoin's parts
     import torch
+    import torch._dynamo  # DTensor's constructor imports it on first use: counted as an import
+    import torch.distributed.tensor
 
     import hsdp
     from hsdp.models.gpt import GPT, preset
@@ -113,12 +115,13 @@ def job(preset_name: str, out: Path) -> None:
 
 
 def _process_start() -> float:
-    """This process's start, wall-clock seconds (Linux: its start tick in /proc after boot)."""
+    """This process's start, wall-clock seconds (Linux: its start tick after boot, placed against the clock by
+    /proc/uptime's hundredths, not /proc/stat's whole-second boot time, which put it up to 1 s off)."""
     with open("/proc/self/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -330,8 +333,10 @@ def drive(args: argparse.Namespace) -> None:
     measured = {}
     for system in systems:
         with tempfile.TemporaryDirectory() as tmp:
-            clean = run_once(args, False, Path(tmp), system)
-            faulty = run_once(args, True, Path(tmp), system)
+            where = args.keep / system if args.keep else Path(tmp)  # --keep: the step logs and launch logs stay
+            where.mkdir(parents=True, exist_ok=True)
+            clean = run_once(args, False, where, system)
+            faulty = run_once(args, True, where, system)
         for name, run in (("failure-free", clean), ("faulty", faulty)):
             if run["code"] != 0:
                 print(run["log_tail"], file=sys.stderr)
@@ -430,6 +435,7 @@ def main() -> None:
                         help="hsdp launch --node-cpus: each node's CPU budget, so a restarting node slows only "
                              "itself, as on separate machines, and other work on this one counts less; '' for none "
                              "(default: 0.6)")
+    parser.add_argument("--keep", type=Path, help="keep each run's folder (step and launch logs) under this one")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     args = parser.parse_args()
     if args.job and args.system == "torchft":
