@@ -25,7 +25,9 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     no inter-node bytes are spent; with ``shard_optimizer_across_replicas`` each rank holds a 1/(R x S)
     slice instead and the norm is reduced over the whole mesh (a few bytes across nodes); on replicas of
     different shard degrees one scalar more crosses nodes, so that every replica clips by the same norm to
-    the bit (their sums round differently). The norm is returned on every rank.
+    the bit (their sums round differently). Under ``replica_sync=hsdp.DiLoCo`` each replica clips its inner
+    gradient by its own norm (DiLoCo's workers are independent between syncs): the shard group only. The norm
+    is returned on every rank.
 
     Non-finite norm: ``"warn"`` clips nothing and warns; ``"skip"`` also drops every gradient (sets it to
     ``None``) so the next ``optimizer.step()`` changes nothing; ``"error"`` raises ``FloatingPointError``.
@@ -50,7 +52,9 @@ def clip_grad_norm_(model: ShardedModel, max_norm: float, norm_type: float = 2.0
     grads = [g for g in (p.grad_local for p in counted if not _tp_split(p.layout)) if g is not None]
     with model.comm.phase("hsdp.clip_grad_norm_"):
         total = _total_norm(model, grads, split, float(norm_type), _norm_groups(model, sliced))
-        if not model.mesh.replicas.regular and not sliced:
+        # Under DiLoCo the replicas' inner gradients differ by design: each clips by its own norm, as DiLoCo's
+        # workers do (and nothing crosses nodes between syncs).
+        if not model.mesh.replicas.regular and not sliced and model._hsdp_state.replica_sync is None:
             total = _agree(model, total)
     if on_nonfinite == "warn":
         model._hsdp_state.step_read.defer(total, _warn_if_nonfinite)
@@ -118,8 +122,14 @@ def _agree(model: ShardedModel, total: torch.Tensor) -> torch.Tensor:
     model.comm.all_reduce(agreed, "world", op=dist.ReduceOp.MAX, label="grad norm")
     layer = model.mesh.replicas
     if layer.outside_world:  # the world was this replica's job (elastic): across replicas over the position groups
-        for group in layer.own_position_groups():
-            model.comm.replica_view(group).all_reduce(agreed, "replicate", op=dist.ReduceOp.MAX, label="grad norm")
+        try:
+            for group in layer.own_position_groups():
+                model.comm.replica_view(group).all_reduce(agreed, "replicate", op=dist.ReduceOp.MAX,
+                                                          label="grad norm")
+        except RuntimeError as e:  # a member died since the step's hop: the step is discarded, as a failed hop's
+            if not layer.step_failed(f"grad norm agreement: {type(e).__name__}: {e}"):
+                raise
+            return total
     return agreed[0]
 
 
