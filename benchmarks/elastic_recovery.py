@@ -225,7 +225,8 @@ def run_once(args: argparse.Namespace, kills: bool, tmp: Path, system: str = "hs
                 k += 1
             time.sleep(max(0.0, t0 + window - time.time()))
             _wait_for("step of all three replicas", lambda: _all_together(out, t0 + window - 1), 300, proc)
-            (out / "stop").write_text(str(max(r["step"] for r in _steps(_records(out)[0])) + 20))
+            (out / "stop.tmp").write_text(str(max(r["step"] for r in _steps(_records(out)[0])) + 20))
+            (out / "stop.tmp").replace(out / "stop")  # atomic: a rank never reads it half written
             code = proc.wait(timeout=600)
         finally:
             if proc.poll() is None:
