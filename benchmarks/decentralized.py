@@ -316,8 +316,7 @@ def measure(alone: dict, dec: dict, plain: dict, args: argparse.Namespace, plain
     kept, trained = _kept_tokens(dec), _kept_tokens(dec, window_only=False)
     alone_rate = _alone_rate(alone)
     dec_eval, plain_eval = _final_eval(dec), _final_eval(plain)
-    steps_in_window = len({r["step"] for inc in dec["logs"][(0, 0)] for r in _steps(inc)
-                           if dec["t0"] <= r["t"] <= dec["t0"] + dec["window"]})
+    steps_in_window = _leader_steps(dec, in_window=True)
     link = None
     if dec["links"]:
         link = max(n["sent_bytes"] for n in dec["links"]["nodes"]) / max(1, _leader_steps(dec))
@@ -340,11 +339,13 @@ def measure(alone: dict, dec: dict, plain: dict, args: argparse.Namespace, plain
     }
 
 
-def _leader_steps(run: dict) -> int:
-    return len({r["step"] for inc in run["logs"][(0, 0)] for r in _steps(inc)})
+def _leader_steps(run: dict, in_window: bool = False) -> int:
+    """Replica 0's distinct steps (of the window's, or of the whole run's)."""
+    t0, end = run["t0"], run["t0"] + run["window"]
+    return len({r["step"] for inc in run["logs"][(0, 0)] for r in _steps(inc) if not in_window or t0 <= r["t"] <= end})
 
 
-def _table(m: dict, args: argparse.Namespace) -> list[str]:
+def _table(m: dict) -> list[str]:
     util = "yes" if m["compute_utilization"] >= 0.90 else "no"
     gap = "yes" if abs(m["held_out_gap"]) <= 0.03 else "no"
     ratio = "yes" if m["bytes_ratio"] >= 100 else "no"
@@ -398,7 +399,7 @@ def drive(args: argparse.Namespace) -> None:
           f"{args.outer_momentum}; inner AdamW lr {args.lr}, clip 1.0. Window {args.minutes:g} min from the first "
           f"step all replicas committed together. Kills: "
           + ", ".join(f"replica {k['victim']} at +{k['at_s']} s" for k in m["kills"]) + ".", "",
-          "```", driver, alone["command"], dec["command"], plain["command"], "```", "", *_table(m, args), "",
+          "```", driver, alone["command"], dec["command"], plain["command"], "```", "", *_table(m), "",
           f"Held-out loss per replica at the end: {m['held_out_decentralized']}."]
     (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

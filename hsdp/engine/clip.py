@@ -129,7 +129,6 @@ def _agree(model: ShardedModel, total: torch.Tensor) -> torch.Tensor:
         except RuntimeError as e:  # a member died since the step's hop: the step is discarded, as a failed hop's
             if not layer.step_failed(f"grad norm agreement: {type(e).__name__}: {e}"):
                 raise
-            return total
     return agreed[0]
 
 
