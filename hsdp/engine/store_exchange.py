@@ -9,11 +9,17 @@ meshes built in one process never read each other's values.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 _PREFIX = "hsdp/exchange"
+# A store client serves one request at a time: a blocking ``Store.wait`` holds its connection until the keys
+# come, and the watchdog's heartbeats on the same store queue behind it. A rank waiting here for longer than
+# the fault policy's timeout (a replica's ranks waiting for its admission, a boundary minutes away under
+# DiLoCo) was then declared dead by its own peers. So waits poll: each check holds the connection a moment.
+_POLL_S = 0.05
 
 
 def exchange(value: str, timeout: timedelta = timedelta(minutes=5)) -> list[str]:
@@ -25,11 +31,23 @@ def exchange(value: str, timeout: timedelta = timedelta(minutes=5)) -> list[str]
     store.set(f"{_PREFIX}/{call}/{rank}", value)
     keys = [f"{_PREFIX}/{call}/{r}" for r in range(world)]
     try:
-        store.wait(keys, timeout)
-    except (RuntimeError, TimeoutError):  # the store's timeout (DistStoreError) names neither the ranks nor the call
-        raise TimeoutError(f"rank(s) {_missing(store, keys)} gave no value within {timeout.total_seconds():g} s"
-                           ) from None
+        came = wait_polling(store, keys, timeout)
+    except (RuntimeError, TimeoutError):  # the store's host is gone: say which ranks had not answered
+        came = False
+    if not came:
+        raise TimeoutError(f"rank(s) {_missing(store, keys)} gave no value within {timeout.total_seconds():g} s")
     return [store.get(k).decode() for k in keys]
+
+
+def wait_polling(store: dist.Store, keys: list[str], timeout: timedelta) -> bool:
+    """Whether every key of ``keys`` is set on ``store`` within ``timeout``, checked every few milliseconds, so
+    other threads' requests on the same store client (the watchdog's heartbeats) go on meanwhile."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def _missing(store: dist.Store, keys: list[str]) -> list[int] | str:
