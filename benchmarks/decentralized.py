@@ -139,6 +139,8 @@ def job(args: argparse.Namespace) -> None:
         log.write(json.dumps(record) + "\n")
         log.flush()
         step = record["step"] + 1
+    if elastic:  # what the DiLoCo guide tells users: land the last phase's progress, every replica the global copy
+        opt.sync_replicas()
     model.eval()
     with torch.no_grad():  # every rank of a replica the same windows: its shards' all-gathers, nothing across
         _, loss = model(held_windows[:, :-1], held_windows[:, 1:])
@@ -431,9 +433,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="--job: the run's folder")
     parser.add_argument("--steps", type=int, default=0, help="--job: a fixed step count (plain); 0: the stop file")
     parser.add_argument("--ranks-per-node", dest="nproc", default="2,1,1", help="ranks per node (default: 2,1,1)")
-    parser.add_argument("--batches", default="4,4,24,6",
+    parser.add_argument("--batches", default="4,4,30,8",
                         help="sequences per rank per step, node-major, so that the replicas' steps take as long "
-                             "(default: 4,4,24,6, measured alone on the default cpu groups: 0.108, 0.099 and 0.097 s)")
+                             "with the syncs' cost included (default: 4,4,30,8: with 4,4,24,6, balanced alone, "
+                             "nodes 1 and 2 waited ~0.2 s for node 0 at every fragment's start)")
     parser.add_argument("--node-cpus", default="0.6,0.6,0.3", help="each node's CPU budget (default: 0.6,0.6,0.3)")
     parser.add_argument("--bandwidth", default="100mbit", help="each node's link (default: 100mbit)")
     parser.add_argument("--preset", default="tiny", help="a GPT preset of hsdp.models.gpt (default: tiny)")
@@ -441,8 +444,10 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's F (default: 4)")
     parser.add_argument("--delay", type=int, default=2, help="Streaming DiLoCo's tau (default: 2)")
     parser.add_argument("--wire", choices=("int8", "fp32"), default="int8", help="pseudo-gradients (default: int8)")
-    parser.add_argument("--outer-lr", type=float, default=1.0, help="outer SGD lr (default: 1.0)")
-    parser.add_argument("--outer-momentum", type=float, default=0.0, help="outer momentum (default: 0.0)")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD lr (default: 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9,
+                        help="outer Nesterov momentum (default: 0.9, DiLoCo's; with 0.0 and lr 1.0 the held-out gap "
+                             "was +12 %%, with 0.9 and lr 0.7 +1.0 %%)")
     parser.add_argument("--lr", type=float, default=1e-3, help="inner AdamW lr (default: 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows (default: 64)")

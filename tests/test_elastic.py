@@ -63,10 +63,11 @@ CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS, **HETE
          "stop-rank-1": {"ELASTIC_FAULT": "stop", "ELASTIC_STOP_RANK": "1", "ELASTIC_WATCHDOG_S": "15",
                          "ELASTIC_NPROC": "1,1,2"}}
 RUN_TIMEOUT_S = 300
-# A SIGKILL to the survivors' next committed step: under 1 s in three runs, 1.21 s once in a full `make test` (the
-# victim's restart imports torch on the same 2 cores meanwhile); without the liveness probe it is the 4 s heartbeat
-# timeout and more, so this bound still tells the two apart.
-KILL_RECOVERY_S = 2.0
+# A SIGKILL to the survivors' next committed step (the step's time taken when it committed): 0.16-0.31 s in
+# five runs here, under load too, the restarted victim kept from importing torch on the same 2 cores meanwhile
+# (elastic_worker.py: on a cluster it restarts on its own node); without the liveness probe it is the 4 s heartbeat
+# timeout and more. The issue's bound: 1 s.
+KILL_RECOVERY_S = 1.0
 
 
 def _run(out: Path, case: dict[str, str]) -> str:
