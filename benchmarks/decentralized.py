@@ -30,38 +30,51 @@ Inter-node bytes per step of the decentralized run: hsdp's count (the replicate 
 pseudo-gradients and the heals of the rejoining replicas) and the nodes' link counters (every frame: the
 coordinator's control traffic, headers), both over the window's steps.
 
-Writes ``benchmarks/results/decentralized_<date>.{json,md}`` (``--tag`` adds a suffix) with the commands.
+Side by side (``--systems hsdp,torchft``): a fourth launch, ``torchft``, runs torchft 0.2.0's Streaming DiLoCo on
+the same emulated nodes, model, data, batches, optimizers, H/F/tau, timeouts and kill schedule
+(``decentralized_torchft.py`` says how, and what differs); nodes of equal rank counts only (torchft has no
+replicas of different degrees). One table then gives both systems' tokens/s kept, inner steps kept, commits,
+recovery after the kills, held-out loss (each against plain HSDP at its own tokens) and bytes per step
+(``decentralized_report.py``: the accounting from the ranks' logs).
+
+Writes ``<--results>/decentralized_<date>.{json,md}`` (default benchmarks/results; --tag: a suffix), the commands.
 
     sudo python benchmarks/decentralized.py                          # 5 min, a kill every 60 s
     sudo python benchmarks/decentralized.py --minutes 1.5 --kill-every 40 --alone-seconds 40   # a smoke run
+    sudo python benchmarks/decentralized.py --systems hsdp,torchft --ranks-per-node 2,2,2 --batches 4,4,4,4,4,4 \\
+        --node-cpus 0.6,0.6,0.6                                      # side by side with torchft
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib.util
 import json
-import math
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import decentralized_report as report
 import elastic_recovery as er
+import elastic_recovery_torchft as tf_launch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("alone", "decentralized", "plain")
+MODES = ("alone", "decentralized", "torchft", "plain")
+FAULTY = ("decentralized", "torchft")  # the elastic launches with the kills
+SYSTEMS = {"hsdp": "decentralized", "torchft": "torchft"}  # --systems: each system's faulty launch
 
 
 # ---------------------------------------------------------------------------------------------------------
-# One rank (under torchrun; each node its own job in the decentralized launch).
+# One rank (under torchrun; each node its own job in the faulty launches). torchft's: decentralized_torchft.py.
 # ---------------------------------------------------------------------------------------------------------
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
@@ -93,12 +106,39 @@ def _seed(seed: int, step: int, replica: int, rank: int) -> int:
     return ((seed * 1_000_003 + step) * 64 + replica) * 64 + rank
 
 
+def data(args: argparse.Namespace) -> tuple[Any, Callable[[int, int, int, int], Any], Any]:
+    """Both systems' data: the model's config, the batch of (step, replica, rank, sequences) and the held-out
+    windows (every replica evaluates all of them)."""
+    import torch
+
+    from hsdp.data.text import as_tokens, default_corpus_bytes, split_tokens
+    from hsdp.models.gpt import preset
+
+    cfg = preset(args.preset)
+    train, held = split_tokens(as_tokens(default_corpus_bytes(args.corpus_bytes)), 0.05)
+
+    def batch_of(step: int, replica: int, rank: int, count: int) -> Any:
+        generator = torch.Generator().manual_seed(_seed(args.seed, step, replica, rank))
+        return _windows(train, cfg.block_size, count, generator)
+
+    return cfg, batch_of, _windows(held, cfg.block_size, args.eval_windows, torch.Generator().manual_seed(12345))
+
+
+def _evaluate(model: Any, held: Any) -> float:
+    import torch
+
+    model.eval()
+    with torch.no_grad():  # every rank of a replica the same windows: its shards' all-gathers, nothing across
+        _, loss = model(held[:, :-1], held[:, 1:])
+    model.train()
+    return float(loss.item())
+
+
 def job(args: argparse.Namespace) -> None:
     import torch
 
     import hsdp
-    from hsdp.data.text import as_tokens, default_corpus_bytes, split_tokens
-    from hsdp.models.gpt import GPT, preset
+    from hsdp.models.gpt import GPT
 
     torch.set_num_threads(1)
     nproc, batches = _ints(args.nproc), _ints(args.batches)
@@ -107,9 +147,7 @@ def job(args: argparse.Namespace) -> None:
     replica = int(os.environ["HSDP_REPLICA_ID"]) if elastic else mesh.replicate_rank
     rank, restart = mesh.shard_rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     mine = batches[sum(nproc[:replica]) + rank]
-    cfg = preset(args.preset)
-    train, held = split_tokens(as_tokens(default_corpus_bytes(args.corpus_bytes)), 0.05)
-    held_windows = _windows(held, cfg.block_size, args.eval_windows, torch.Generator().manual_seed(12345))
+    cfg, batch_of, held = data(args)
     torch.manual_seed(args.seed)
     model = hsdp.ShardedModel(GPT(cfg), mesh=mesh, replica_sync=_sync(args))
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
@@ -119,10 +157,11 @@ def job(args: argparse.Namespace) -> None:
     step = model.last_step.step + 1 if elastic and model.last_step is not None else 0
     log.write(json.dumps({"joined": step, "t": time.time(), "restart": restart}) + "\n")
     stop_file, stop_at = Path(args.out) / "stop", args.steps - 1 if args.steps else None
+    eval_at = set(_ints(args.eval_at)) if args.eval_at else set()
     while stop_at is None or step <= stop_at:
         if stop_at is None and stop_file.exists():
             stop_at = int(stop_file.read_text())
-        x = _windows(train, cfg.block_size, mine, torch.Generator().manual_seed(_seed(args.seed, step, replica, rank)))
+        x = batch_of(step, replica, rank, mine)
         model.reset_comm_stats()
         _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
@@ -135,28 +174,28 @@ def job(args: argparse.Namespace) -> None:
         if elastic:
             last, sync = model.last_step, opt.last_sync
             record.update(step=last.step, committed=last.committed, replicas=list(last.replicas),
-                          landed=list(sync.landed) if sync else [])
+                          landed=list(sync.landed) if sync else [], restart=restart)
         log.write(json.dumps(record) + "\n")
+        if step + 1 in eval_at:  # plain: the held-out loss where a faulty run's kept tokens are reached
+            log.write(json.dumps({"eval": _evaluate(model, held), "after": step, "t": time.time()}) + "\n")
         log.flush()
         step = record["step"] + 1
     if elastic:  # what the DiLoCo guide tells users: land the last phase's progress, every replica the global copy
         opt.sync_replicas()
-    model.eval()
-    with torch.no_grad():  # every rank of a replica the same windows: its shards' all-gathers, nothing across
-        _, loss = model(held_windows[:, :-1], held_windows[:, 1:])
-    log.write(json.dumps({"eval": loss.item(), "after": step - 1, "t": time.time()}) + "\n")
+    log.write(json.dumps({"eval": _evaluate(model, held), "after": step - 1, "t": time.time()}) + "\n")
     log.close()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The driver.
 # ---------------------------------------------------------------------------------------------------------
-def _job_args(args: argparse.Namespace, mode: str, steps: int = 0) -> list[str]:
+def _job_args(args: argparse.Namespace, mode: str, steps: int = 0, eval_at: str = "", port: str = "") -> list[str]:
     return ["--job", "--mode", mode, "--ranks-per-node", args.nproc, "--batches", args.batches, "--preset", args.preset,
             "--every", str(args.every), "--fragments", str(args.fragments), "--delay", str(args.delay),
             "--wire", args.wire, "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
             "--lr", str(args.lr), "--seed", str(args.seed), "--eval-windows", str(args.eval_windows),
-            "--corpus-bytes", str(args.corpus_bytes), *(["--steps", str(steps)] if steps else [])]
+            "--corpus-bytes", str(args.corpus_bytes), *(["--steps", str(steps)] if steps else []),
+            *(["--eval-at", eval_at] if eval_at else []), *(["--lighthouse-port", port] if port else [])]
 
 
 def _launch_flags(args: argparse.Namespace, mode: str, stats: Path) -> list[str]:
@@ -165,33 +204,14 @@ def _launch_flags(args: argparse.Namespace, mode: str, stats: Path) -> list[str]
         return [*nodes, "--no-emulation"]
     shaped = [*nodes, "--node-cpus", args.node_cpus, "--inter-node-bandwidth", args.bandwidth,
               "--stats-json", str(stats)]
-    if mode == "decentralized":
+    if mode in FAULTY:  # torchft's too: its nodes restart the same way; hsdp's coordinator then idles
         return ["--elastic", "--max-restarts", str(args.max_restarts), *shaped]
     return shaped
 
 
-def _read(out: Path) -> dict[tuple[int, int], list[list[dict]]]:
-    """(replica, rank) -> each incarnation's records, in restart order."""
-    logs: dict[tuple[int, int], list[list[dict]]] = {}
-    for path in sorted(out.glob("r*_s*_i*.jsonl"), key=lambda p: int(p.stem.rsplit("_i", 1)[1])):
-        replica, rank = int(path.name[1:].split("_")[0]), int(path.stem.split("_s")[1].split("_")[0])
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-        logs.setdefault((replica, rank), []).append(lines)
-    return logs
-
-
-def _steps(lines: list[dict]) -> list[dict]:
-    return [r for r in lines if "step" in r]
-
-
-def _leaders(out: Path) -> dict[int, list[dict]]:
-    """Each replica's rank-0 step records over all its incarnations."""
-    return {replica: [r for lines in inc for r in _steps(lines)] for (replica, rank), inc in _read(out).items()
-            if rank == 0}
-
-
 def _stop_step(newest: int, args: argparse.Namespace, mode: str) -> int:
-    """A step 20 past ``newest`` where no fragment's sync is in flight (between one landing and the next start)."""
+    """A step 20 past ``newest`` where no fragment's sync is in flight (between one landing and the next start;
+    torchft's ranks go on past a sync in flight themselves: its schedule is its own)."""
     if mode != "decentralized":
         return newest + 20
     period = args.every // args.fragments
@@ -201,242 +221,142 @@ def _stop_step(newest: int, args: argparse.Namespace, mode: str) -> int:
     return step
 
 
-def _all_three(out: Path, after: float, replicas: int) -> bool:
-    return any(r.get("committed") and len(r["replicas"]) == replicas and r["t"] > after
-               for r in _leaders(out).get(0, []))
+def _all_three(out: Path, after: float, replicas: int, committed: bool = True) -> bool:
+    """A step of replica 0 after ``after`` that every replica committed (not ``committed``: each trained one)."""
+    leaders = report.leaders(out)
+    if not committed:
+        return len(leaders) == replicas and all(leaders.values())
+    return any(r.get("committed") and len(r["replicas"]) == replicas and r["t"] > after for r in leaders.get(0, []))
 
 
-def launch(args: argparse.Namespace, mode: str, tmp: Path, steps: int = 0) -> dict:
+def _window(args: argparse.Namespace, mode: str, out: Path, proc: subprocess.Popen, marker: str) -> tuple[float, list]:
+    """Wait for the window's start, kill a node every ``--kill-every`` s (faulty launches), then ask every rank
+    to stop at the same step: the window's start and the kills."""
+    replicas, kills = len(_ints(args.nproc)), []
+    window = args.minutes * 60 if mode in FAULTY else args.alone_seconds
+    er._wait_for("every replica's first step (faulty launches: committed together)",
+                 lambda: _all_three(out, 0.0, replicas, committed=mode in FAULTY), 600, proc)
+    t0 = time.time()
+    k = 1
+    while mode in FAULTY and k * args.kill_every <= window - args.margin:
+        time.sleep(max(0.0, t0 + k * args.kill_every - time.time()))
+        kills.append(_kill(mode, marker, (k - 1) % replicas, t0))
+        k += 1
+    time.sleep(max(0.0, t0 + window - time.time()))
+    if mode in FAULTY:
+        er._wait_for("a step of every replica", lambda: _all_three(out, t0 + window - 1, replicas), 300, proc)
+    newest = max(r["step"] for rs in report.leaders(out).values() for r in rs)
+    (out / "stop.tmp").write_text(str(_stop_step(newest, args, mode)))
+    (out / "stop.tmp").replace(out / "stop")  # atomic: a rank never reads it half written
+    return t0, kills
+
+
+def launch(args: argparse.Namespace, mode: str, tmp: Path, steps: int = 0, eval_at: str = "") -> dict:
     """One launch of ``mode``: its logs, the kills, the window's start, its link counters and the command."""
     out, marker = tmp / mode, uuid.uuid4().hex
     out.mkdir()
     stats, log = out / "links.json", out / "launch.log"
+    port = str(er._free_port()) if mode == "torchft" else ""  # the lighthouse's (free in node 0's namespace too)
     command = [sys.executable, "-m", "hsdp", "launch", *_launch_flags(args, mode, stats), "--",
-               str(Path(__file__).resolve()), *_job_args(args, mode, steps), "--out", str(out)]
+               str(Path(__file__).resolve()), *_job_args(args, mode, steps, eval_at, port), "--out", str(out)]
     env = {**os.environ, er.MARKER_ENV: marker, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    replicas = len(_ints(args.nproc))
-    window = args.minutes * 60 if mode == "decentralized" else args.alone_seconds
-    kills, t0 = [], None
+    kills, t0, lighthouse = [], None, None
     print(f"[bench] {mode}: launching", flush=True)
-    with open(log, "w") as sink:
+    with open(log, "w") as sink, open(out / "lighthouse.log", "w") as lighthouse_sink:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
         try:
+            if port:  # on node 0, where hsdp's coordinator runs (elastic_recovery_torchft.start_lighthouse)
+                lighthouse = tf_launch.start_lighthouse(er.MARKER_ENV, marker, int(port), lighthouse_sink,
+                                                        alive=lambda: proc.poll() is None)
             if mode != "plain":
-                t0 = _window_start(out, proc, mode, replicas)
-                k = 1
-                while mode == "decentralized" and k * args.kill_every <= window - args.margin:
-                    time.sleep(max(0.0, t0 + k * args.kill_every - time.time()))
-                    kills.append(_kill(marker, (k - 1) % replicas, t0))
-                    k += 1
-                time.sleep(max(0.0, t0 + window - time.time()))
-                if mode == "decentralized":
-                    er._wait_for("a step of every replica", lambda: _all_three(out, t0 + window - 1, replicas),
-                                 300, proc)
-                newest = max(r["step"] for rs in _leaders(out).values() for r in rs)
-                (out / "stop.tmp").write_text(str(_stop_step(newest, args, mode)))
-                (out / "stop.tmp").replace(out / "stop")  # atomic: a rank never reads it half written
+                t0, kills = _window(args, mode, out, proc, marker)
             code = proc.wait(timeout=1800)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
+            if lighthouse is not None and lighthouse.poll() is None:
+                lighthouse.terminate()
+                lighthouse.wait(timeout=30)
     if code != 0:
         print(log.read_text()[-4000:], file=sys.stderr)
         raise SystemExit(f"the {mode} launch exited with status {code}")
     shown = ["hsdp", "launch", *_launch_flags(args, mode, Path("links.json")), "--", "benchmarks/decentralized.py",
-             *_job_args(args, mode, steps), "--out", "RUN_DIR"]
-    return {"logs": _read(out), "kills": kills, "t0": t0, "window": window, "command": shlex.join(shown),
+             *_job_args(args, mode, steps, eval_at, "PORT" if port else ""), "--out", "RUN_DIR"]
+    return {"logs": report.read(out), "kills": kills, "t0": t0, "command": shlex.join(shown),
+            "window": args.minutes * 60 if mode in FAULTY else args.alone_seconds,
             "links": json.loads(stats.read_text()) if stats.exists() else None}
 
 
-def _window_start(out: Path, proc: subprocess.Popen, mode: str, replicas: int) -> float:
-    """When every replica has trained a step (decentralized: committed one together)."""
-    def ready() -> bool:
-        leaders = _leaders(out)
-        if mode == "decentralized":
-            return _all_three(out, 0.0, replicas)
-        return len(leaders) == replicas and all(leaders.values())
-
-    er._wait_for("every replica's first step", ready, 600, proc)
-    return time.time()
-
-
-def _kill(marker: str, victim: int, t0: float) -> dict:
+def _kill(mode: str, marker: str, victim: int, t0: float) -> dict:
     pids = er._ranks_of(victim, marker)
     at = time.time()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    print(f"[bench] decentralized: killed replica {victim} ({len(pids)} ranks) at +{at - t0:.1f} s", flush=True)
+    print(f"[bench] {mode}: killed replica {victim} ({len(pids)} ranks) at +{at - t0:.1f} s", flush=True)
     return {"t": at, "victim": victim, "ranks_killed": len(pids)}
 
 
-def _kept_tokens(run: dict, window_only: bool = True) -> int:
-    """Tokens of the inner steps that reached the others (of the window's, or of the whole run's): an
-    incarnation that died (a later one exists) loses its steps after its last landed sync."""
-    t0, end, kept = run["t0"], run["t0"] + run["window"], 0
-    for incarnations in run["logs"].values():
-        for i, lines in enumerate(incarnations):
-            steps = _steps(lines)
-            died = i + 1 < len(incarnations)
-            last_landed = max((r["step"] for r in steps if r.get("landed")), default=-1)
-            kept += sum(r["tokens"] for r in steps if (not window_only or t0 <= r["t"] <= end)
-                        and (not died or r["step"] <= last_landed))
-    return kept
-
-
-def _alone_rate(run: dict) -> float:
-    """Tokens per second of the replicas on their own: each replica's tokens over the window, summed."""
-    t0, end = run["t0"], run["t0"] + run["window"]
-    return sum(r["tokens"] for lines in run["logs"].values() for inc in lines for r in _steps(inc)
-               if t0 <= r["t"] <= end) / run["window"]
-
-
-def _node_bytes_per_step(run: dict, nproc: list[int], in_window: bool) -> float:
-    """hsdp's replicate-group wire bytes per step of the busiest node (its ranks summed; the median node's
-    would hide the one that heals the others)."""
-    t0 = run["t0"] or 0.0
-    end = t0 + run["window"] if in_window else math.inf
-    per_node = []
-    for replica in range(len(nproc)):
-        steps = {r["step"] for inc in run["logs"].get((replica, 0), []) for r in _steps(inc)
-                 if not in_window or t0 <= r["t"] <= end}
-        sent = sum(r["sent"] for rank in range(nproc[replica]) for inc in run["logs"].get((replica, rank), [])
-                   for r in _steps(inc) if not in_window or t0 <= r["t"] <= end)
-        per_node.append(sent / max(1, len(steps)))
-    return max(per_node)
-
-
-def _final_eval(run: dict) -> list[float]:
-    """Each replica's held-out loss at the end (its rank 0's, the last incarnation)."""
-    return [incs[-1][-1]["eval"] for (replica, rank), incs in sorted(run["logs"].items())
-            if rank == 0 and "eval" in incs[-1][-1]]
-
-
-def measure(alone: dict, dec: dict, plain: dict, args: argparse.Namespace, plain_steps: int) -> dict:
-    nproc = _ints(args.nproc)
-    kept, trained = _kept_tokens(dec), _kept_tokens(dec, window_only=False)
-    alone_rate = _alone_rate(alone)
-    dec_eval, plain_eval = _final_eval(dec), _final_eval(plain)
-    steps_in_window = _leader_steps(dec, in_window=True)
-    link = None
-    if dec["links"]:
-        link = max(n["sent_bytes"] for n in dec["links"]["nodes"]) / max(1, _leader_steps(dec))
-    plain_bytes = _node_bytes_per_step(plain, nproc, in_window=False)
-    dec_bytes = _node_bytes_per_step(dec, nproc, in_window=True)
-    return {
-        "alone_tokens_per_s": round(alone_rate, 1), "kept_tokens": kept, "trained_tokens": trained,
-        "decentralized_tokens_per_s": round(kept / dec["window"], 1),
-        "compute_utilization": round(kept / dec["window"] / alone_rate, 4),
-        "kills": [{"victim": k["victim"], "ranks_killed": k["ranks_killed"], "at_s": round(k["t"] - dec["t0"], 1)}
-                  for k in dec["kills"]],
-        "inner_steps_in_window": steps_in_window, "plain_steps": plain_steps,
-        "held_out_decentralized": dec_eval, "held_out_decentralized_mean": statistics.fmean(dec_eval),
-        "held_out_plain": plain_eval[0],
-        "held_out_gap": round(statistics.fmean(dec_eval) / plain_eval[0] - 1, 4),
-        "plain_bytes_per_step_node": round(plain_bytes), "decentralized_bytes_per_step_node": round(dec_bytes),
-        "decentralized_link_bytes_per_step_node": None if link is None else round(link),
-        "bytes_ratio": round(plain_bytes / max(1.0, dec_bytes), 1),
-        "link_bytes_ratio": None if link is None else round(plain_bytes / link, 1),
-    }
-
-
-def _leader_steps(run: dict, in_window: bool = False) -> int:
-    """Replica 0's distinct steps (of the window's, or of the whole run's)."""
-    t0, end = run["t0"], run["t0"] + run["window"]
-    return len({r["step"] for inc in run["logs"][(0, 0)] for r in _steps(inc) if not in_window or t0 <= r["t"] <= end})
-
-
-def _table(m: dict) -> list[str]:
-    util = "yes" if m["compute_utilization"] >= 0.90 else "no"
-    gap = "yes" if abs(m["held_out_gap"]) <= 0.03 else "no"
-    ratio = "yes" if m["bytes_ratio"] >= 100 else "no"
-    link = m["decentralized_link_bytes_per_step_node"]
-    return [
-        "| | value | target |", "|---|---|---|",
-        f"| tokens/s, the replicas alone (no inter-node communication, no faults) | {m['alone_tokens_per_s']} | |",
-        f"| tokens/s kept, decentralized with the kills | {m['decentralized_tokens_per_s']} | |",
-        f"| compute utilization | {m['compute_utilization']:.3f} | >= 0.90: {util} |",
-        f"| held-out loss at equal tokens ({m['trained_tokens']:,}): decentralized (replicas' mean) | "
-        f"{m['held_out_decentralized_mean']:.4f} | |",
-        f"| held-out loss, plain HSDP on unlimited links, no faults ({m['plain_steps']} steps) | "
-        f"{m['held_out_plain']:.4f} | |",
-        f"| gap | {100 * m['held_out_gap']:+.2f} % | within 3 %: {gap} |",
-        f"| inter-node bytes per step, busiest node: plain HSDP (hsdp's count) | "
-        f"{m['plain_bytes_per_step_node']:,} | |",
-        f"| ... decentralized, hsdp's count (pseudo-gradients, heals) | {m['decentralized_bytes_per_step_node']:,} | |",
-        f"| ... decentralized, link counters (every frame: control traffic too) | "
-        f"{'n/a' if link is None else f'{link:,}'} | |",
-        f"| plain / decentralized bytes (hsdp's count; link counters) | {m['bytes_ratio']}x; "
-        f"{m['link_bytes_ratio']}x | >= 100x: {ratio} |",
-    ]
-
-
-def drive(args: argparse.Namespace) -> None:
+def check(args: argparse.Namespace) -> list[str]:
+    """The systems to run, or a SystemExit naming the fix, before anything is launched."""
     nproc, batches = _ints(args.nproc), _ints(args.batches)
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems or any(s not in SYSTEMS for s in systems):
+        raise SystemExit(f"--systems {args.systems}: choose from {','.join(SYSTEMS)}")
     if len(batches) != sum(nproc):
         raise SystemExit(f"--batches gives {len(batches)} counts for {sum(nproc)} ranks "
                          f"(--ranks-per-node {args.nproc})")
+    if "torchft" not in systems:
+        return systems
+    if "hsdp" not in systems:
+        raise SystemExit("--systems torchft: the alone and plain baselines are hsdp's; use --systems hsdp,torchft")
+    if len(set(nproc)) > 1:
+        even = ",".join([str(max(nproc))] * len(nproc))
+        raise SystemExit(f"--systems hsdp,torchft needs nodes of equal rank counts (torchft has no replicas of "
+                         f"different degrees), not --ranks-per-node {args.nproc}: e.g. --ranks-per-node {even} "
+                         f"with --batches of {max(nproc) * len(nproc)} counts and --node-cpus of {len(nproc)}")
+    if args.every % args.fragments or args.delay >= args.every // args.fragments:
+        raise SystemExit(f"torchft's DiLoCo needs --every a multiple of --fragments and --delay below "
+                         f"--every / --fragments (got {args.every}, {args.fragments}, {args.delay})")
+    if importlib.util.find_spec("torchft") is None:
+        raise SystemExit("torchft is not installed: pip install -e .[peers] (or --systems hsdp)")
+    return systems
+
+
+def drive(args: argparse.Namespace, systems: list[str]) -> None:
+    from hsdp.models.gpt import preset
+
+    nproc, batches = _ints(args.nproc), _ints(args.batches)
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
         alone = launch(args, "alone", where)
-        dec = launch(args, "decentralized", where)
-        tokens_per_step = sum(batches) * _block(args)
-        plain_steps = max(1, round(_kept_tokens(dec, window_only=False) / tokens_per_step))
-        plain = launch(args, "plain", where, steps=plain_steps)
-    m = measure(alone, dec, plain, args, plain_steps)
-    stem = f"decentralized_{datetime.date.today().isoformat()}{'_' + args.tag if args.tag else ''}"
-    driver = shlex.join(["sudo", "python", "benchmarks/decentralized.py", *_shown_argv(sys.argv[1:])])
-    result = {"date": datetime.date.today().isoformat(), "args": {k: v for k, v in vars(args).items() if k != "keep"},
-              "measured": m, "commands": {"driver": driver, "alone": alone["command"],
-                                          "decentralized": dec["command"], "plain": plain["command"]}}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    md = [f"# Decentralized training: replicas of {args.nproc} ranks, {args.bandwidth} links, a kill every "
-          f"{args.kill_every:g} s ({datetime.date.today().isoformat()})", "",
-          f"GPT `{args.preset}`, byte-level, stdlib sources; per-rank batches {args.batches} sequences (batch "
-          f"weights); node CPUs {args.node_cpus}; elastic replicas, Streaming DiLoCo H = {args.every}, F = "
-          f"{args.fragments}, tau = {args.delay}, {args.wire} wire, outer lr {args.outer_lr}, momentum "
-          f"{args.outer_momentum}; inner AdamW lr {args.lr}, clip 1.0. Window {args.minutes:g} min from the first "
-          f"step all replicas committed together. Kills: "
-          + ", ".join(f"replica {k['victim']} at +{k['at_s']} s" for k in m["kills"]) + ".", "",
-          "```", driver, alone["command"], dec["command"], plain["command"], "```", "", *_table(m), "",
-          f"Held-out loss per replica at the end: {m['held_out_decentralized']}."]
-    (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+        runs = {system: launch(args, SYSTEMS[system], where) for system in systems}
+        tokens_per_step = sum(batches) * preset(args.preset).block_size
+        plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
+                       for name, run in runs.items()}
+        plain = launch(args, "plain", where, steps=max(plain_steps.values()),
+                       eval_at=",".join(map(str, sorted(set(plain_steps.values())))))
+    m = report.measure(alone, runs, plain, nproc, plain_steps)
+    commands = {"alone": alone["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
+                "plain": plain["command"]}
+    report.write_results(args, systems, m, commands)
 
 
-def _shown_argv(argv: list[str]) -> list[str]:
-    """The driver's arguments as the results show them: without ``--keep`` (a folder of this machine)."""
-    shown, skip = [], False
-    for part in argv:
-        if skip or part.startswith("--keep="):
-            skip = False
-            continue
-        skip = part == "--keep"
-        if not skip:
-            shown.append(part)
-    return shown
-
-
-def _block(args: argparse.Namespace) -> int:
-    from hsdp.models.gpt import preset
-
-    return preset(args.preset).block_size
-
-
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", action="store_true", help="run one rank (what the launches start)")
     parser.add_argument("--mode", choices=MODES, default="decentralized", help="--job: which launch")
     parser.add_argument("--out", type=Path, help="--job: the run's folder")
     parser.add_argument("--steps", type=int, default=0, help="--job: a fixed step count (plain); 0: the stop file")
+    parser.add_argument("--eval-at", default="", help="--job (plain): also evaluate after these step counts")
+    parser.add_argument("--lighthouse-port", type=int, help="--job (torchft): the lighthouse's port on node 0")
+    parser.add_argument("--systems", default="hsdp", help="hsdp (default), or hsdp,torchft: torchft side by side")
     parser.add_argument("--ranks-per-node", dest="nproc", default="2,1,1", help="ranks per node (default: 2,1,1)")
     parser.add_argument("--batches", default="4,4,30,8",
-                        help="sequences per rank per step, node-major, so that the replicas' steps take as long "
-                             "with the syncs' cost included (default: 4,4,30,8: with 4,4,24,6, balanced alone, "
-                             "nodes 1 and 2 waited ~0.2 s for node 0 at every fragment's start)")
+                        help="sequences per rank per step, node-major, the replicas' steps as long, syncs included "
+                             "(default: 4,4,30,8; 4,4,24,6, balanced alone, kept nodes 1, 2 waiting ~0.2 s a sync)")
     parser.add_argument("--node-cpus", default="0.6,0.6,0.3", help="each node's CPU budget (default: 0.6,0.6,0.3)")
     parser.add_argument("--bandwidth", default="100mbit", help="each node's link (default: 100mbit)")
     parser.add_argument("--preset", default="tiny", help="a GPT preset of hsdp.models.gpt (default: tiny)")
@@ -459,11 +379,21 @@ def main() -> None:
     parser.add_argument("--max-restarts", type=int, default=20)
     parser.add_argument("--keep", type=Path, help="keep the runs' folders under this one")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
-    args = parser.parse_args()
-    if args.job:
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="where the result files go (default: benchmarks/results)")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    if args.job and args.mode == "torchft":
+        import decentralized_torchft
+
+        decentralized_torchft.job(args, data(args))
+    elif args.job:
         job(args)
     else:
-        drive(args)
+        drive(args, check(args))
 
 
 if __name__ == "__main__":

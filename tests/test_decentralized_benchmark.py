@@ -1,6 +1,6 @@
-"""``benchmarks/decentralized.py``'s accounting on made-up logs (its launches take ten minutes): the tokens a
-killed incarnation trained after its last landed sync are not kept, the alone rate, the bytes per step, the stop
-step between syncs."""
+"""``benchmarks/decentralized.py``'s arguments and accounting on made-up logs (its launches take ten minutes): the
+tokens a killed incarnation trained after its last landed sync are not kept, nor those a heal overwrote; the
+alone rate, the bytes per step, the stop step between syncs, the recovery after a kill; torchft's refusals."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import decentralized as bench  # noqa: E402
+import decentralized_report as report  # noqa: E402
 
 TOKENS = 10
 
 
-def _step(t: float, step: int, landed: bool = False, sent: int = 0) -> dict:
+def _step(t: float, step: int, landed: bool = False, sent: int = 0, **extra: object) -> dict:
     return {"t": t, "step": step, "tokens": TOKENS, "sent": sent, "committed": True, "replicas": [0, 1],
-            "landed": [0] if landed else []}
+            "landed": [0] if landed else [], **extra}
 
 
 def _run() -> dict:
@@ -33,16 +36,54 @@ def _run() -> dict:
 
 def test_kept_tokens_drop_a_dead_incarnations_unsynced_steps():
     run = _run()
-    assert bench._kept_tokens(run, window_only=False) == TOKENS * (100 + 30 + 60)
+    assert report.kept_tokens(run, window_only=False) == TOKENS * (100 + 30 + 60)
     run["t0"], run["window"] = 2.0, 5.0  # steps 20..70 of the window (inclusive bounds, float times)
-    kept = bench._kept_tokens(run)
+    kept = report.kept_tokens(run)
     assert kept == TOKENS * (len(range(20, 71)) + len(range(20, 30)) + len(range(40, 71)))
+
+
+def test_kept_steps_drop_what_a_heal_overwrote():
+    """torchft's restarted node: 8 steps from its fresh start, healed during the 8th (its landing then carries
+    the peer's weights), then steps 50.. of the others, landing after 59."""
+    fresh = [_step(0.1 * s, s, landed=False) for s in range(7)]
+    healed = _step(0.7, 7, landed=True, healed=0.7)
+    after = [_step(1.0 + 0.1 * s, s, landed=s == 59) for s in range(50, 65)]
+    kept = report.kept_steps([{"joined": 0}, *fresh, healed, *after], died=False)
+    assert [r["step"] for r in kept] == list(range(50, 65))
+    assert [r["step"] for r in report.kept_steps([*fresh, healed, *after], died=True)] == list(range(50, 60))
 
 
 def test_alone_rate_and_bytes_per_step():
     run = _run()
-    assert bench._alone_rate(run) == TOKENS * (100 + 35 + 60) / run["window"]
-    assert bench._node_bytes_per_step(run, [1, 1], in_window=True) == 100.0  # 10 syncs of 1000 B over 100 steps
+    assert report.alone_rate(run) == TOKENS * (100 + 35 + 60) / run["window"]
+    assert report.node_bytes_per_step(run, [1, 1], in_window=True) == 100.0  # 10 syncs of 1000 B over 100 steps
+
+
+def _sync(t: float, step: int, members: list[int], committed: bool = True, **extra: object) -> dict:
+    return {"t": t, "step": step, "tokens": TOKENS, "sync": 0, "committed": committed, "replicas": members,
+            "landed": [0] if committed else [], **extra}
+
+
+def test_recoveries_and_committed_fraction_on_torchft_style_logs():
+    """Three replicas syncing every second; replica 2 killed at 10.5 s: the survivors' sync at 11 s fails, at
+    12 s they commit alone; its restart joins at 15 s, heals at 18 s, ends its first counted step at 18.4 s."""
+    def leader(q: int) -> list[dict]:
+        out = []
+        for s in range(20):
+            t = float(s)
+            if t < 10.5:
+                out.append(_sync(t, s, [0, 1, 2]))
+            elif q != 2:
+                out.append(_sync(t, s, [0, 1, 2] if t >= 18 else [0, 1], committed=t != 11))
+        return out
+
+    restarted = [{"joined": 0, "t": 15.0}, {"t": 16.0, "step": 0, "tokens": TOKENS},
+                 _sync(18.0, 7, [0, 1, 2], healed=18.0), {"t": 18.4, "step": 18, "tokens": TOKENS}]
+    run = {"logs": {(0, 0): [leader(0)], (1, 0): [leader(1)], (2, 0): [[{"joined": 0, "t": 0.0}, *leader(2)],
+                                                                       restarted]},
+           "kills": [{"t": 10.5, "victim": 2, "ranks_killed": 2}], "t0": 0.0, "window": 19.5, "links": None}
+    assert report.recoveries(run) == ([1.5], [7.9])
+    assert report.committed_fraction(run) == pytest.approx(19 / 20)
 
 
 def test_stop_step_falls_between_a_landing_and_the_next_start():
@@ -51,8 +92,61 @@ def test_stop_step_falls_between_a_landing_and_the_next_start():
         stop = bench._stop_step(newest, args, "decentralized")
         assert stop >= newest + 20 and (stop + 1) % 10 == 3  # a sync started after step 9 landed after 11
     assert bench._stop_step(5, args, "alone") == 25
+    assert bench._stop_step(5, args, "torchft") == 25  # its ranks go past a sync in flight themselves
 
 
-def test_the_shown_command_leaves_out_the_kept_folder():
-    assert bench._shown_argv(["--minutes", "5", "--keep", "/x", "--tag", "t", "--keep=/y"]) == \
-        ["--minutes", "5", "--tag", "t"]
+def test_the_shown_command_leaves_out_this_machines_folders():
+    assert report.shown_argv(["--minutes", "5", "--keep", "/x", "--tag", "t", "--keep=/y", "--results", "/r",
+                              "--results=/s"]) == ["--minutes", "5", "--tag", "t"]
+
+
+def test_torchft_refuses_unequal_layouts_naming_the_fix():
+    with pytest.raises(SystemExit, match=r"--ranks-per-node 2,2,2 with --batches of 6 counts"):
+        bench.check(bench.parse(["--systems", "hsdp,torchft"]))  # the default layout: 2,1,1
+    with pytest.raises(SystemExit, match="baselines are hsdp's"):
+        bench.check(bench.parse(["--systems", "torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4"]))
+    with pytest.raises(SystemExit, match="choose from"):
+        bench.check(bench.parse(["--systems", "hsdp,ddp"]))
+    with pytest.raises(SystemExit, match="--delay below"):
+        bench.check(bench.parse(["--systems", "hsdp,torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4",
+                                 "--delay", "10"]))
+
+
+def test_arguments_reach_every_launch(tmp_path: Path):
+    args = bench.parse(["--ranks-per-node", "2,2,2", "--batches", "4,4,4,4,4,4", "--node-cpus", "0.6,0.6,0.6",
+                        "--results", str(tmp_path)])
+    assert (args.systems, bench.check(args), args.results) == ("hsdp", ["hsdp"], tmp_path)
+    assert bench.parse([]).results == bench.RESULTS
+    job = bench.parse([*bench._job_args(args, "torchft", eval_at="", port="1234"), "--out", "o"])
+    assert (job.mode, job.lighthouse_port, job.nproc, job.batches, job.every, job.fragments, job.delay) == \
+        ("torchft", 1234, "2,2,2", "4,4,4,4,4,4", 40, 4, 2)
+    plain = bench.parse([*bench._job_args(args, "plain", steps=90, eval_at="50,90"), "--out", "o"])
+    assert (plain.steps, plain.eval_at, plain.lighthouse_port) == (90, "50,90", None)
+    flags = bench._launch_flags(args, "torchft", Path("links.json"))
+    assert flags[:1] == ["--elastic"] and flags == bench._launch_flags(args, "decentralized", Path("links.json"))
+    assert "--no-emulation" in bench._launch_flags(args, "plain", Path("links.json"))
+
+
+def test_measure_and_the_side_by_side_table():
+    """Both systems measured on the same made-up run; plain evaluated where each one's kept tokens are reached."""
+    def with_eval(run: dict) -> dict:
+        for incs in run["logs"].values():
+            incs[-1].append({"eval": 2.0, "after": 99, "t": 10.0})
+        run["links"] = {"nodes": [{"sent_bytes": 5000}, {"sent_bytes": 8000}]}
+        return run
+
+    plain = {"logs": {(0, 0): [[_step(0.1 * s, s, sent=400) for s in range(20)]
+                               + [{"eval": 1.9, "after": 18, "t": 2.0}, {"eval": 1.8, "after": 19, "t": 2.0}]]},
+             "t0": None, "window": 0.0, "kills": [], "links": None}
+    runs = {"hsdp": with_eval(_run()), "torchft": with_eval(_run())}
+    m = report.measure(_run(), runs, plain, [1, 1], {"hsdp": 19, "torchft": 20})
+    hsdp, torchft = m["systems"]["hsdp"], m["systems"]["torchft"]
+    assert (hsdp["held_out_plain"], torchft["held_out_plain"]) == (1.9, 1.8)
+    assert torchft["held_out_gap"] == pytest.approx(2.0 / 1.8 - 1, abs=1e-4)
+    assert hsdp["link_bytes_per_step_node"] == 80 and torchft["hsdp_bytes_per_step_node"] is None
+    assert m["compute_utilization"] == hsdp["utilization"] and m["held_out_plain"] == 1.9
+    timeouts = {"heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "hop_timeout": 60.0, "connect_timeout": 10.0,
+                "join_timeout": 300.0, "start_grace": 60.0}
+    lines = report.side_by_side(m, timeouts, "int8", [1, 1])
+    assert "| | hsdp | torchft |" in lines and any("the plain module" in line for line in lines)
+    assert any(line.startswith("| ... hsdp's own count") and line.endswith("| n/a |") for line in lines)

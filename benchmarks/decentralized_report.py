@@ -1,0 +1,325 @@
+"""``decentralized.py``'s accounting, tables and result files, from the ranks' step logs.
+
+Every rank of both systems writes one JSON line per inner step into ``r<replica>_s<rank>_i<restart>.jsonl``
+(time, step, tokens, loss; hsdp: the step's commit, its replicas, the syncs landed and its replicate wire bytes;
+torchft: the commit, quorum and landing on the steps a fragment's sync lands, and ``healed`` on the step during
+which a heal overwrote the replica), a ``joined`` line first and an ``eval`` line last. A run: ``{"logs":
+{(replica, rank): [each incarnation's lines]}, "kills", "t0", "window", "links"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+Logs = dict[tuple[int, int], list[list[dict]]]
+
+
+def read(out: Path) -> Logs:
+    """(replica, rank) -> each incarnation's records, in restart order."""
+    logs: Logs = {}
+    for path in sorted(out.glob("r*_s*_i*.jsonl"), key=lambda p: int(p.stem.rsplit("_i", 1)[1])):
+        replica, rank = int(path.name[1:].split("_")[0]), int(path.stem.split("_s")[1].split("_")[0])
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        logs.setdefault((replica, rank), []).append(lines)
+    return logs
+
+
+def steps(lines: list[dict]) -> list[dict]:
+    return [r for r in lines if "step" in r]
+
+
+def leaders(out: Path) -> dict[int, list[dict]]:
+    """Each replica's rank-0 step records over all its incarnations."""
+    return {replica: [r for lines in inc for r in steps(lines)] for (replica, rank), inc in read(out).items()
+            if rank == 0}
+
+
+def kept_steps(lines: list[dict], died: bool) -> list[dict]:
+    """An incarnation's inner steps that reached the others: each step up to a landed sync. Lost: the steps a
+    heal overwrote (torchft's restarted node trains before its first quorum heals it; the healing step's own
+    landing carries the peer's weights) and, when the incarnation died, those after its last landing."""
+    kept: list[dict] = []
+    pending: list[dict] = []
+    for r in steps(lines):
+        if "healed" in r:
+            pending = []
+            continue
+        pending.append(r)
+        if r.get("landed"):
+            kept, pending = kept + pending, []
+    return kept if died else kept + pending
+
+
+def kept_tokens(run: dict, window_only: bool = True) -> int:
+    """Tokens of the inner steps that reached the others (of the window's, or of the whole run's)."""
+    t0, end, kept = run["t0"], run["t0"] + run["window"], 0
+    for incarnations in run["logs"].values():
+        for i, lines in enumerate(incarnations):
+            kept += sum(r["tokens"] for r in kept_steps(lines, died=i + 1 < len(incarnations))
+                        if not window_only or t0 <= r["t"] <= end)
+    return kept
+
+
+def alone_rate(run: dict) -> float:
+    """Tokens per second of the window, every inner step trained (kept or not): the alone run's rate."""
+    t0, end = run["t0"], run["t0"] + run["window"]
+    return sum(r["tokens"] for lines in run["logs"].values() for inc in lines for r in steps(inc)
+               if t0 <= r["t"] <= end) / run["window"]
+
+
+def node_bytes_per_step(run: dict, nproc: list[int], in_window: bool) -> float:
+    """hsdp's replicate-group wire bytes per step of the busiest node (its ranks summed; the median node's
+    would hide the one that heals the others)."""
+    t0 = run["t0"] or 0.0
+    end = t0 + run["window"] if in_window else math.inf
+    per_node = []
+    for replica in range(len(nproc)):
+        inside = [r for rank in range(nproc[replica]) for inc in run["logs"].get((replica, rank), [])
+                  for r in steps(inc) if not in_window or t0 <= r["t"] <= end]
+        sent = sum(r.get("sent", 0) for r in inside)
+        per_node.append(sent / max(1, len({r["step"] for r in inside})))
+    return max(per_node)
+
+
+def leader_steps(run: dict, in_window: bool = False) -> int:
+    """Replica 0's distinct steps (of the window's, or of the whole run's)."""
+    t0, end = run["t0"], run["t0"] + run["window"]
+    return len({r["step"] for inc in run["logs"][(0, 0)] for r in steps(inc) if not in_window or t0 <= r["t"] <= end})
+
+
+def link_bytes_per_step(run: dict) -> float | None:
+    """The busiest node's link counter (every frame sent, the whole run) per step of replica 0."""
+    if not run["links"]:
+        return None
+    return max(n["sent_bytes"] for n in run["links"]["nodes"]) / max(1, leader_steps(run))
+
+
+def final_eval(run: dict) -> list[float]:
+    """Each replica's held-out loss at the end (its rank 0's, the last incarnation)."""
+    return [incs[-1][-1]["eval"] for (replica, rank), incs in sorted(run["logs"].items())
+            if rank == 0 and incs[-1] and "eval" in incs[-1][-1]]
+
+
+def eval_after(run: dict, steps_done: int) -> float:
+    """Replica 0's held-out loss after ``steps_done`` steps (the plain run evaluates where each system's tokens
+    are reached)."""
+    return next(r["eval"] for inc in run["logs"][(0, 0)] for r in inc if r.get("after") == steps_done - 1)
+
+
+def _first_counted(lines: list[dict]) -> float | None:
+    """When an incarnation's first inner step that counts ended: its first after its heal, if it healed."""
+    trained = steps(lines)
+    healed = [i for i, r in enumerate(trained) if "healed" in r]
+    rest = trained[healed[0] + 1:] if healed else trained
+    return rest[0]["t"] if rest else None
+
+
+def recoveries(run: dict) -> tuple[list[float], list[float]]:
+    """Per kill: seconds until the survivors commit without the victim (hsdp: an inner step; torchft: a
+    fragment's sync), and until the victim's next incarnation ends an inner step that counts."""
+    lead = {replica: incs for (replica, rank), incs in run["logs"].items() if rank == 0}
+    recovery, again = [], []
+    for kill in run["kills"]:
+        t, victim = kill["t"], kill["victim"]
+        survivors = [r["t"] for q, incs in lead.items() if q != victim for inc in incs for r in steps(inc)
+                     if r.get("committed") and r["t"] > t and victim not in r["replicas"]]
+        later = [inc for inc in lead.get(victim, []) if inc and inc[0]["t"] > t]
+        back = _first_counted(later[0]) if later else None
+        if survivors:
+            recovery.append(round(min(survivors) - t, 2))
+        if back is not None:
+            again.append(round(back - t, 2))
+    return recovery, again
+
+
+def committed_fraction(run: dict) -> float:
+    """Of the window's commits on replica 0 (hsdp: every inner step; torchft: every fragment's sync), the
+    fraction that committed."""
+    t0, end = run["t0"], run["t0"] + run["window"]
+    votes = [r["committed"] for r in steps([x for inc in run["logs"][(0, 0)] for x in inc])
+             if "committed" in r and t0 <= r["t"] <= end]
+    return sum(votes) / max(1, len(votes))
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 2) if values else None
+
+
+def measure_system(run: dict, alone: float, nproc: list[int]) -> dict:
+    """One system's figures over its window (see the side-by-side table)."""
+    t0, end = run["t0"], run["t0"] + run["window"]
+    trained = sum(r["tokens"] for incs in run["logs"].values() for inc in incs for r in steps(inc)
+                  if t0 <= r["t"] <= end)
+    kept = kept_tokens(run)
+    recovery, again = recoveries(run)
+    link = link_bytes_per_step(run)
+    return {"kept_tokens": kept, "trained_tokens_window": trained, "kept_fraction": round(kept / max(1, trained), 4),
+            "tokens_per_s": round(kept / run["window"], 1), "utilization": round(kept / run["window"] / alone, 4),
+            "committed_fraction": round(committed_fraction(run), 4), "total_kept_tokens": kept_tokens(run, False),
+            "kills": [{"victim": k["victim"], "ranks_killed": k["ranks_killed"], "at_s": round(k["t"] - t0, 1)}
+                      for k in run["kills"]],
+            "recovery_s": recovery, "recovery_median_s": _median(recovery), "trains_again_s": again,
+            "trains_again_median_s": _median(again), "held_out": final_eval(run),
+            "held_out_mean": statistics.fmean(final_eval(run)), "steps_in_window": leader_steps(run, True),
+            "link_bytes_per_step_node": None if link is None else round(link),
+            "hsdp_bytes_per_step_node": round(node_bytes_per_step(run, nproc, in_window=True))}
+
+
+def measure(alone: dict, runs: dict[str, dict], plain: dict, nproc: list[int], plain_steps: dict[str, int]) -> dict:
+    """hsdp's recipe against its references (the keys of the first results) and, per system, the side by side
+    figures, each against plain HSDP after as many tokens as it kept."""
+    rate = alone_rate(alone)
+    systems = {name: measure_system(run, rate, nproc) for name, run in runs.items()}
+    for name, s in systems.items():
+        s["plain_steps"], s["held_out_plain"] = plain_steps[name], eval_after(plain, plain_steps[name])
+        s["held_out_gap"] = round(s["held_out_mean"] / s["held_out_plain"] - 1, 4)
+        if name != "hsdp":
+            s["hsdp_bytes_per_step_node"] = None  # no such count: its link counters only
+    h = systems["hsdp"]
+    plain_bytes = node_bytes_per_step(plain, nproc, in_window=False)
+    link = h["link_bytes_per_step_node"]
+    return {
+        "alone_tokens_per_s": round(rate, 1), "kept_tokens": h["kept_tokens"], "trained_tokens": h["total_kept_tokens"],
+        "decentralized_tokens_per_s": h["tokens_per_s"], "compute_utilization": h["utilization"], "kills": h["kills"],
+        "inner_steps_in_window": h["steps_in_window"], "plain_steps": h["plain_steps"],
+        "held_out_decentralized": h["held_out"], "held_out_decentralized_mean": h["held_out_mean"],
+        "held_out_plain": h["held_out_plain"], "held_out_gap": h["held_out_gap"],
+        "plain_bytes_per_step_node": round(plain_bytes),
+        "decentralized_bytes_per_step_node": h["hsdp_bytes_per_step_node"],
+        "decentralized_link_bytes_per_step_node": link,
+        "bytes_ratio": round(plain_bytes / max(1.0, h["hsdp_bytes_per_step_node"]), 1),
+        "link_bytes_ratio": None if link is None else round(plain_bytes / link, 1), "systems": systems,
+    }
+
+
+def table(m: dict) -> list[str]:
+    """hsdp's recipe against its targets."""
+    util = "yes" if m["compute_utilization"] >= 0.90 else "no"
+    gap = "yes" if abs(m["held_out_gap"]) <= 0.03 else "no"
+    ratio = "yes" if m["bytes_ratio"] >= 100 else "no"
+    link = m["decentralized_link_bytes_per_step_node"]
+    return [
+        "| | value | target |", "|---|---|---|",
+        f"| tokens/s, the replicas alone (no inter-node communication, no faults) | {m['alone_tokens_per_s']} | |",
+        f"| tokens/s kept, decentralized with the kills | {m['decentralized_tokens_per_s']} | |",
+        f"| compute utilization | {m['compute_utilization']:.3f} | >= 0.90: {util} |",
+        f"| held-out loss at equal tokens ({m['trained_tokens']:,}): decentralized (replicas' mean) | "
+        f"{m['held_out_decentralized_mean']:.4f} | |",
+        f"| held-out loss, plain HSDP on unlimited links, no faults ({m['plain_steps']} steps) | "
+        f"{m['held_out_plain']:.4f} | |",
+        f"| gap | {100 * m['held_out_gap']:+.2f} % | within 3 %: {gap} |",
+        f"| inter-node bytes per step, busiest node: plain HSDP (hsdp's count) | "
+        f"{m['plain_bytes_per_step_node']:,} | |",
+        f"| ... decentralized, hsdp's count (pseudo-gradients, heals) | {m['decentralized_bytes_per_step_node']:,} | |",
+        f"| ... decentralized, link counters (every frame: control traffic too) | "
+        f"{'n/a' if link is None else f'{link:,}'} | |",
+        f"| plain / decentralized bytes (hsdp's count; link counters) | {m['bytes_ratio']}x; "
+        f"{m['link_bytes_ratio']}x | >= 100x: {ratio} |",
+    ]
+
+
+def _bytes(value: int | None) -> str:
+    return "n/a" if value is None else f"{value:,}"
+
+
+_ROWS = (
+    ("tokens/s kept, window (compute utilization: / the hsdp replicas alone)",
+     lambda s: f"{s['tokens_per_s']} ({s['utilization']:.3f})"),
+    ("inner steps kept: tokens kept / trained in the window", lambda s: f"{s['kept_fraction']:.3f}"),
+    ("committed (hsdp: inner steps; torchft: fragment syncs), window", lambda s: f"{s['committed_fraction']:.3f}"),
+    ("kill -> survivors commit without the victim, median s", lambda s: s["recovery_median_s"]),
+    ("kill -> the killed node ends an inner step that counts, median s", lambda s: s["trains_again_median_s"]),
+    ("held-out loss at the end (replicas' mean, on the global copy)", lambda s: f"{s['held_out_mean']:.4f}"),
+    ("plain HSDP at equal tokens (its steps); gap",
+     lambda s: f"{s['held_out_plain']:.4f} ({s['plain_steps']}); {100 * s['held_out_gap']:+.2f} %"),
+    ("inter-node bytes/step, busiest node: link counters", lambda s: _bytes(s["link_bytes_per_step_node"])),
+    ("... hsdp's own count (pseudo-gradients, heals)", lambda s: _bytes(s["hsdp_bytes_per_step_node"])),
+)
+
+
+def side_by_side(m: dict, timeouts: dict[str, float], wire: str, nproc: list[int]) -> list[str]:
+    """Both systems' figures in one table, and what is not equal between them."""
+    systems = m["systems"]
+    one = "the plain module (one rank per node: FSDP2 would shard nothing)" if max(nproc) == 1 else \
+        f"FSDP2 (`fully_shard`) over the node's {nproc[0]} ranks"
+    lines = ["## Side by side: hsdp and torchft", "", "| | " + " | ".join(systems) + " |",
+             "|---|" + "---|" * len(systems),
+             f"| pseudo-gradients on the wire | {wire} | fp32 (torchft's quantised all-reduce needs triton: a GPU) |"]
+    lines += [f"| {name} | " + " | ".join(str(value(s)) for s in systems.values()) + " |" for name, value in _ROWS]
+    t = timeouts
+    lines += ["", *[f"{name}: per kill (victim, at s), survivors commit again (s) {s['recovery_s']}, the killed node "
+                    f"trains again (s) {s['trains_again_s']}; kills {[(k['victim'], k['at_s']) for k in s['kills']]}; "
+                    f"held-out per replica {[round(x, 4) for x in s['held_out']]}." for name, s in systems.items()], "",
+              f"- Timeouts, both systems: heartbeat {t['heartbeat_interval']:g} s, declared dead after "
+              f"{t['heartbeat_timeout']:g} s (torchft's lighthouse `--heartbeat_timeout_ms`), collectives "
+              f"{t['hop_timeout']:g} s (torchft's Manager and gloo `timeout`), quorum / admission "
+              f"{t['join_timeout']:g} s, "
+              f"connect {t['connect_timeout']:g} s, start grace {t['start_grace']:g} s (the lighthouse's "
+              f"`--join_timeout_ms`), at least 2 replicas. hsdp's coordinator also probes a failed reduction's ranks "
+              f"(a dead one is dropped at once); torchft's lighthouse has only the heartbeat, and a kill landing in a "
+              f"fragment's all-reduce waits out gloo's {t['hop_timeout']:g} s receive timeout.",
+              f"- torchft 0.2.0: `torchft.local_sgd.DiLoCo` (hsdp's fragments, `fragment_sync_delay` = tau, "
+              f"`fragment_update_alpha` 0), a `torchft.Manager` per node (synchronous quorum), the lighthouse on node "
+              f"0; inside each node {one}.",
+              "- Healing: hsdp admits and heals a restarted node before its first step, at a sync; torchft's trains "
+              "H/F - tau inner steps from its fresh start before its first quorum heals it (lost, counted so), then "
+              "repeats the peer it was copied from until its next sync.",
+              "- Batches: hsdp weights every rank's contribution by its batch (batch weights); torchft weights the "
+              "ranks inside a node (the loss scaled before FSDP2's mean) but averages the nodes' pseudo-gradients "
+              "equally: equal only with equal batches per node.",
+              "- The end: both land every replica on the global copy before the held-out eval (hsdp "
+              "`opt.sync_replicas()`; torchft: past any sync in flight, every fragment synced once).",
+              "- Utilization's denominator is hsdp's alone run for both (torchft's inner steps run FSDP2, not "
+              "hsdp's sharding; no alone run of its own)."]
+    return lines
+
+
+def shown_argv(argv: list[str]) -> list[str]:
+    """The driver's arguments as the results show them: without ``--keep`` and ``--results`` (this machine's
+    folders)."""
+    shown, skip = [], False
+    for part in argv:
+        if skip or part.startswith(("--keep=", "--results=")):
+            skip = False
+            continue
+        skip = part in ("--keep", "--results")
+        if not skip:
+            shown.append(part)
+    return shown
+
+
+def write_results(args: argparse.Namespace, systems: list[str], m: dict, commands: dict[str, str]) -> None:
+    """``<--results>/decentralized_<date>[_<tag>].{json,md}``: the arguments, figures, timeouts and commands."""
+    from elastic_recovery_torchft import installed_version, timeouts
+
+    date = datetime.date.today().isoformat()
+    commands = {"driver": shlex.join(["sudo", "python", "benchmarks/decentralized.py", *shown_argv(sys.argv[1:])]),
+                **commands}
+    result = {"date": date, "args": {k: v for k, v in vars(args).items() if k not in ("keep", "results")},
+              "systems": systems, "timeouts_s": timeouts(),
+              "torchft_version": installed_version() if "torchft" in systems else None,
+              "measured": m, "commands": commands}
+    md = [f"# Decentralized training: replicas of {args.nproc} ranks, {args.bandwidth} links, a kill every "
+          f"{args.kill_every:g} s ({date})", "",
+          f"GPT `{args.preset}`, byte-level, stdlib sources; per-rank batches {args.batches} sequences (batch "
+          f"weights); node CPUs {args.node_cpus}; elastic replicas, Streaming DiLoCo H = {args.every}, F = "
+          f"{args.fragments}, tau = {args.delay}, {args.wire} wire, outer lr {args.outer_lr}, momentum "
+          f"{args.outer_momentum}; inner AdamW lr {args.lr}, clip 1.0. Window {args.minutes:g} min from the first "
+          f"step all replicas committed together. Kills: "
+          + ", ".join(f"replica {k['victim']} at +{k['at_s']} s" for k in m["kills"]) + ".", "",
+          "```", *commands.values(), "```", "", *table(m), "",
+          f"Held-out loss per replica at the end: {m['held_out_decentralized']}."]
+    if "torchft" in systems:
+        md += ["", *side_by_side(m, result["timeouts_s"], args.wire, [int(n) for n in args.nproc.split(",")])]
+    stem = f"decentralized_{date}{'_' + args.tag if args.tag else ''}"
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (args.results / f"{stem}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
