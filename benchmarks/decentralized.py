@@ -210,8 +210,7 @@ def _launch_flags(args: argparse.Namespace, mode: str, stats: Path) -> list[str]
 
 
 def _stop_step(newest: int, args: argparse.Namespace, mode: str) -> int:
-    """A step 20 past ``newest`` where no fragment's sync is in flight (between one landing and the next start;
-    torchft's ranks go on past a sync in flight themselves: its schedule is its own)."""
+    """A step 20 past ``newest`` where no hsdp sync is in flight (torchft's ranks go past one themselves)."""
     if mode != "decentralized":
         return newest + 20
     period = args.every // args.fragments

@@ -97,8 +97,8 @@ def _members(manager: Any, nproc: int) -> list[int]:
 def _log_syncs(diloco: Any, syncs: list[tuple[int, bool]]) -> None:
     """Append (fragment, committed) to ``syncs`` at each fragment's landing (torchft logs none itself)."""
     for i, fragment in enumerate(diloco._fragments):
-        def perform(i: int = i, perform: Callable[[], bool] = fragment.perform_sync) -> bool:
-            committed = perform()
+        def perform(i: int = i, original: Callable[[], bool] = fragment.perform_sync) -> bool:
+            committed = original()
             syncs.append((i, committed))
             return committed
 
