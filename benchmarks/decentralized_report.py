@@ -148,6 +148,15 @@ def committed_fraction(run: dict) -> float:
     return sum(votes) / max(1, len(votes))
 
 
+def median_step_s(run: dict) -> float | None:
+    """The median seconds between consecutive inner steps of the replicas' rank 0 in the window (syncs included):
+    the systems' own step cost, apart from what the kills lost."""
+    t0, end = run["t0"], run["t0"] + run["window"]
+    gaps = [b["t"] - a["t"] for (replica, rank), incs in run["logs"].items() if rank == 0 for inc in incs
+            for a, b in zip(steps(inc), steps(inc)[1:]) if t0 <= a["t"] and b["t"] <= end]
+    return round(statistics.median(gaps), 3) if gaps else None
+
+
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
@@ -166,7 +175,7 @@ def measure_system(run: dict, alone: float, nproc: list[int]) -> dict:
             "kills": [{"victim": k["victim"], "ranks_killed": k["ranks_killed"], "at_s": round(k["t"] - t0, 1)}
                       for k in run["kills"]],
             "recovery_s": recovery, "recovery_median_s": _median(recovery), "trains_again_s": again,
-            "trains_again_median_s": _median(again), "held_out": final_eval(run),
+            "trains_again_median_s": _median(again), "median_step_s": median_step_s(run), "held_out": final_eval(run),
             "held_out_mean": statistics.fmean(final_eval(run)), "steps_in_window": leader_steps(run, True),
             "link_bytes_per_step_node": None if link is None else round(link),
             "hsdp_bytes_per_step_node": round(node_bytes_per_step(run, nproc, in_window=True))}
@@ -233,6 +242,7 @@ _ROWS = (
     ("tokens/s kept, window (compute utilization: / the hsdp replicas alone)",
      lambda s: f"{s['tokens_per_s']} ({s['utilization']:.3f})"),
     ("inner steps kept: tokens kept / trained in the window", lambda s: f"{s['kept_fraction']:.3f}"),
+    ("median seconds per inner step (replicas' rank 0, syncs included)", lambda s: s["median_step_s"]),
     ("committed (hsdp: inner steps; torchft: fragment syncs), window", lambda s: f"{s['committed_fraction']:.3f}"),
     ("kill -> survivors commit without the victim, median s", lambda s: s["recovery_median_s"]),
     ("kill -> the killed node ends an inner step that counts, median s", lambda s: s["trains_again_median_s"]),

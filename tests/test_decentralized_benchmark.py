@@ -57,6 +57,7 @@ def test_alone_rate_and_bytes_per_step():
     run = _run()
     assert report.alone_rate(run) == TOKENS * (100 + 35 + 60) / run["window"]
     assert report.node_bytes_per_step(run, [1, 1], in_window=True) == 100.0  # 10 syncs of 1000 B over 100 steps
+    assert report.median_step_s(run) == pytest.approx(0.1)
 
 
 def _sync(t: float, step: int, members: list[int], committed: bool = True, **extra: object) -> dict:
