@@ -122,15 +122,18 @@ def _first_counted(lines: list[dict]) -> float | None:
 
 
 def recoveries(run: dict) -> tuple[list[float], list[float]]:
-    """Per kill: seconds until the survivors commit without the victim (hsdp: an inner step; torchft: a
-    fragment's sync), and until the victim's next incarnation ends an inner step that counts."""
+    """Per kill: seconds until the survivors commit again (hsdp: an inner step; torchft: a fragment's sync):
+    without the victim, or with its next incarnation (a torchft kill landing in an all-reduce holds the
+    survivors for gloo's timeout, often past the victim's restart); and until that incarnation ends an inner
+    step that counts."""
     lead = {replica: incs for (replica, rank), incs in run["logs"].items() if rank == 0}
     recovery, again = [], []
     for kill in run["kills"]:
         t, victim = kill["t"], kill["victim"]
-        survivors = [r["t"] for q, incs in lead.items() if q != victim for inc in incs for r in steps(inc)
-                     if r.get("committed") and r["t"] > t and victim not in r["replicas"]]
         later = [inc for inc in lead.get(victim, []) if inc and inc[0]["t"] > t]
+        rejoined = later[0][0]["t"] if later else math.inf  # its "joined" line: a commit with it after is anew
+        survivors = [r["t"] for q, incs in lead.items() if q != victim for inc in incs for r in steps(inc)
+                     if r.get("committed") and r["t"] > t and (victim not in r["replicas"] or r["t"] > rejoined)]
         back = _first_counted(later[0]) if later else None
         if survivors:
             recovery.append(round(min(survivors) - t, 2))

@@ -85,6 +85,10 @@ def test_recoveries_and_committed_fraction_on_torchft_style_logs():
            "kills": [{"t": 10.5, "victim": 2, "ranks_killed": 2}], "t0": 0.0, "window": 19.5, "links": None}
     assert report.recoveries(run) == ([1.5], [7.9])
     assert report.committed_fraction(run) == pytest.approx(19 / 20)
+    for q in (0, 1):  # a kill in an all-reduce: no commit without it; the first after its restart joined counts
+        run["logs"][(q, 0)] = [[r if r["t"] < 10.5 or r["t"] >= 18 else {**r, "committed": False}
+                                for r in run["logs"][(q, 0)][0]]]
+    assert report.recoveries(run) == ([7.5], [7.9])
 
 
 def test_stop_step_falls_between_a_landing_and_the_next_start():
