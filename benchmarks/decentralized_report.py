@@ -247,7 +247,7 @@ _ROWS = (
     ("inner steps kept: tokens kept / trained in the window", lambda s: f"{s['kept_fraction']:.3f}"),
     ("median seconds per inner step (replicas' rank 0, syncs included)", lambda s: s["median_step_s"]),
     ("committed (hsdp: inner steps; torchft: fragment syncs), window", lambda s: f"{s['committed_fraction']:.3f}"),
-    ("kill -> survivors commit without the victim, median s", lambda s: s["recovery_median_s"]),
+    ("kill -> survivors commit again (without it, or with its restart), median s", lambda s: s["recovery_median_s"]),
     ("kill -> the killed node ends an inner step that counts, median s", lambda s: s["trains_again_median_s"]),
     ("held-out loss at the end (replicas' mean, on the global copy)", lambda s: f"{s['held_out_mean']:.4f}"),
     ("plain HSDP at equal tokens (its steps); gap",
