@@ -359,7 +359,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--node-cpus", default="0.6,0.6,0.3", help="each node's CPU budget (default: 0.6,0.6,0.3)")
     parser.add_argument("--bandwidth", default="100mbit", help="each node's link (default: 100mbit)")
     parser.add_argument("--preset", default="tiny", help="a GPT preset of hsdp.models.gpt (default: tiny)")
-    parser.add_argument("--every", type=int, default=40, help="DiLoCo's H (default: 40)")
+    parser.add_argument("--every", type=int, default=60, help="DiLoCo's H (default: 60; loss-only trials: "
+                        "H = 40, 60, 80 gave +1.0, +0.9, +2.8 %% against plain HSDP)")
     parser.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's F (default: 4)")
     parser.add_argument("--delay", type=int, default=2, help="Streaming DiLoCo's tau (default: 2)")
     parser.add_argument("--wire", choices=("int8", "fp32"), default="int8", help="pseudo-gradients (default: int8)")

@@ -124,7 +124,7 @@ def test_arguments_reach_every_launch(tmp_path: Path):
     assert bench.parse([]).results == bench.RESULTS
     job = bench.parse([*bench._job_args(args, "torchft", eval_at="", port="1234"), "--out", "o"])
     assert (job.mode, job.lighthouse_port, job.nproc, job.batches, job.every, job.fragments, job.delay) == \
-        ("torchft", 1234, "2,2,2", "4,4,4,4,4,4", 40, 4, 2)
+        ("torchft", 1234, "2,2,2", "4,4,4,4,4,4", 60, 4, 2)
     plain = bench.parse([*bench._job_args(args, "plain", steps=90, eval_at="50,90"), "--out", "o"])
     assert (plain.steps, plain.eval_at, plain.lighthouse_port) == (90, "50,90", None)
     flags = bench._launch_flags(args, "torchft", Path("links.json"))
