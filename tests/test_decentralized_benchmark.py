@@ -114,7 +114,7 @@ def test_torchft_refuses_unequal_layouts_naming_the_fix():
         bench.check(bench.parse(["--systems", "hsdp,ddp"]))
     with pytest.raises(SystemExit, match="--delay below"):
         bench.check(bench.parse(["--systems", "hsdp,torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4",
-                                 "--delay", "10"]))
+                                 "--delay", "20"]))
 
 
 def test_arguments_reach_every_launch(tmp_path: Path):
