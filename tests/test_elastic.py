@@ -190,6 +190,7 @@ def test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer(tmp_path: Path, f
         assert max((params[n] - per_replica[n]).abs().max().item() for n in params) > 1e-3
         if fault == "kill":
             assert len(logs[(VICTIM, 0)]) == 2 and (VICTIM, 1) not in logs  # one rank, killed and healed from 2
+            _check_heal_sent_to_the_joiner_only(logs, joined)
 
 
 def test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart(tmp_path: Path) -> None:
@@ -244,6 +245,20 @@ def _survivor(logs: dict[tuple[int, int], list[list[dict]]], lost: int | None = 
     survivor = [r for r in logs[(0, 0)][0] if "step" in r]
     assert lost is None or {r["step"]: r for r in survivor}[lost]["committed"] is False
     return survivor
+
+
+def _check_heal_sent_to_the_joiner_only(logs: dict[tuple[int, int], list[list[dict]]], joined: int) -> None:
+    """The rejoin's heal went from replica 0's ranks to the joiner's only, point to point: what replica 0 sent
+    over it is what the joiner received, and replica 1, which holds the state already, took no part (a broadcast
+    over the replicate group would have sent it the state too)."""
+    def at(replica: int, rank: int, step: int, key: str) -> int:
+        return next(r[key] for r in logs[(replica, rank)][-1] if r.get("step") == step)
+
+    sent = sum(at(0, rank, joined, "heal_sent") - at(0, rank, joined - 1, "heal_sent") for rank in range(2))
+    received = at(VICTIM, 0, joined, "heal_received")  # its second incarnation's: the rejoin's heal only
+    assert sent == received > 0, (sent, received)
+    assert at(1, 0, joined, "heal_received") == at(1, 0, joined - 1, "heal_received")
+    assert at(1, 0, joined, "heal_sent") == 0
 
 
 def _check_one_step_lost(survivor: list[dict], fault_at: float, lost: int = FAULT_STEP, bound: float = 10) -> None:

@@ -247,10 +247,17 @@ class Comm:
                                           async_op=True)
             return self._finish(work, stats, group, async_op, region)
 
-    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, group: str = "world") -> None:
-        """Overwrite ``tensor`` with its value on the group's rank ``src_group_rank``."""
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, group: str = "world",
+                  to: Sequence[int] | None = None) -> None:
+        """Overwrite ``tensor`` with its value on the group's rank ``src_group_rank``. ``to``: only these group
+        ranks receive it, point to point from the source, which sends it once per receiver; the group's other
+        ranks take no part (they return at once). For state that only some ranks lack (a heal's joiners): a
+        broadcast would also send it to every rank that holds it already."""
         n = self.size(group)
         if n == 1:
+            return
+        if to is not None:
+            self._send_copies(tensor, src_group_rank, to, group)
             return
         stats = self._record(group, "broadcast", tensor.numel() * tensor.element_size(), 1.0)
         pg = self._pg(group)
@@ -260,6 +267,28 @@ class Comm:
             work = dist.broadcast(tensor, src=src_group_rank, async_op=True) if pg is None else \
                 dist.broadcast(tensor, group=pg, group_src=src_group_rank, async_op=True)
         self._finish(work, stats, group, async_op=False, region=region)
+
+    def _send_copies(self, tensor: torch.Tensor, src: int, to: Sequence[int], group: str) -> None:
+        """:meth:`broadcast` to the ranks ``to`` only. Booked on the source as ``send_copies`` (wire bytes: one
+        copy per receiver), on a receiver as ``receive_copy`` (no wire bytes: it sends nothing)."""
+        pg = self._group(group)
+        me = pg.rank() if pg is not None else dist.get_rank()  # no get_rank(pg): elastic groups are unregistered
+        receivers = [r for r in dict.fromkeys(to) if r != src]
+        if me != src and me not in receivers:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        op = "send_copies" if me == src else "receive_copy"
+        stats = self._record(group, op, nbytes, len(receivers) if me == src else 0.0)
+        pg = self._pg(group)
+        region = profiler_region(op, group)
+        with record_function(region):
+            # By group rank: an elastic job's replicate groups have no global ranks (elastic/groups.py).
+            if me == src:
+                works = [dist.isend(tensor, group=pg, group_dst=r) for r in receivers]
+            else:
+                works = [dist.irecv(tensor, group=pg, group_src=src)]
+        for work in works:
+            self._finish(work, stats, group, async_op=False, region=region)
 
     def barrier(self, group: str = "world") -> None:
         """Return once every rank of the group has called it: e.g. so that a timed region starts together
@@ -328,18 +357,20 @@ class Comm:
         self.all_gather(everyone, mine, group)
         return everyone.view(n, mine.numel()).tolist()
 
-    def broadcast_bytes(self, data: bytes | None, src_group_rank: int = 0, group: str = "world") -> bytes:
-        """``data`` of the group's rank ``src_group_rank`` (ignored elsewhere; pass ``None`` there)."""
+    def broadcast_bytes(self, data: bytes | None, src_group_rank: int = 0, group: str = "world",
+                        to: Sequence[int] | None = None) -> bytes:
+        """``data`` of the group's rank ``src_group_rank`` (ignored elsewhere; pass ``None`` there). ``to``: as
+        :meth:`broadcast`'s (a rank in neither gets ``b""``)."""
         if self.size(group) == 1:
             return data or b""
         device = self.mesh.device
         length = torch.tensor([len(data or b"")], dtype=torch.int64, device=device)
-        self.broadcast(length, src_group_rank, group)
+        self.broadcast(length, src_group_rank, group, to)
         size = int(length.item())
         if size == 0:
             return b""
         payload = _padded_bytes(data or b"", size, device)
-        self.broadcast(payload, src_group_rank, group)
+        self.broadcast(payload, src_group_rank, group, to)
         return payload.cpu().numpy().tobytes()
 
 

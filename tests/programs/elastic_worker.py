@@ -151,8 +151,10 @@ def main() -> None:
         if replica not in last.replicas:  # dropped while alive: healed to the others' last step, go on after it
             log.write(json.dumps({"healed": last.step + 1, "t": time.time()}) + "\n")
         else:
+            ops = model.comm_stats().get("replicate", {})  # the heals' point-to-point part, sent and received
+            sent, got = ops.get("send_copies", {}).get("wire_bytes", 0), ops.get("receive_copy", {}).get("bytes", 0)
             log.write(json.dumps({"step": last.step, "committed": last.committed, "replicas": list(last.replicas),
-                                  "losses": losses, "t": done}) + "\n")
+                                  "losses": losses, "t": done, "heal_sent": sent, "heal_received": got}) + "\n")
         log.flush()
         together = together + 1 if last.committed and len(last.replicas) == REPLICAS else 0
         step = last.step + 1

@@ -8,12 +8,13 @@ flat shards and the optimizer's shard-shaped state piece by piece over the holde
 holder of those rows (``state_rows.py``), the rest (buffers, scalars, hyperparameters) over the position
 groups, so the source may be a replica of any degree. No checkpoint is read; a stateful hop's residuals start
 from zero (``runtime/hop_transaction.py``). Under DiLoCo also the global copy, the outer optimizer's state and the
-phase (``outer_transaction.py``; ``outer_heal.py``, re-cut the same way). The other members take part in the same
-broadcasts (their values are already equal, but for the weights of DiLoCo's members mid-phase, which they receive
-into scratch and drop). The heal
-runs where the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the members' first
-inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not hold (the user's LR
-scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
+phase (``outer_transaction.py``; ``outer_heal.py``, re-cut the same way). All of it goes point to point from the
+source's ranks to the joiners' only: the other members hold it already (but for the weights of DiLoCo's members
+mid-phase, which are their own), and a broadcast over the replicate group would send it to them too (gloo's root
+sends to every rank), doubling a heal's bytes at three replicas. They take part in the buffers' broadcast alone.
+The heal runs where the step's quorum is first needed: the joiner's ``ShardedOptimizer`` construction, the
+members' first inter-node collective of that step (``elastic/layer.py``). What the optimizer state does not
+hold (the user's LR scheduler, data loader, RNG) is the loop's to restore from ``model.last_step``.
 
 :func:`elastic_step` gates ``ShardedOptimizer.step``: the step is applied only when the coordinator committed
 it (every member's inter-node reduction completed); otherwise the gradients are dropped and nothing changes (a
@@ -45,33 +46,44 @@ def attach_heal(model: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
 
     def heal(quorum: Quorum) -> None:
         assert quorum.source is not None
-        source = quorum.index(quorum.source)
+        source, joiners = quorum.index(quorum.source), tuple(quorum.index(j) for j in quorum.joiners)
         joining, sending = layer.index in quorum.joiners, layer.index == quorum.source
         comm = model.comm
-        outer = optimizer._hsdp_outer  # type: ignore[attr-defined]
-        apart = not layer.regular  # replicas of different degrees: shard-shaped state crosses row by row
-        rows: dict[Entry, torch.Tensor] = {}
         with torch.no_grad():
-            for unit in model._hsdp_state.units:
-                if unit.params:
-                    # Only a joiner takes the weights: under DiLoCo the other members' differ mid-phase.
-                    into = unit.sharded_flat if joining or sending else torch.empty_like(unit.sharded_flat)
-                    broadcast_rows(comm, into, [p.layout for p in unit.params], _offsets(unit.params), source)
+            # Every member takes the source's buffers (a heal re-syncs them, whatever buffers.py's policy).
             model._hsdp_state.buffers.broadcast(lambda flat: broadcast_whole(comm, flat, source))
-            payload = _optimizer_payload(optimizer, apart) if sending else None
-            data = broadcast_bytes_whole(comm, payload, source)
-            if apart:
-                received = _decode(data)
-                cuts: dict[int, Cut] = {id(sp.sharded): [(sp.layout, 0)] for sp in model.sharded_params()}
-                rows = exchange_rows(comm, optimizer, cuts, received["optimizer"]["state"],
-                                     [tuple(e) for e in received[ROWS]], source, joining)
-            if outer is not None:  # DiLoCo: the global copy, the outer state, the phase (outer_transaction.py)
-                heal_outer(outer, comm, source, sending, joining)
+        if not (joining or sending):
+            return  # it holds the state already: the source sends to the joiners only (module docstring)
+        data, rows = _send_state(model, optimizer, source, joiners, joining)
         if joining:
             _load_optimizer_payload(optimizer, data, rows)
             reset_hops(model._hsdp_state.units)  # its own rounding errors: none yet (hop_transaction.py)
 
     layer.attach(heal)
+
+
+@torch.no_grad()
+def _send_state(model: ShardedModel, optimizer: torch.optim.Optimizer, source: int, joiners: tuple[int, ...],
+                joining: bool) -> tuple[bytes, dict[Entry, torch.Tensor]]:
+    """Member ``source``'s weights, optimizer state and (DiLoCo) outer state sent to the members ``joiners``,
+    point to point; on the source and the joiners only. The optimizer's bytes and, across replicas of different
+    degrees, its shard-shaped tensors received row by row (empty on the source)."""
+    comm, apart = model.comm, not model.mesh.replicas.regular  # apart: shard-shaped state crosses row by row
+    for unit in model._hsdp_state.units:
+        if unit.params:
+            broadcast_rows(comm, unit.sharded_flat, [p.layout for p in unit.params], _offsets(unit.params), source,
+                           joiners)
+    data = broadcast_bytes_whole(comm, None if joining else _optimizer_payload(optimizer, apart), source, joiners)
+    rows: dict[Entry, torch.Tensor] = {}
+    if apart:
+        received = _decode(data)
+        cuts: dict[int, Cut] = {id(sp.sharded): [(sp.layout, 0)] for sp in model.sharded_params()}
+        rows = exchange_rows(comm, optimizer, cuts, received["optimizer"]["state"],
+                             [tuple(e) for e in received[ROWS]], source, joining, joiners)
+    outer = optimizer._hsdp_outer  # type: ignore[attr-defined]
+    if outer is not None:  # DiLoCo: the global copy, the outer state, the phase (outer_transaction.py)
+        heal_outer(outer, comm, source, joining, joiners)
+    return data, rows
 
 
 def finish_step(model: ShardedModel) -> bool:

@@ -6,11 +6,11 @@ here is what it takes: the lowest-numbered live member's global copy, outer opti
 way that it joins weighing 0 (:func:`join_open_sync`).
 
 The global copy and the outer state's tensors shaped like it (SGD's momentum) are laid out like the units' flat
-shards, so they cross as the weights do (``runtime/piece_broadcast.py``, ``state_rows.py``): one broadcast over
-the ``"replicate"`` group on a grid; across replicas of different shard degrees piece by piece over the holder
-groups of the current quorum, each from the source's holder of those rows, so a joiner of one degree is healed
-from a member of another, its rows re-cut on the way. The rest (scalars, hyperparameters, the phase) is bytes,
-sent to every rank from a source rank of its position group.
+shards, so they cross as the weights do (``runtime/piece_broadcast.py``, ``state_rows.py``), from the source to the
+joiners only: one send per joiner over the ``"replicate"`` group on a grid; across replicas of different shard
+degrees piece by piece over the holder groups of the current quorum, each from the source's holder of those rows,
+so a joiner of one degree is healed from a member of another, its rows re-cut on the way. The rest (scalars,
+hyperparameters, the phase) is bytes, sent to every joiner rank from a source rank of its position group.
 """
 
 from __future__ import annotations
@@ -39,19 +39,21 @@ def join_open_sync(outer: OuterState) -> None:
 
 
 @torch.no_grad()
-def heal_outer(outer: OuterState, comm: Comm, source: int, sending: bool, joining: bool) -> None:
-    """DiLoCo's part of the heal from member ``source`` (``sending`` on its ranks), whatever the members' shard
-    degrees (module docstring): the global copy, the outer optimizer's state and the phase; a joiner also forgets
-    its own phase weights (its inner steps before the boundary do not count). The members' global copies and outer
-    states are equal at a sync boundary, so receiving in place changes nothing for them."""
+def heal_outer(outer: OuterState, comm: Comm, source: int, joining: bool, joiners: tuple[int, ...]) -> None:
+    """DiLoCo's part of the heal from member ``source`` to the members ``joiners`` (on their ranks and the
+    source's only: the other members' global copies and outer states are equal to the source's at a sync
+    boundary), whatever the members' shard degrees (module docstring): the global copy, the outer optimizer's
+    state and the phase; a joiner also forgets its own phase weights (its inner steps before the boundary do not
+    count)."""
     cuts = _cuts(outer)
     for flat in outer.global_copy:
         layouts, offsets = zip(*cuts[id(flat)], strict=True)
-        broadcast_rows(comm, flat, list(layouts), list(offsets), source)
-    data = broadcast_bytes_whole(comm, _payload(outer) if sending else None, source)
+        broadcast_rows(comm, flat, list(layouts), list(offsets), source, joiners)
+    data = broadcast_bytes_whole(comm, None if joining else _payload(outer), source, joiners)
     state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
     received = state["outer"]["state"]
-    rows = exchange_rows(comm, outer.outer, cuts, received, [tuple(e) for e in state[ROWS]], source, joining)
+    rows = exchange_rows(comm, outer.outer, cuts, received, [tuple(e) for e in state[ROWS]], source, joining,
+                         joiners)
     if not joining:
         return
     for (i, k), v in rows.items():

@@ -48,10 +48,10 @@ def take_rows(state: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> l
 
 def exchange_rows(comm: Comm, optimizer: torch.optim.Optimizer, cuts: dict[int, Cut],
                   state: dict[int, dict[str, Any]], entries: list[Entry], root: int,
-                  joining: bool) -> dict[Entry, torch.Tensor]:
-    """Member ``root``'s values of ``entries`` (of the received ``state``: their dtypes), received into this
-    rank's shard layout, one broadcast per dtype and holder tuple; on a joiner the local tensors to load, on the
-    other members scratch (their own state is the source's already) and an empty dict. ``cuts``: by ``id`` of
+                  joining: bool, to: tuple[int, ...]) -> dict[Entry, torch.Tensor]:
+    """Member ``root``'s values of ``entries`` (of the received ``state``: their dtypes), sent to the members
+    ``to`` (the joiners, ``piece_broadcast.py``) into this rank's shard layout, one send per dtype and holder
+    tuple; on a joiner the local tensors to load, on the root an empty dict. ``cuts``: by ``id`` of
     each optimizer parameter, the rows its state tensors hold (a sharded parameter's: ``[(layout, 0)]``)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     by_dtype: dict[torch.dtype, list[Entry]] = {}
@@ -67,7 +67,7 @@ def exchange_rows(comm: Comm, optimizer: torch.optim.Optimizer, cuts: dict[int, 
                 offsets.append(starts[-1] + offset)
             starts.append(starts[-1] + t.numel())
         flat = torch.cat([t.reshape(-1) for t in locals_])
-        broadcast_rows(comm, flat, layouts, offsets, root)
+        broadcast_rows(comm, flat, layouts, offsets, root, to)
         if joining:
             for (i, k), t, start in zip(group, locals_, starts[:-1], strict=True):
                 out[(i, k)] = flat[start: start + t.numel()].view_as(t).clone()
