@@ -102,9 +102,15 @@ def leader_steps(run: dict, in_window: bool = False) -> int:
 
 def link_bytes_per_step(run: dict) -> float | None:
     """The busiest node's link counter (every frame sent, the whole run) per step of replica 0."""
+    nodes = links_per_step(run)
+    return None if nodes is None else max(nodes)
+
+
+def links_per_step(run: dict) -> list[float] | None:
+    """Each node's link counter (every frame sent, the whole run) per step of replica 0."""
     if not run["links"]:
         return None
-    return max(n["sent_bytes"] for n in run["links"]["nodes"]) / max(1, leader_steps(run))
+    return [n["sent_bytes"] / max(1, leader_steps(run)) for n in run["links"]["nodes"]]
 
 
 def final_eval(run: dict) -> list[float]:
@@ -187,7 +193,9 @@ def measure_system(run: dict, alone: float, nproc: list[int]) -> dict:
             "trains_again_median_s": _median(again), "median_step_s": median_step_s(run), "held_out": final_eval(run),
             "held_out_mean": statistics.fmean(final_eval(run)), "steps_in_window": leader_steps(run, True),
             "link_bytes_per_step_node": None if link is None else round(link),
-            "hsdp_bytes_per_step_node": round(node_bytes_per_step(run, nproc, in_window=True))}
+            "link_bytes_per_step_nodes": [round(b) for b in links_per_step(run) or []],
+            "hsdp_bytes_per_step_node": round(node_bytes_per_step(run, nproc, in_window=True)),
+            "hsdp_bytes_per_step_nodes": [round(b) for b in nodes_bytes_per_step(run, nproc, in_window=True)]}
 
 
 def measure(alone: dict, runs: dict[str, dict], plain: dict, nproc: list[int], plain_steps: dict[str, int]) -> dict:
@@ -200,6 +208,7 @@ def measure(alone: dict, runs: dict[str, dict], plain: dict, nproc: list[int], p
         s["held_out_gap"] = round(s["held_out_mean"] / s["held_out_plain"] - 1, 4)
         if name != "hsdp":
             s["hsdp_bytes_per_step_node"] = None  # no such count: its link counters only
+            s["hsdp_bytes_per_step_nodes"] = None
     h = systems["hsdp"]
     plain_bytes = node_bytes_per_step(plain, nproc, in_window=False)
     plain_all = sum(nodes_bytes_per_step(plain, nproc, in_window=False))
