@@ -14,6 +14,11 @@ one fp32 scale each, averaged dequantised in fp32, the rounding error kept as th
   run's weights bitwise, and the same resume with the residuals dropped does not; a model-only load (weights
   without DiLoCo's state) restarts them from zero.
 The grid's path (each rank's padded flat shard quantised whole) is ``tests/test_diloco.py``'s 2 x 2 spawn.
+
+The same spawn, as three 1-rank replicas, checks the wire's hop from 3 replicas (``two_stage``: a reduce-scatter and
+an all-gather, both in int8): two averages (the second with the first's residuals) equal a simulation that rounds
+each replica's value plus its residual, averages in fp32 and rounds that mean once more, on every replica alike; the
+flags cross exact; its bytes are two thirds of the one-stage all-gather's (the all-reduce floor in int8 at R = 3).
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from test_hetero_mesh import NODES
 from test_int8_compose import Net
 
 import hsdp
+from hsdp.engine.collectives import Comm
+from hsdp.engine.hops import Int8ErrorFeedbackHop
 
 INNER_LR, OUTER_LR, MOMENTUM, BLOCK, TOL = 0.3, 0.7, 0.9, 256, 1e-5
 _int8 = functools.partial(int8_roundtrip, block=BLOCK)  # the quantiser, written out (tests/reference.py)
 RUNS = {"int8": (dict(every=2), False, 6), "weighted": (dict(every=2), True, 6),
         "streaming": (dict(every=4, fragments=2, delay=1), True, 8)}  # policy, weighted, steps
+TWO_STAGE_N = 3000  # 12 blocks (the last one partial): 4 per replica
 SAVE, END = 3, 6  # the resume: saved after step 3 (mid-phase, one sync's residuals held), trained on to step 6
 
 
@@ -118,12 +126,37 @@ def _resume(rank: int, folder: str) -> dict:
     return out
 
 
+def _two_stage(rank: int) -> dict:
+    """Three 1-rank replicas: the wire's hop averaging two buffers of ``TWO_STAGE_N`` values and a flag (the second
+    with the first's residuals), and the bytes of the two-stage and of the one-stage hop."""
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+    comm = Comm(hsdp.init_mesh())
+    assert comm.size("replicate") == 3
+    out: dict = {"means": []}
+    for two_stage in (True, False):
+        hop, sent = Int8ErrorFeedbackHop(BLOCK, two_stage=two_stage), 0
+        for i in range(2):
+            comm.stats.reset()
+            buffer = torch.cat([_values(rank, i), torch.tensor([float(rank + 1)])])
+            hop.start(buffer, 1, comm, "unit").wait()
+            sent += sum(op.wire_bytes for (group, _), op in comm.stats.ops.items() if group == "replicate")
+            if two_stage:
+                out["means"].append(buffer)
+        out["two_stage" if two_stage else "one_stage"] = sent
+    return out
+
+
+def _values(rank: int, i: int) -> torch.Tensor:
+    return torch.randn(TWO_STAGE_N, generator=torch.Generator().manual_seed(100 * i + rank))
+
+
 def _worker(rank: int, world: int, folder: str) -> dict:
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = map(str, NODES[rank])  # nodes of 2 and 1 ranks
     assert hsdp.init_mesh().replicas.degrees == (2, 1)
     out = {run: _train(rank, *spec) for run, spec in RUNS.items()}
     out["bytes"] = _bytes(rank)
     out["resume"] = _resume(rank, folder)
+    out["three"] = _two_stage(rank)
     return out
 
 
@@ -265,3 +298,24 @@ def test_int8_wire_residuals_checkpoint_and_resume_bitwise(results: list[dict]) 
         assert _distance(resume["resumed"], r["int8"]["params"]) == 0.0, rank  # "int8" ran 6 steps uninterrupted
         assert _distance(resume["resumed"], uninterrupted[worker]) < TOL, rank
         assert _distance(resume["dropped"], r["int8"]["params"]) > 10 * TOL, rank
+
+
+def test_two_stage_int8_from_three_replicas_rounds_the_mean_again_and_sends_two_thirds(results: list[dict]) -> None:
+    residuals = [torch.zeros(TWO_STAGE_N) for _ in results]
+    for i in range(2):
+        sent = []
+        for rank in range(len(results)):
+            x = _values(rank, i) + residuals[rank]
+            sent.append(_int8(x))
+            residuals[rank] = x - sent[-1]
+        expected = _int8(torch.stack(sent).mean(dim=0))  # the owners' fp32 means, rounded once more
+        for rank, r in enumerate(results):
+            mean = r["three"]["means"][i]
+            torch.testing.assert_close(mean[:-1], expected, rtol=1e-6, atol=1e-6, msg=f"{rank} {i}")
+            assert mean[-1].item() == 2.0  # the flags' mean, exact: (1 + 2 + 3) / 3
+            assert torch.equal(mean, results[0]["three"]["means"][i])  # every replica applies the same values
+        one_rounding = torch.stack(sent).mean(dim=0)  # the check can fail: the second rounding shows
+        assert (expected - one_rounding).abs().max().item() > 1e-4
+    for rank, r in enumerate(results):
+        ratio = r["three"]["two_stage"] / r["three"]["one_stage"]
+        assert 0.66 < ratio < 0.7, (rank, r["three"])  # 2 (R-1)/R against (R-1), the flags' bytes aside

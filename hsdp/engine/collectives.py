@@ -155,6 +155,12 @@ class Comm:
             self.mesh.hop_worker.drain()
         return self._group(group)
 
+    def _group_rank(self, group: str) -> int:
+        """This rank's rank in ``group`` (not ``dist.get_rank(pg)``: an elastic job's groups are not registered
+        with torch, ``elastic/groups.py``)."""
+        pg = self._group(group)
+        return pg.rank() if pg is not None else dist.get_rank()
+
     def _record(self, group: str, op: str, nbytes: int, wire_factor: float) -> OpStats:
         return self.stats.record(group, op, nbytes, int(nbytes * wire_factor))
 
@@ -237,7 +243,7 @@ class Comm:
         if n == 1:
             output.copy_(input)
             return Handle()
-        me = dist.get_rank(self._group(group))
+        me = self._group_rank(group)
         size = input.element_size()
         sent = (sum(input_sizes) - input_sizes[me]) * size  # the piece for this rank stays here
         stats = self.stats.record(group, "all_to_all", input.numel() * size, sent)
@@ -271,8 +277,7 @@ class Comm:
     def _send_copies(self, tensor: torch.Tensor, src: int, to: Sequence[int], group: str) -> None:
         """:meth:`broadcast` to the ranks ``to`` only. Booked on the source as ``send_copies`` (wire bytes: one
         copy per receiver), on a receiver as ``receive_copy`` (no wire bytes: it sends nothing)."""
-        pg = self._group(group)
-        me = pg.rank() if pg is not None else dist.get_rank()  # no get_rank(pg): elastic groups are unregistered
+        me = self._group_rank(group)
         receivers = [r for r in dict.fromkeys(to) if r != src]
         if me != src and me not in receivers:
             return

@@ -105,17 +105,29 @@ class Int8ErrorFeedbackHop:
     wins only for small replica counts (below about R=5 against a bf16 hop, R=9 against fp32) and on
     links slow enough to pay for the quantisation's compute. With ``shard_optimizer_across_replicas`` it
     reduce-scatters instead (:meth:`start_scatter`): ``(R-1)/R * n * (1 + 4/block_size)``, whatever R.
+
+    ``two_stage`` (from 3 replicas; DiLoCo's int8 wire, ``optim/outer_wire.py``): the average as a reduce-scatter
+    then an all-gather, both in int8, ``2 (R-1)/R * n * (1 + 4/block_size)`` per rank, the all-reduce floor in
+    int8 (at R = 3, two thirds of the all-gather's bytes). Each replica averages one chunk of blocks in fp32 from
+    every replica's int8 (an all-to-all), quantises that mean again and all-gathers it, so every replica still
+    applies the same values; the second rounding has no error feedback (the chunk a replica owns changes with
+    the replica count) and is issued when the handle is waited, so its time is exposed unless the wait comes late
+    (DiLoCo's delayed landing): the per-step hop, waited at the end of backward, keeps the all-gather.
     """
 
     block_size: int = 256
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+    two_stage: bool = False
 
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
         """Quantise ``buffer`` plus this unit's residual, keep the new residual, and begin the all-gathers of
-        the int8 blocks and their scales; the handle's wait leaves every replica's mean in ``buffer``."""
+        the int8 blocks and their scales (``two_stage`` from 3 replicas: the reduce-scatter's all-to-alls); the
+        handle's wait leaves every replica's mean in ``buffer``."""
         r = comm.size("replicate")
         if r == 1:
             return Handle()
+        if self.two_stage and r > 2:
+            return self._start_two_stage(buffer, n_flags, comm, key, r)
         n = buffer.numel() - n_flags
         x = buffer[:n].float() + self.residuals.get(key, 0)
         q, scale, sent = _quantise(x.view(1, n), self.block_size)
@@ -135,6 +147,41 @@ class Int8ErrorFeedbackHop:
             buffer[n:].copy_(metas[:, n_blocks:].mean(dim=0))
 
         return Handle.all(handles, on_done=decompress)
+
+    def _start_two_stage(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str, r: int) -> Handle:
+        """:meth:`start` as a reduce-scatter and an all-gather (class docstring, ``two_stage``): replica ``q``
+        owns blocks ``[q * per, (q + 1) * per)`` of the mean; the flags cross whole in fp32 in the second stage."""
+        n, b, device = buffer.numel() - n_flags, self.block_size, buffer.device
+        x = buffer[:n].float() + self.residuals.get(key, 0)
+        q, scale, sent = _quantise(x.view(1, n), b)
+        self.residuals[key] = x - sent[0]
+        n_blocks = scale.shape[1]
+        per = -(-n_blocks // r)  # blocks of the mean each replica owns (the last ones zero-padded)
+        q_rows = torch.zeros(r * per * b, dtype=torch.int8, device=device)
+        q_rows[: n_blocks * b] = q[0]
+        s_rows = torch.zeros(r * per, device=device)
+        s_rows[:n_blocks] = scale[0]
+        q_mine = torch.empty(r * per * b, dtype=torch.int8, device=device)
+        s_mine = torch.empty(r * per, device=device)
+        label, tail = _label(key), buffer[n:].float()
+        first = [comm.all_to_all(q_mine, q_rows, [per * b] * r, [per * b] * r, "replicate", async_op=True,
+                                 label=label),
+                 comm.all_to_all(s_mine, s_rows, [per] * r, [per] * r, "replicate", async_op=True,
+                                 label=f"{label} scales")]
+
+        def gather() -> None:
+            mean = (q_mine.view(r, per, b).float() * s_mine.view(r, per, 1)).mean(dim=0)  # this replica's chunk
+            q2, s2, _ = _quantise(mean.view(1, -1), b)
+            meta = torch.cat([s2[0], tail])
+            q_all = torch.empty(r * per * b, dtype=torch.int8, device=device)
+            meta_all = torch.empty(r * meta.numel(), device=device)
+            comm.all_gather(q_all, q2.view(-1), "replicate", label=f"{label} mean")
+            comm.all_gather(meta_all, meta, "replicate", label=f"{label} mean scales")
+            metas = meta_all.view(r, -1)
+            buffer[:n].copy_((q_all.view(r, per, b).float() * metas[:, :per, None]).view(-1)[:n])
+            buffer[n:].copy_(metas[:, per:].mean(dim=0))
+
+        return Handle.all(first, on_done=gather)
 
     def start_scatter(self, output: torch.Tensor, packed: torch.Tensor, n_flags: int, comm: Comm, key: str,
                       exact: tuple[int, ...] = ()) -> Handle:

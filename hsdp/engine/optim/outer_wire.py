@@ -7,9 +7,12 @@ replicas all-gather the int8 blocks and scales, and every replica dequantises an
 apply the same outer gradient. The quantisation is the int8 hop's (``hops.Int8ErrorFeedbackHop``: this module
 drives one instance per ``OuterState``, keyed by unit, so its code does the work and its residuals are DiLoCo's).
 A unit belongs to one fragment, so under Streaming DiLoCo each fragment carries its own residuals from one of its
-syncs to the next. Bytes a rank sends per sync: ``(R-1) x n x (1 + 4 / BLOCK)`` for ``n`` elements, against
-``2(R-1)/R x n x 4`` for fp32 (about a quarter with two replicas; an all-gather grows with R, so from about 8
-replicas it sends more than fp32, from 4 more than bf16).
+syncs to the next. From 3 replicas the average is a reduce-scatter then an all-gather, both in int8 (the hop's
+``two_stage``: each replica averages a chunk of blocks in fp32 and quantises that mean once more, without feedback,
+before the all-gather; issued when the sync lands, ``delay`` inner steps later, which hides its time). Bytes a rank
+sends per sync: ``2(R-1)/R x n x (1 + 4 / BLOCK)`` for ``n`` elements (with 2 replicas the hop's all-gather,
+``(R-1) x n x (1 + 4 / BLOCK)``, as many bytes and one rounding), against ``2(R-1)/R x n x 4`` for fp32: about a
+quarter, whatever R.
 
 Across replicas of different shard degrees the pseudo-gradient crosses bucket by bucket of pieces
 (``runtime/piece_hop.py``): the hop keys each bucket's residual apart (``piece_hop.bucket_key``), so every element
@@ -41,7 +44,7 @@ BLOCK = 256  # values per fp32 scale: the int8 hop's default (PRIME's granularit
 
 def wire_hop(policy: DiLoCo) -> Int8ErrorFeedbackHop | None:
     """The int8 wire's hop (it holds the residuals) for ``policy``; ``None`` for a float wire."""
-    return Int8ErrorFeedbackHop(BLOCK) if policy.wire_dtype == torch.int8 else None
+    return Int8ErrorFeedbackHop(BLOCK, two_stage=True) if policy.wire_dtype == torch.int8 else None
 
 
 def wire_key(unit: ShardUnit) -> str:
