@@ -11,11 +11,12 @@ replica, so a faster one trains on more samples instead of waiting). A byte-leve
 the standard library's sources (``hsdp.data.text``, the last 5 % of the tokens held out); at inner step k, rank s
 of replica r trains on windows drawn by a generator seeded (seed, k, r, s).
 
-Three launches, one invocation:
+Three kinds of launch, one invocation:
 
 1. ``alone``: the same replicas, cpu groups, batches and model with no inter-node communication and no faults (a
    fixed mesh of degrees [2, 1, 1], DiLoCo whose phase is longer than the run: nothing crosses nodes). Its tokens/s
-   (each replica's tokens per second over ``--alone-seconds``, summed) is compute utilization's denominator.
+   (each replica's tokens per second over ``--alone-seconds``, summed) is compute utilization's denominator: the
+   mean of one run before the measured runs and one after (``alone-after``), as this machine's speed drifts.
 2. ``decentralized``: the recipe for ``--minutes`` from the first committed step, this driver SIGKILLing every rank
    of one node every ``--kill-every`` seconds (replicas 0, 1, 2, 0, ...), torchrun restarting it; hsdp's
    coordinator on node 0. Compute utilization = the tokens it kept per second of the window / the alone tokens/s.
@@ -250,9 +251,10 @@ def _window(args: argparse.Namespace, mode: str, out: Path, proc: subprocess.Pop
     return t0, kills
 
 
-def launch(args: argparse.Namespace, mode: str, tmp: Path, steps: int = 0, eval_at: str = "") -> dict:
-    """One launch of ``mode``: its logs, the kills, the window's start, its link counters and the command."""
-    out, marker = tmp / mode, uuid.uuid4().hex
+def launch(args: argparse.Namespace, mode: str, tmp: Path, steps: int = 0, eval_at: str = "", name: str = "") -> dict:
+    """One launch of ``mode`` (in ``tmp / name``, default the mode): its logs, the kills, the window's start, its
+    link counters and the command."""
+    out, marker = tmp / (name or mode), uuid.uuid4().hex
     out.mkdir()
     stats, log = out / "links.json", out / "launch.log"
     port = str(er._free_port()) if mode == "torchft" else ""  # the lighthouse's (free in node 0's namespace too)
@@ -261,7 +263,7 @@ def launch(args: argparse.Namespace, mode: str, tmp: Path, steps: int = 0, eval_
     env = {**os.environ, er.MARKER_ENV: marker, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     kills, t0, lighthouse = [], None, None
-    print(f"[bench] {mode}: launching", flush=True)
+    print(f"[bench] {name or mode}: launching", flush=True)
     with open(log, "w") as sink, open(out / "lighthouse.log", "w") as lighthouse_sink:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
         try:
@@ -330,15 +332,18 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        alone = launch(args, "alone", where)
+        # The baseline brackets the runs: this machine's speed drifts by ~10 % over minutes (one 90 s baseline
+        # alone gave utilizations from 0.84 to 1.03 of one code), so its rate is the mean of one before and one after.
+        alone = [launch(args, "alone", where)]
         runs = {system: launch(args, SYSTEMS[system], where) for system in systems}
+        alone.append(launch(args, "alone", where, name="alone-after"))
         tokens_per_step = sum(batches) * preset(args.preset).block_size
         plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
                        for name, run in runs.items()}
         plain = launch(args, "plain", where, steps=max(plain_steps.values()),
                        eval_at=",".join(map(str, sorted(set(plain_steps.values())))))
     m = report.measure(alone, runs, plain, nproc, plain_steps)
-    commands = {"alone": alone["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
+    commands = {"alone": alone[0]["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
                 "plain": plain["command"]}
     report.write_results(args, systems, m, commands)
 

@@ -144,7 +144,7 @@ def test_measure_and_the_side_by_side_table():
                                + [{"eval": 1.9, "after": 18, "t": 2.0}, {"eval": 1.8, "after": 19, "t": 2.0}]]},
              "t0": None, "window": 0.0, "kills": [], "links": None}
     runs = {"hsdp": with_eval(_run()), "torchft": with_eval(_run())}
-    m = report.measure(_run(), runs, plain, [1, 1], {"hsdp": 19, "torchft": 20})
+    m = report.measure([_run(), _run()], runs, plain, [1, 1], {"hsdp": 19, "torchft": 20})
     hsdp, torchft = m["systems"]["hsdp"], m["systems"]["torchft"]
     assert (hsdp["held_out_plain"], torchft["held_out_plain"]) == (1.9, 1.8)
     assert torchft["held_out_gap"] == pytest.approx(2.0 / 1.8 - 1, abs=1e-4)

@@ -52,18 +52,19 @@ def test_a_sync_sends_the_model_once_and_a_step_one_hth_of_it(nodes: int, gpus: 
 
 
 @pytest.mark.parametrize("nodes", [2, 4])
-def test_the_int8_wire_all_gathers_blocks_and_scales(nodes: int, capsys: pytest.CaptureFixture) -> None:
-    # DiLoCo(wire_dtype=torch.int8): every replica's int8 blocks and one fp32 scale per 256, all-gathered.
+def test_the_int8_wire_sends_int8_blocks_at_the_all_reduce_floor(nodes: int, capsys: pytest.CaptureFixture) -> None:
+    # DiLoCo(wire_dtype=torch.int8): int8 blocks and one fp32 scale per 256; R = 2 all-gathers them, from R = 3 a
+    # reduce-scatter and an all-gather: 2(R-1)/R x P x (1 + 4/256) either way, a quarter of fp32's whatever R.
     cluster, model, r = _cluster(nodes, 8), _model(), nodes
     plain = estimate_layout(model, cluster, 8, TrainOptions())
     d = estimate_diloco(plain, model, cluster, TrainOptions(), DiLoCoOptions(10, "int8"))
     fp32 = estimate_diloco(plain, model, cluster, TrainOptions(), DiLoCoOptions(10))
-    assert d.sync_bytes == pytest.approx((r - 1) * P * (1 + 4 / 256), rel=1e-12)
-    assert d.sync_bytes / fp32.sync_bytes == pytest.approx(r / 2 * (1 + 4 / 256) / 4, rel=1e-12)  # R = 2: 0.254
+    assert d.sync_bytes == pytest.approx(2 * (r - 1) / r * P * (1 + 4 / 256), rel=1e-12)
+    assert d.sync_bytes / fp32.sync_bytes == pytest.approx((1 + 4 / 256) / 4, rel=1e-12)  # 0.254
     assert main(["plan", "--model", "7b", "--nodes", str(nodes), "--inter-node-bandwidth", "10Gbit/s",
                  "--degrees", "8", "--diloco-every", "40", "--diloco-wire-dtype", "int8"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "(int8 pseudo-gradients)" in text and "all-gathered: (R-1) x P x (1 + 4/256)" in text
+    assert "(int8 pseudo-gradients)" in text and "all-gathered: 2(R-1)/R x P x (1 + 4/256)" in text
     assert "DiLoCo(every=40, wire_dtype=torch.int8)" in text and "parallel.diloco_wire_dtype=int8" in text
 
 

@@ -24,8 +24,10 @@ is the slowest such step; the mean adds every fragment's cost once per H steps.
 Inter-node bytes of the busiest node per step: the inner step's plus one sync's over H. With shard groups inside a
 node (S replicate rings, each leaving every node once) a sync sends ``2(R-1)/R x P x w``, the model in the wire
 dtype ``w``: ``2(R-1)/R x P x w / H`` per step, against plain HSDP's ``2(R-1)/R x P x b`` every step. The int8
-wire (``DiLoCo(wire_dtype=torch.int8)``, error feedback) all-gathers every replica's int8 blocks and fp32 scales
-instead: ``(R-1) x P x (1 + 4/256)`` per sync, about a quarter of fp32's at R = 2, growing with R. Memory per
+wire (``DiLoCo(wire_dtype=torch.int8)``, error feedback) sends int8 blocks with one fp32 scale per 256, ``w = 1 +
+4/256``: at R = 2 an all-gather of both replicas' blocks, from R = 3 a reduce-scatter and an all-gather in int8
+(``Int8ErrorFeedbackHop(two_stage=True)``), ``2(R-1)/R x P x (1 + 4/256)`` per sync either way, about a quarter
+of fp32's. Memory per
 rank: the layout's without the optimizer sharded across replicas (DiLoCo refuses it) plus the global copy (fp32,
 4 B per flat-shard element) and the outer momentum (4 B more when the outer optimizer has momentum).
 
@@ -49,7 +51,7 @@ from hsdp.tools.planner.options import TrainOptions
 from hsdp.tools.planner.tensor_parallel import local_model
 
 # Bytes per element of the sync's buffer: DiLoCo(wire_dtype=None) is fp32, torch.bfloat16 halves it, torch.int8
-# sends one byte per element and one fp32 scale per block of 256 (all-gathered: see sync_collective).
+# sends one byte per element and one fp32 scale per block of 256 (see sync_collective).
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
 GLOBAL_COPY_BYTES = 4  # the fp32 global copy per flat-shard element
 MOMENTUM_BYTES = 4  # the outer SGD's momentum buffer per element (0 without momentum)
@@ -86,8 +88,9 @@ class DiLoCoOptions:
 
     def sync_collective(self, elements: float, replicas: int) -> tuple[str, float]:
         """The collective that syncs ``elements`` of a rank's flat shard over ``replicas`` and its buffer's bytes:
-        an all-reduce in the wire dtype, or (int8) an all-gather of every replica's blocks and scales."""
-        if self.wire_dtype == "int8":
+        an all-reduce in the wire dtype, or (int8, 2 replicas) an all-gather of both replicas' blocks and scales
+        (from 3 replicas int8 is a reduce-scatter and an all-gather: an all-reduce's bytes and steps)."""
+        if self.wire_dtype == "int8" and replicas <= 2:
             return "all_gather", replicas * elements * self.wire_bytes
         return "all_reduce", elements * self.wire_bytes
 

@@ -84,7 +84,8 @@ def diloco_lines(estimates: Sequence[DiLoCoEstimate], best: LayoutEstimate | Non
 
 def _sync_form(diloco: DiLoCoOptions) -> str:
     if diloco.wire_dtype == "int8":
-        return "the model in int8 blocks with fp32 scales, all-gathered: (R-1) x P x (1 + 4/256)"
+        return ("the model in int8 blocks with fp32 scales, reduce-scattered and all-gathered: "
+                "2(R-1)/R x P x (1 + 4/256)")
     return f"the model in {diloco.wire_dtype} x 2(R-1)/R"
 
 
