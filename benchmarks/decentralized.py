@@ -332,8 +332,6 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        # The baseline brackets the runs: this machine's speed drifts by ~10 % over minutes (one 90 s baseline
-        # alone gave utilizations from 0.84 to 1.03 of one code), so its rate is the mean of one before and one after.
         alone = [launch(args, "alone", where)]
         runs = {system: launch(args, SYSTEMS[system], where) for system in systems}
         alone.append(launch(args, "alone", where, name="alone-after"))

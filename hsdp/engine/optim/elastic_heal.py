@@ -34,6 +34,7 @@ from hsdp.engine.optim.state_rows import ROWS, Cut, Entry, exchange_rows, take_r
 from hsdp.engine.replicate.elastic.protocol import Quorum
 from hsdp.engine.runtime.hop_transaction import reset_hops, restore_hops
 from hsdp.engine.runtime.piece_broadcast import broadcast_bytes_whole, broadcast_rows, broadcast_whole
+from hsdp.engine.runtime.reduction import slot_offsets
 
 if TYPE_CHECKING:
     from hsdp.engine.model import ShardedModel
@@ -71,8 +72,8 @@ def _send_state(model: ShardedModel, optimizer: torch.optim.Optimizer, source: i
     comm, apart = model.comm, not model.mesh.replicas.regular  # apart: shard-shaped state crosses row by row
     for unit in model._hsdp_state.units:
         if unit.params:
-            broadcast_rows(comm, unit.sharded_flat, [p.layout for p in unit.params], _offsets(unit.params), source,
-                           joiners)
+            broadcast_rows(comm, unit.sharded_flat, [p.layout for p in unit.params], slot_offsets(unit.params),
+                           source, joiners)
     data = broadcast_bytes_whole(comm, None if joining else _optimizer_payload(optimizer, apart), source, joiners)
     rows: dict[Entry, torch.Tensor] = {}
     if apart:
@@ -95,15 +96,6 @@ def finish_step(model: ShardedModel) -> bool:
             p.grad = None
         restore_hops(model._hsdp_state.step.hop_snapshot)  # the residuals of a step never applied: as before it
     return committed
-
-
-def _offsets(params: list[Any]) -> list[int]:
-    """Where each parameter's padded chunk starts in its unit's flat shard."""
-    offsets, at = [], 0
-    for p in params:
-        offsets.append(at)
-        at += p.layout.padded_numel
-    return offsets
 
 
 def _optimizer_payload(optimizer: torch.optim.Optimizer, apart: bool = False) -> bytes:
