@@ -7,7 +7,8 @@ second), 100 Mbit/s links between nodes. hsdp's elastic replicas with Streaming 
 fragments=F, delay=tau, wire_dtype=torch.int8)``: int8 pseudo-gradients with error feedback) and batch weights
 (each rank's batch sized so that the replicas' inner steps take as long, ``model.set_batch_weight`` its
 sequence count, so a replica's pseudo-gradient counts by the samples it trained on: a sync waits for the slowest
-replica, so a faster one trains on more samples instead of waiting). A byte-level GPT (``hsdp.models.gpt``) on
+replica, so a faster one trains on more samples instead of waiting; the sizes measured first, by
+``--balance-rounds`` short alone launches: ``decentralized_balance.py``). A byte-level GPT (``hsdp.models.gpt``) on
 the standard library's sources (``hsdp.data.text``, the last 5 % of the tokens held out); at inner step k, rank s
 of replica r trains on windows drawn by a generator seeded (seed, k, r, s).
 
@@ -43,7 +44,7 @@ Writes ``<--results>/decentralized_<date>.{json,md}`` (default benchmarks/result
     sudo python benchmarks/decentralized.py                          # 5 min, a kill every 60 s
     sudo python benchmarks/decentralized.py --minutes 1.5 --kill-every 40 --alone-seconds 40   # a smoke run
     sudo python benchmarks/decentralized.py --systems hsdp,torchft --ranks-per-node 2,2,2 --batches 4,4,4,4,4,4 \\
-        --node-cpus 0.6,0.6,0.6                                      # side by side with torchft
+        --node-cpus 0.6,0.6,0.6 --balance-rounds 0                   # side by side with torchft
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from typing import Any
 import decentralized_report as report
 import elastic_recovery as er
 import elastic_recovery_torchft as tf_launch
+from decentralized_balance import count_at, parse_batches, rebalance, show_batches, step_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +144,7 @@ def job(args: argparse.Namespace) -> None:
     from hsdp.models.gpt import GPT
 
     torch.set_num_threads(1)
-    nproc, batches = _ints(args.nproc), _ints(args.batches)
+    nproc, batches = _ints(args.nproc), parse_batches(args.batches)
     elastic = args.mode == "decentralized"
     mesh = hsdp.init_mesh(elastic=True) if elastic else hsdp.init_mesh(nproc)
     replica = int(os.environ["HSDP_REPLICA_ID"]) if elastic else mesh.replicate_rank
@@ -153,7 +155,6 @@ def job(args: argparse.Namespace) -> None:
     model = hsdp.ShardedModel(GPT(cfg), mesh=mesh, replica_sync=_sync(args))
     opt = hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                                          weight_decay=0.1))
-    model.set_batch_weight(float(mine))
     log = open(Path(args.out) / f"r{replica}_s{rank}_i{restart}.jsonl", "a")  # noqa: SIM115
     step = model.last_step.step + 1 if elastic and model.last_step is not None else 0
     log.write(json.dumps({"joined": step, "t": time.time(), "restart": restart}) + "\n")
@@ -162,7 +163,9 @@ def job(args: argparse.Namespace) -> None:
     while stop_at is None or step <= stop_at:
         if stop_at is None and stop_file.exists():
             stop_at = int(stop_file.read_text())
-        x = batch_of(step, replica, rank, mine)
+        count = count_at(step, mine)  # a fractional mean paces exactly (decentralized_balance.py)
+        model.set_batch_weight(float(count))
+        x = batch_of(step, replica, rank, count)
         model.reset_comm_stats()
         _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
@@ -170,7 +173,7 @@ def job(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         sent = sum(op["wire_bytes"] for op in model.comm_stats().get("replicate", {}).values())
-        record = {"t": time.time(), "step": step, "tokens": mine * cfg.block_size, "loss": loss.item(),
+        record = {"t": time.time(), "step": step, "tokens": count * cfg.block_size, "loss": loss.item(),
                   "sent": sent}
         if elastic:
             last, sync = model.last_step, opt.last_sync
@@ -301,7 +304,11 @@ def _kill(mode: str, marker: str, victim: int, t0: float) -> dict:
 
 def check(args: argparse.Namespace) -> list[str]:
     """The systems to run, or a SystemExit naming the fix, before anything is launched."""
-    nproc, batches = _ints(args.nproc), _ints(args.batches)
+    nproc = _ints(args.nproc)
+    try:
+        batches = parse_batches(args.batches)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     systems = [s for s in args.systems.split(",") if s]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise SystemExit(f"--systems {args.systems}: choose from {','.join(SYSTEMS)}")
@@ -320,6 +327,9 @@ def check(args: argparse.Namespace) -> list[str]:
     if args.every % args.fragments or args.delay >= args.every // args.fragments:
         raise SystemExit(f"torchft's DiLoCo needs --every a multiple of --fragments and --delay below "
                          f"--every / --fragments (got {args.every}, {args.fragments}, {args.delay})")
+    if args.balance_rounds or any(b != int(b) for b in batches):
+        raise SystemExit("--systems hsdp,torchft: torchft's syncs weigh every replica alike, so give every rank "
+                         "the same whole batch and --balance-rounds 0")
     if importlib.util.find_spec("torchft") is None:
         raise SystemExit("torchft is not installed: pip install -e .[peers] (or --systems hsdp)")
     return systems
@@ -328,22 +338,44 @@ def check(args: argparse.Namespace) -> list[str]:
 def drive(args: argparse.Namespace, systems: list[str]) -> None:
     from hsdp.models.gpt import preset
 
-    nproc, batches = _ints(args.nproc), _ints(args.batches)
+    nproc = _ints(args.nproc)
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
+        balance = _balance(args, where, nproc)
         alone = [launch(args, "alone", where)]
         runs = {system: launch(args, SYSTEMS[system], where) for system in systems}
         alone.append(launch(args, "alone", where, name="alone-after"))
-        tokens_per_step = sum(batches) * preset(args.preset).block_size
+        tokens_per_step = sum(parse_batches(args.batches)) * preset(args.preset).block_size
         plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
                        for name, run in runs.items()}
         plain = launch(args, "plain", where, steps=max(plain_steps.values()),
                        eval_at=",".join(map(str, sorted(set(plain_steps.values())))))
     m = report.measure(alone, runs, plain, nproc, plain_steps)
+    m["balance"] = {"rounds": balance, "alone_step_s": [round(t, 4) for t in step_seconds(alone[0])],
+                    "alone_after_step_s": [round(t, 4) for t in step_seconds(alone[1])]}
     commands = {"alone": alone[0]["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
                 "plain": plain["command"]}
     report.write_results(args, systems, m, commands)
+
+
+def _balance(args: argparse.Namespace, where: Path, nproc: list[int]) -> list[dict]:
+    """``--balance-rounds`` short alone launches, each rescaling ``args.batches`` so that the replicas' inner steps
+    take as long (``decentralized_balance.py``); what each round measured."""
+    rounds, window = [], args.alone_seconds
+    args.alone_seconds = args.balance_seconds
+    try:
+        for i in range(args.balance_rounds):
+            seconds = step_seconds(launch(args, "alone", where, name=f"balance-{i}"))
+            batches = rebalance(parse_batches(args.batches), nproc, seconds, 1.0 if i == 0 else 0.5)
+            rounds.append({"batches": args.batches, "step_s": [round(t, 4) for t in seconds],
+                           "next": show_batches(batches)})
+            print(f"[bench] balance round {i}: --batches {args.batches}: inner steps of {rounds[-1]['step_s']} s; "
+                  f"next {rounds[-1]['next']}", flush=True)
+            args.batches = show_batches(batches)
+    finally:
+        args.alone_seconds = window
+    return rounds
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -357,8 +389,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default="hsdp", help="hsdp (default), or hsdp,torchft: torchft side by side")
     parser.add_argument("--ranks-per-node", dest="nproc", default="2,1,1", help="ranks per node (default: 2,1,1)")
     parser.add_argument("--batches", default="4,4,30,8",
-                        help="sequences per rank per step, node-major, the replicas' steps as long, syncs included "
-                             "(default: 4,4,30,8; 4,4,24,6, balanced alone, kept nodes 1, 2 waiting ~0.2 s a sync)")
+                        help="sequences per rank per step on average (fractions pace exactly), node-major: where "
+                             "--balance-rounds start (default: 4,4,30,8)")
     parser.add_argument("--node-cpus", default="0.6,0.6,0.3", help="each node's CPU budget (default: 0.6,0.6,0.3)")
     parser.add_argument("--bandwidth", default="100mbit", help="each node's link (default: 100mbit)")
     parser.add_argument("--preset", default="tiny", help="a GPT preset of hsdp.models.gpt (default: tiny)")
@@ -379,6 +411,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills (default: 60)")
     parser.add_argument("--margin", type=float, default=25.0, help="no kill in the window's last seconds")
     parser.add_argument("--alone-seconds", type=float, default=90.0, help="the alone run's window (default: 90)")
+    parser.add_argument("--balance-rounds", type=int, default=2,
+                        help="short alone runs first, each scaling the faster replicas' --batches so the replicas' "
+                             "inner steps take as long (default: 2; 0: --batches as given)")
+    parser.add_argument("--balance-seconds", type=float, default=30.0, help="a balance round's window (default: 30)")
     parser.add_argument("--max-restarts", type=int, default=20)
     parser.add_argument("--keep", type=Path, help="keep the runs' folders under this one")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")

@@ -334,6 +334,17 @@ def shown_argv(argv: list[str]) -> list[str]:
     return shown
 
 
+def balance_lines(balance: dict | None) -> list[str]:
+    """How the batches were chosen (``decentralized_balance.py``) and how even the replicas' steps came out."""
+    if not balance or not balance["rounds"]:
+        return []
+    rounds = "; ".join(f"{r['batches']}: {', '.join(f'{t:.3f}' for t in r['step_s'])} s" for r in balance["rounds"])
+    alone = ", ".join(f"{t:.3f}" for t in balance["alone_step_s"])
+    after = ", ".join(f"{t:.3f}" for t in balance["alone_after_step_s"])
+    return [f"Batches balanced by {len(balance['rounds'])} short alone runs (median inner-step seconds per replica at"
+            f" each round's batches: {rounds}); the alone runs then: {alone} s before, {after} s after.", ""]
+
+
 def write_results(args: argparse.Namespace, systems: list[str], m: dict, commands: dict[str, str]) -> None:
     """``<--results>/decentralized_<date>[_<tag>].{json,md}``: the arguments, figures, timeouts and commands."""
     from elastic_recovery_torchft import installed_version, timeouts
@@ -353,7 +364,7 @@ def write_results(args: argparse.Namespace, systems: list[str], m: dict, command
           f"{args.outer_momentum}; inner AdamW lr {args.lr}, clip 1.0. Window {args.minutes:g} min from the first "
           f"step all replicas committed together. Kills: "
           + ", ".join(f"replica {k['victim']} at +{k['at_s']} s" for k in m["kills"]) + ".", "",
-          "```", *commands.values(), "```", "", *table(m), "",
+          *balance_lines(m.get("balance")), "```", *commands.values(), "```", "", *table(m), "",
           f"Held-out loss per replica at the end: {m['held_out_decentralized']}."]
     if "torchft" in systems:
         md += ["", *side_by_side(m, result["timeouts_s"], args.wire, [int(n) for n in args.nproc.split(",")])]

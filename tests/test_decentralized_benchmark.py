@@ -155,3 +155,21 @@ def test_measure_and_the_side_by_side_table():
     lines = report.side_by_side(m, timeouts, "int8", [1, 1])
     assert "| | hsdp | torchft |" in lines and any("the plain module" in line for line in lines)
     assert any(line.startswith("| ... hsdp's own count") and line.endswith("| n/a |") for line in lines)
+
+
+def test_balance_paces_fractional_batches_and_scales_the_faster_replicas():
+    import decentralized_balance as balance
+
+    assert [balance.count_at(k, 4.0) for k in range(5)] == [4] * 5
+    counts = [balance.count_at(k, 9.3) for k in range(10)]
+    assert set(counts) == {9, 10} and sum(counts) == 93  # a tenth carried every step: exact over ten steps
+    # Replica 0 (2 ranks) is the slowest at 0.14 s: it keeps its batches; 0.10 s and 0.12 s scale by 1.4, 1.167.
+    assert balance.rebalance([4, 4, 30, 8], [2, 1, 1], [0.14, 0.10, 0.12]) == [4, 4, 42.0, 9.3]
+    run = {"logs": {(0, 0): [[{"t": 0.2 * s, "step": s} for s in range(20)]],
+                    (1, 0): [[{"joined": 0}, *[{"t": 0.1 * s, "step": s} for s in range(40)]]]},
+           "t0": 0.0, "window": 3.0}
+    assert balance.step_seconds(run) == pytest.approx([0.2, 0.1])
+    with pytest.raises(ValueError, match="at least 1 sequence"):
+        balance.parse_batches("4,0.5")
+    with pytest.raises(SystemExit, match="same whole batch and --balance-rounds 0"):
+        bench.check(bench.parse(["--systems", "hsdp,torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4"]))
