@@ -39,8 +39,9 @@ class Handle:
                  on_done: Callable[[], None] | None = None, after: list[Handle] | None = None,
                  region: str = "", retire: Callable[[Any], None] | None = None, cuda_timed: bool = False,
                  completion: Callable[[], Any] | None = None,
-                 interrupt: Callable[[], str] | None = None) -> None:
+                 interrupt: Callable[[], str] | None = None, ready_when: Callable[[], bool] | None = None) -> None:
         self._work = work
+        self._ready_when = ready_when  # what else :meth:`ready` needs (collectives issued elsewhere: a hop worker)
         self._interrupt = interrupt  # why to stop waiting ("" = keep waiting): elastic replicate groups
         # Takes the collective out of the ledger's pending set once waited: at once where the wait blocks until
         # it completed (gloo), or, given ``completion`` (CUDA: an event recorded on the waiting stream), when
@@ -100,6 +101,16 @@ class Handle:
     def all(handles: list[Handle], on_done: Callable[[], None] | None = None) -> Handle:
         return Handle(after=handles, on_done=on_done)
 
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would find every collective it waits for ended (completed or failed): a poll that
+        never blocks, so the caller can act the moment a reduction is over instead of where it is waited. A
+        handle whose ``on_done`` issues more collectives is ready only when given ``ready_when`` for those."""
+        if self.done:
+            return True
+        if self._ready_when is not None and not self._ready_when():
+            return False
+        return all(h.ready() for h in self._after) and (self._work is None or self._work.is_completed())
+
     def wait(self) -> None:
         if self.done:
             return
@@ -158,6 +169,10 @@ class Chained:
     def settle(self) -> None:
         """Wait without raising (after an error elsewhere, whose report matters more)."""
         self._future.exception()
+
+    def ready(self) -> bool:
+        """Whether the call has run (never blocks)."""
+        return self._future.done()
 
 
 def completion_event() -> torch.cuda.Event:

@@ -21,6 +21,7 @@ hop without ``start_scatter`` is refused for that mode when the model is wrapped
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Comm, Handle
+from hsdp.engine.handles import Chained
 
 
 def _label(key: str) -> str:
@@ -111,13 +113,26 @@ class Int8ErrorFeedbackHop:
     int8 (at R = 3, two thirds of the all-gather's bytes). Each replica averages one chunk of blocks in fp32 from
     every replica's int8 (an all-to-all), quantises that mean again and all-gathers it, so every replica still
     applies the same values; the second rounding has no error feedback (the chunk a replica owns changes with
-    the replica count) and is issued when the handle is waited, so its time is exposed unless the wait comes late
-    (DiLoCo's delayed landing): the per-step hop, waited at the end of backward, keeps the all-gather.
+    the replica count) and is issued by the hop worker the moment the first stage completes (:meth:`flush`), or
+    else when the handle is waited: the per-step hop, waited at the end of backward, keeps the all-gather.
     """
 
     block_size: int = 256
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
     two_stage: bool = False
+    _second: list[_SecondStage] = field(default_factory=list, repr=False, compare=False)  # started, not yet flushed
+
+    def flush(self, comm: Comm) -> None:
+        """Hand the second stages of the two-stage averages started since the last flush to the mesh's hop
+        worker (``hop_worker.py``), which issues each one the moment its first stage completes, in start order
+        on every rank: the whole average then completes in the background, and a late wait (DiLoCo's delayed
+        landing) or a :meth:`Handle.ready` poll finds it done. Call after starting a sync's averages, before
+        any other inter-node collective. Unflushed, a second stage is issued when its handle is waited."""
+        stages, self._second = self._second, []
+        if stages:
+            chained = comm.chain(lambda: [stage.issue() for stage in stages], "int8 second stages")
+            for stage in stages:
+                stage.chained = chained
 
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
         """Quantise ``buffer`` plus this unit's residual, keep the new residual, and begin the all-gathers of
@@ -169,19 +184,19 @@ class Int8ErrorFeedbackHop:
                  comm.all_to_all(s_mine, s_rows, [per] * r, [per] * r, "replicate", async_op=True,
                                  label=f"{label} scales")]
 
-        def gather() -> None:
-            mean = (q_mine.view(r, per, b).float() * s_mine.view(r, per, 1)).mean(dim=0)  # this replica's chunk
+        def mean_chunk() -> tuple[torch.Tensor, torch.Tensor]:  # this replica's chunk of the mean, again int8
+            mean = (q_mine.view(r, per, b).float() * s_mine.view(r, per, 1)).mean(dim=0)
             q2, s2, _ = _quantise(mean.view(1, -1), b)
-            meta = torch.cat([s2[0], tail])
-            q_all = torch.empty(r * per * b, dtype=torch.int8, device=device)
-            meta_all = torch.empty(r * meta.numel(), device=device)
-            comm.all_gather(q_all, q2.view(-1), "replicate", label=f"{label} mean")
-            comm.all_gather(meta_all, meta, "replicate", label=f"{label} mean scales")
+            return q2.view(-1), torch.cat([s2[0], tail])
+
+        def land(q_all: torch.Tensor, meta_all: torch.Tensor) -> None:
             metas = meta_all.view(r, -1)
             buffer[:n].copy_((q_all.view(r, per, b).float() * metas[:, :per, None]).view(-1)[:n])
             buffer[n:].copy_(metas[:, per:].mean(dim=0))
 
-        return Handle.all(first, on_done=gather)
+        stage = _SecondStage(first, comm, label, mean_chunk, land)
+        self._second.append(stage)
+        return Handle(on_done=stage.finish, ready_when=stage.ready)
 
     def start_scatter(self, output: torch.Tensor, packed: torch.Tensor, n_flags: int, comm: Comm, key: str,
                       exact: tuple[int, ...] = ()) -> Handle:
@@ -228,6 +243,49 @@ class Int8ErrorFeedbackHop:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore (some units') residuals returned by :meth:`state_dict`."""
         self.residuals.update(state)
+
+
+@dataclass(eq=False)
+class _SecondStage:
+    """A two-stage int8 average after its first stage (the all-to-alls) was issued: the all-gathers of every
+    replica's re-quantised chunk of the mean, issued by the hop worker once flushed (``chained``), or else by the
+    wait itself (:meth:`finish`)."""
+
+    first: list[Handle]
+    comm: Comm
+    label: str
+    mean_chunk: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    land: Callable[[torch.Tensor, torch.Tensor], None]
+    chained: Chained | None = None
+    second: list[Handle] = field(default_factory=list)
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def issue(self) -> None:
+        """Wait for the first stage, then issue the all-gathers (async: the caller need not wait for them)."""
+        for handle in self.first:
+            handle.wait()
+        q2, meta = self.mean_chunk()
+        r = self.comm.size("replicate")
+        q_all = torch.empty(r * q2.numel(), dtype=torch.int8, device=q2.device)
+        meta_all = torch.empty(r * meta.numel(), device=meta.device)
+        self.second = [self.comm.all_gather(q_all, q2, "replicate", async_op=True, label=f"{self.label} mean"),
+                       self.comm.all_gather(meta_all, meta, "replicate", async_op=True,
+                                            label=f"{self.label} mean scales")]
+        self.gathered = (q_all, meta_all)
+
+    def ready(self) -> bool:
+        return self.chained is not None and self.chained.ready() and all(h.ready() for h in self.second)
+
+    def finish(self) -> None:
+        """The wait: the second stage issued (by the hop worker, or here), waited, and the mean landed."""
+        if self.chained is not None:
+            self.chained.wait()  # re-raises what the worker's issue raised
+        else:
+            self.issue()
+        for handle in self.second:
+            handle.wait()
+        assert self.gathered is not None
+        self.land(*self.gathered)
 
 
 def _quantise(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

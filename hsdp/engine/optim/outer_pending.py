@@ -27,6 +27,11 @@ class PendingSync:
     opened: bool = False
     failed: bool = False
     residuals: dict | None = None
+    voted: bool = False  # settled and voted on before its landing (OuterState._vote_reduced)
+
+    def ready(self) -> bool:
+        """Whether every all-reduce of the sync has ended here (never blocks)."""
+        return bool(self.reduced) or all(handle.ready() for handle in self.handles)
 
     def settle(self) -> list[torch.Tensor]:
         """Wait for the all-reduces; the fp32 mean pseudo-gradients (weighted: divided by the mean weight)."""

@@ -200,11 +200,30 @@ class OuterState:
         """Count one inner step, then run its syncs (``outer_plan.py``): land the syncs due, start those whose
         offset this is (landing them at once when ``delay`` is 0). True when an outer update landed."""
         self.inner_steps = (self.inner_steps + 1) % self.policy.every
+        self._vote_reduced()
         for sync in self.pending:
             sync.left -= 1
         lands = [s.fragment for s in self.pending if s.left <= 0]
         starts = [f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps]
         return self.run(SyncPlan.after_step(lands, starts, self.policy.delay))
+
+    def _vote_reduced(self) -> None:
+        """An open sync whose all-reduce already completed here is settled and voted on now, not where it lands
+        (``ReplicateLayer.step_reduced``): the decision then waits only for the slowest member's all-reduce, not
+        for it to reach its landing too, so ``delay`` inner steps absorb that much of the members' spread. A
+        failure found here is the sync's, as at its landing."""
+        layer = self.model.mesh.replicas
+        for sync in self.pending:
+            if not sync.opened or sync.failed or sync.voted or not sync.ready():
+                continue
+            try:
+                sync.settle()
+            except RuntimeError as e:
+                fail_sync(layer, f"fragment {sync.fragment}'s sync", e)
+                sync.failed = True
+                continue
+            layer.step_reduced()
+            sync.voted = True
 
     def sync_now(self) -> None:
         """Sync every fragment now: land the syncs in flight, then all-reduce and land every fragment's
@@ -350,6 +369,8 @@ class OuterState:
         for unit, buffer in zip(self.fragment_units(fragment), buffers, strict=True):
             handles.append(self._average(unit, buffer, int(carried.weighted)))
             sent.append(buffer)
+        if self.wire is not None:
+            self.wire.flush(self.model.comm)  # the int8 second stages complete in the background too
         return PendingSync(fragment, self.policy.delay, handles, sent, carried.weighted)
 
     def _average(self, unit: ShardUnit, buffer: torch.Tensor, n_extra: int) -> Handle:

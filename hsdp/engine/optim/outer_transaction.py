@@ -7,10 +7,15 @@ runs around each fragment's sync instead of each training step. A sync's transac
   elastic layer waits for the sync's quorum here; a replica lost mid-phase is simply absent from it, and a replica
   that joins is healed now), then each member starts the all-reduce of its pseudo-gradient with its phase weight
   (outer_step.py, [Note: pieces and weights]);
+- votes as soon as its all-reduce completed on this rank (``step_reduced``, polled after every inner step by
+  ``OuterState._vote_reduced``; the int8 wire's second stage runs on the hop worker, so the whole all-reduce
+  completes in the background);
 - closes where the outer update is to land (:func:`close_sync`): the all-reduce is waited, ``step_failed`` when it
   failed on this rank (a member died mid-sync), then ``finish_step``: the update lands only when the layer commits
   the sync on every member. A discarded sync is redone at once among the survivors (:func:`transact_sync`, the
-  next transaction), with the same pseudo-gradients and weights: no phase is lost.
+  next transaction), with the same pseudo-gradients and weights: no phase is lost. As the members vote when
+  their all-reduces complete, a member waits at the landing only where it comes before the slowest member's
+  all-reduce (which starts at that member's own start) and one inner step after it (its poll).
 
 With ``delay=0`` a sync opens and closes at once (:func:`transact_sync`). With ``delay > 0`` it stays open over
 the ``delay`` inner steps its all-reduce overlaps and closes at the landing step; discarded there, it is redone

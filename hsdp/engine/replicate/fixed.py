@@ -175,6 +175,9 @@ class FixedLayer:
     def step_failed(self, why: str) -> bool:
         return False  # the members are fixed: a lost peer cannot be stepped around, the caller raises
 
+    def step_reduced(self) -> None:
+        pass
+
     def finish_step(self) -> bool:
         return True
 

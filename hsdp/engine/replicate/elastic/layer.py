@@ -81,6 +81,7 @@ class ElasticLayer:
         self._built = False  # the current epoch's groups exist
         self._epoch = -1
         self._wanted = -1
+        self._voted = -1  # the step whose ok vote step_reduced already cast
         self._failure = ""  # why this step's inter-node reduction failed on this rank ("" = it did not)
         self._unhealed: Quorum | None = None  # a quorum with joiners read before any heal was registered
         self._dropped = False  # the coordinator dropped this live replica: the current step runs alone
@@ -378,9 +379,19 @@ class ElasticLayer:
         be discarded everywhere; the backward itself goes on."""
         self._failure = self._failure or why
 
+    def step_reduced(self) -> None:
+        """Every inter-node reduction of the current step completed on this rank: vote for it now, so the
+        decision does not wait for this rank to reach :meth:`finish_step` (which then only reads it)."""
+        with self._lock:
+            if not self.step_open or self._failure or self._dropped or self._voted == self.step:
+                return
+            assert self.step is not None
+            self.client.vote(self.step, True)
+            self._voted = self.step
+
     def finish_step(self) -> bool:
-        """Vote on the current step and wait for the decision; True: apply it (every member's reduction
-        completed). Moves on to the next step either way."""
+        """Vote on the current step (unless :meth:`step_reduced` did) and wait for the decision; True: apply it
+        (every member's reduction completed). Moves on to the next step either way."""
         with self._lock:
             quorum = self.await_quorum()
             failure, self._failure = self._failure, ""
@@ -388,7 +399,8 @@ class ElasticLayer:
                 self._rejoin()
                 return False
             step = quorum.step
-            self.client.vote(step, not failure, failure)
+            if self._voted != step or failure:  # a failure after an ok vote still discards the step
+                self.client.vote(step, not failure, failure)
             committed = self.client.decision(step)
             self.last = StepRecord(step, committed, quorum.members)
             self.step = step + 1
