@@ -19,12 +19,14 @@ The same spawn, as three 1-rank replicas, checks the wire's hop from 3 replicas 
 an all-gather, both in int8): two averages (the second with the first's residuals) equal a simulation that rounds
 each replica's value plus its residual, averages in fp32 and rounds that mean once more, on every replica alike; the
 flags cross exact; its bytes are two thirds of the one-stage all-gather's (the all-reduce floor in int8 at R = 3).
+Flushed (DiLoCo's sync), its second stage is issued by the hop worker: the average completes unwaited, the same values.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -143,6 +145,19 @@ def _two_stage(rank: int) -> dict:
             if two_stage:
                 out["means"].append(buffer)
         out["two_stage" if two_stage else "one_stage"] = sent
+    out["flushed"], out["ready_before_flush"], out["ready_unwaited"] = [], [], []
+    hop = Int8ErrorFeedbackHop(BLOCK, two_stage=True)
+    for i in range(2):  # the same averages, their second stage issued by the hop worker (flush), then polled
+        buffer = torch.cat([_values(rank, i), torch.tensor([float(rank + 1)])])
+        handle = hop.start(buffer, 1, comm, "unit")
+        out["ready_before_flush"].append(handle.ready())
+        hop.flush(comm)
+        deadline = time.monotonic() + 60
+        while not handle.ready() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        out["ready_unwaited"].append(handle.ready())
+        handle.wait()
+        out["flushed"].append(buffer)
     return out
 
 
@@ -319,3 +334,15 @@ def test_two_stage_int8_from_three_replicas_rounds_the_mean_again_and_sends_two_
     for rank, r in enumerate(results):
         ratio = r["three"]["two_stage"] / r["three"]["one_stage"]
         assert 0.66 < ratio < 0.7, (rank, r["three"])  # 2 (R-1)/R against (R-1), the flags' bytes aside
+
+
+def test_a_flushed_two_stage_average_completes_on_the_hop_worker(results: list[dict]) -> None:
+    """DiLoCo's landing polls ``ready()`` and votes without waiting (``OuterState._vote_reduced``): once flushed,
+    the second stage is issued by the hop worker, so the average completes with nobody waiting for it; unflushed,
+    the wait would issue it, so it is never ready before. The same values as the wait-issued average, bitwise."""
+    for rank, r in enumerate(results):
+        three = r["three"]
+        assert three["ready_before_flush"] == [False, False], rank
+        assert three["ready_unwaited"] == [True, True], rank
+        for flushed, waited in zip(three["flushed"], three["means"], strict=True):
+            assert torch.equal(flushed, waited), rank
