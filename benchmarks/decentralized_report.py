@@ -341,7 +341,7 @@ def balance_lines(balance: dict | None) -> list[str]:
     rounds = "; ".join(f"{r['batches']}: {', '.join(f'{t:.3f}' for t in r['step_s'])} s" for r in balance["rounds"])
     alone = ", ".join(f"{t:.3f}" for t in balance["alone_step_s"])
     after = ", ".join(f"{t:.3f}" for t in balance["alone_after_step_s"])
-    return [f"Batches balanced by {len(balance['rounds'])} short alone runs (median inner-step seconds per replica at"
+    return [f"Batches balanced by {len(balance['rounds'])} short alone runs (mean inner-step seconds per replica at"
             f" each round's batches: {rounds}); the alone runs then: {alone} s before, {after} s after.", ""]
 
 
