@@ -67,7 +67,7 @@ from typing import Any
 import decentralized_report as report
 import elastic_recovery as er
 import elastic_recovery_torchft as tf_launch
-from decentralized_balance import count_at, parse_batches, rebalance, show_batches, step_seconds
+from decentralized_balance import balance_batches, count_at, parse_batches, step_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -342,7 +342,7 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        balance = _balance(args, where, nproc)
+        balance = balance_batches(args, nproc, lambda name: launch(args, "alone", where, name=name))
         alone = [launch(args, "alone", where)]
         runs = {system: launch(args, SYSTEMS[system], where) for system in systems}
         alone.append(launch(args, "alone", where, name="alone-after"))
@@ -357,25 +357,6 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
     commands = {"alone": alone[0]["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
                 "plain": plain["command"]}
     report.write_results(args, systems, m, commands)
-
-
-def _balance(args: argparse.Namespace, where: Path, nproc: list[int]) -> list[dict]:
-    """``--balance-rounds`` short alone launches, each rescaling ``args.batches`` so that the replicas' inner steps
-    take as long (``decentralized_balance.py``); what each round measured."""
-    rounds, window = [], args.alone_seconds
-    args.alone_seconds = args.balance_seconds
-    try:
-        for i in range(args.balance_rounds):
-            seconds = step_seconds(launch(args, "alone", where, name=f"balance-{i}"))
-            batches = rebalance(parse_batches(args.batches), nproc, seconds, 1.0 if i == 0 else 0.5)
-            rounds.append({"batches": args.batches, "step_s": [round(t, 4) for t in seconds],
-                           "next": show_batches(batches)})
-            print(f"[bench] balance round {i}: --batches {args.batches}: inner steps of {rounds[-1]['step_s']} s; "
-                  f"next {rounds[-1]['next']}", flush=True)
-            args.batches = show_batches(batches)
-    finally:
-        args.alone_seconds = window
-    return rounds
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -15,7 +15,9 @@ average, to a tenth: a rank of mean ``b`` trains on :func:`count_at` sequences a
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable
 
 import decentralized_report as report
 
@@ -58,3 +60,22 @@ def rebalance(batches: list[float], nproc: list[int], seconds: list[float], damp
         out += [max(b, round(b * (slowest / own) ** damping, 1)) for b in batches[at:at + n]]
         at += n
     return out
+
+
+def balance_batches(args: argparse.Namespace, nproc: list[int], alone: Callable[[str], dict]) -> list[dict]:
+    """``--balance-rounds`` short alone launches (``alone(name)``, each over ``--balance-seconds``), each rescaling
+    ``args.batches`` so that the replicas' inner steps take as long; what each round measured."""
+    rounds, window = [], args.alone_seconds
+    args.alone_seconds = args.balance_seconds
+    try:
+        for i in range(args.balance_rounds):
+            seconds = step_seconds(alone(f"balance-{i}"))
+            batches = rebalance(parse_batches(args.batches), nproc, seconds, 1.0 if i == 0 else 0.5)
+            rounds.append({"batches": args.batches, "step_s": [round(t, 4) for t in seconds],
+                           "next": show_batches(batches)})
+            print(f"[bench] balance round {i}: --batches {args.batches}: inner steps of {rounds[-1]['step_s']} s; "
+                  f"next {rounds[-1]['next']}", flush=True)
+            args.batches = show_batches(batches)
+    finally:
+        args.alone_seconds = window
+    return rounds

@@ -173,3 +173,24 @@ def test_balance_paces_fractional_batches_and_scales_the_faster_replicas():
         balance.parse_batches("4,0.5")
     with pytest.raises(SystemExit, match="same whole batch and --balance-rounds 0"):
         bench.check(bench.parse(["--systems", "hsdp,torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4"]))
+
+
+def test_balance_rounds_rescale_the_batches_and_damp_the_second_round():
+    import decentralized_balance as balance
+
+    def alone(seconds: list[float]) -> dict:
+        logs = {(r, 0): [[{"t": t * k, "step": k} for k in range(40)]] for r, t in enumerate(seconds)}
+        return {"logs": logs, "t0": 0.0, "window": 3.0}
+
+    runs, names = iter([alone([0.2, 0.1, 0.1]), alone([0.2, 0.2, 0.15])]), []
+    args = bench.parse(["--balance-seconds", "30"])
+
+    def launch(name: str) -> dict:
+        names.append((name, args.alone_seconds))
+        return next(runs)
+
+    rounds = balance.balance_batches(args, [2, 1, 1], launch)
+    assert names == [("balance-0", 30.0), ("balance-1", 30.0)] and args.alone_seconds == 90.0
+    # Round 0: replicas 1 and 2 twice as fast, their batches doubled; round 1: replica 2 still 0.2 / 0.15 as fast,
+    # half the correction in ratio (sqrt(4 / 3)); replica 0, the slowest, keeps its own throughout.
+    assert [r["next"] for r in rounds] == ["4,4,60,16", "4,4,60,18.5"] and args.batches == "4,4,60,18.5"
