@@ -123,13 +123,17 @@ class Int8ErrorFeedbackHop:
     _second: list[_SecondStage] = field(default_factory=list, repr=False, compare=False)  # started, not yet flushed
 
     def flush(self, comm: Comm) -> None:
-        """Hand the second stages of the two-stage averages started since the last flush to the mesh's hop
-        worker (``hop_worker.py``), which issues each one the moment its first stage completes, in start order
-        on every rank: the whole average then completes in the background, and a late wait (DiLoCo's delayed
-        landing) or a :meth:`Handle.ready` poll finds it done. Call after starting a sync's averages, before
-        any other inter-node collective. Unflushed, a second stage is issued when its handle is waited."""
+        """Issue the second stages of the two-stage averages started since the last flush behind their first
+        stages, in start order on every rank: on CPUs the mesh's hop worker (``hop_worker.py``) waits for each
+        first stage and issues its all-gathers the moment it completes; on a device the host issues them now,
+        the stream waiting for the first stage. The whole average then completes in the background, and a late
+        wait (DiLoCo's delayed landing) or a :meth:`Handle.ready` poll finds it done. Call after starting a sync's
+        averages, before any other inter-node collective. Unflushed, a second stage is issued at its wait."""
         stages, self._second = self._second, []
-        if stages:
+        if stages and comm.mesh.device.type != "cpu":
+            for stage in stages:  # a device queues the wait for the first stage: the host issues the second now
+                stage.issue()
+        elif stages:
             chained = comm.chain(lambda: [stage.issue() for stage in stages], "int8 second stages")
             for stage in stages:
                 stage.chained = chained
@@ -248,8 +252,8 @@ class Int8ErrorFeedbackHop:
 @dataclass(eq=False)
 class _SecondStage:
     """A two-stage int8 average after its first stage (the all-to-alls) was issued: the all-gathers of every
-    replica's re-quantised chunk of the mean, issued by the hop worker once flushed (``chained``), or else by the
-    wait itself (:meth:`finish`)."""
+    replica's re-quantised chunk of the mean, issued once flushed (by the hop worker on CPUs: ``chained``), or else
+    by the wait itself (:meth:`finish`)."""
 
     first: list[Handle]
     comm: Comm
@@ -257,11 +261,13 @@ class _SecondStage:
     mean_chunk: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     land: Callable[[torch.Tensor, torch.Tensor], None]
     chained: Chained | None = None
+    issued: bool = False
     second: list[Handle] = field(default_factory=list)
     gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def issue(self) -> None:
         """Wait for the first stage, then issue the all-gathers (async: the caller need not wait for them)."""
+        self.issued = True
         for handle in self.first:
             handle.wait()
         q2, meta = self.mean_chunk()
@@ -274,13 +280,15 @@ class _SecondStage:
         self.gathered = (q_all, meta_all)
 
     def ready(self) -> bool:
-        return self.chained is not None and self.chained.ready() and all(h.ready() for h in self.second)
+        flushed = self.chained.ready() if self.chained is not None else self.issued
+        return flushed and all(h.ready() for h in self.second)
 
     def finish(self) -> None:
-        """The wait: the second stage issued (by the hop worker, or here), waited, and the mean landed."""
+        """The wait: the second stage issued (by the hop worker, at the flush, or here), waited, and the mean
+        landed."""
         if self.chained is not None:
             self.chained.wait()  # re-raises what the worker's issue raised
-        else:
+        elif not self.issued:
             self.issue()
         for handle in self.second:
             handle.wait()
