@@ -67,7 +67,7 @@ from typing import Any
 import decentralized_report as report
 import elastic_recovery as er
 import elastic_recovery_torchft as tf_launch
-from decentralized_balance import balance_batches, count_at, parse_batches, step_seconds
+from decentralized_balance import Pacer, alone_after, balance_batches, count_at, parse_batches, step_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,10 +160,11 @@ def job(args: argparse.Namespace) -> None:
     log.write(json.dumps({"joined": step, "t": time.time(), "restart": restart}) + "\n")
     stop_file, stop_at = Path(args.out) / "stop", args.steps - 1 if args.steps else None
     eval_at = set(_ints(args.eval_at)) if args.eval_at else set()
+    pacer = Pacer(mine) if elastic and args.pace else None
     while stop_at is None or step <= stop_at:
         if stop_at is None and stop_file.exists():
             stop_at = int(stop_file.read_text())
-        count = count_at(step, mine)  # a fractional mean paces exactly (decentralized_balance.py)
+        count = count_at(step, pacer.mean if pacer else mine)  # a fractional mean paces exactly
         model.set_batch_weight(float(count))
         x = batch_of(step, replica, rank, count)
         model.reset_comm_stats()
@@ -179,6 +180,9 @@ def job(args: argparse.Namespace) -> None:
             last, sync = model.last_step, opt.last_sync
             record.update(step=last.step, committed=last.committed, replicas=list(last.replicas),
                           landed=list(sync.landed) if sync else [], restart=restart)
+            paced = pacer and sync and pacer.after_step(record["t"], bool(sync.started), sync.waited)
+            if paced:
+                record["paced"] = paced
         log.write(json.dumps(record) + "\n")
         if step + 1 in eval_at:  # plain: the held-out loss where a faulty run's kept tokens are reached
             log.write(json.dumps({"eval": _evaluate(model, held), "after": step, "t": time.time()}) + "\n")
@@ -199,7 +203,8 @@ def _job_args(args: argparse.Namespace, mode: str, steps: int = 0, eval_at: str 
             "--wire", args.wire, "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
             "--lr", str(args.lr), "--seed", str(args.seed), "--eval-windows", str(args.eval_windows),
             "--corpus-bytes", str(args.corpus_bytes), *(["--steps", str(steps)] if steps else []),
-            *(["--eval-at", eval_at] if eval_at else []), *(["--lighthouse-port", port] if port else [])]
+            *(["--eval-at", eval_at] if eval_at else []), *(["--lighthouse-port", port] if port else []),
+            *([] if args.pace else ["--no-pace"])]
 
 
 def _launch_flags(args: argparse.Namespace, mode: str, stats: Path) -> list[str]:
@@ -327,9 +332,9 @@ def check(args: argparse.Namespace) -> list[str]:
     if args.every % args.fragments or args.delay >= args.every // args.fragments:
         raise SystemExit(f"torchft's DiLoCo needs --every a multiple of --fragments and --delay below "
                          f"--every / --fragments (got {args.every}, {args.fragments}, {args.delay})")
-    if args.balance_rounds or any(b != int(b) for b in batches):
+    if args.balance_rounds or args.pace or any(b != int(b) for b in batches):
         raise SystemExit("--systems hsdp,torchft: torchft's syncs weigh every replica alike, so give every rank "
-                         "the same whole batch and --balance-rounds 0")
+                         "the same whole batch, --balance-rounds 0 and --no-pace")
     if importlib.util.find_spec("torchft") is None:
         raise SystemExit("torchft is not installed: pip install -e .[peers] (or --systems hsdp)")
     return systems
@@ -345,7 +350,8 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
         balance = balance_batches(args, nproc, lambda name: launch(args, "alone", where, name=name))
         alone = [launch(args, "alone", where)]
         runs = {system: launch(args, SYSTEMS[system], where) for system in systems}
-        alone.append(launch(args, "alone", where, name="alone-after"))
+        after, paced = alone_after(args, nproc, runs["hsdp"], lambda: launch(args, "alone", where, name="alone-after"))
+        alone.append(after)
         tokens_per_step = sum(parse_batches(args.batches)) * preset(args.preset).block_size
         plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
                        for name, run in runs.items()}
@@ -353,7 +359,7 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
                        eval_at=",".join(map(str, sorted(set(plain_steps.values())))))
     m = report.measure(alone, runs, plain, nproc, plain_steps)
     m["balance"] = {"rounds": balance, "alone_step_s": [round(t, 4) for t in step_seconds(alone[0])],
-                    "alone_after_step_s": [round(t, 4) for t in step_seconds(alone[1])]}
+                    "alone_after_step_s": [round(t, 4) for t in step_seconds(alone[1])], "paced": paced}
     commands = {"alone": alone[0]["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
                 "plain": plain["command"]}
     report.write_results(args, systems, m, commands)
@@ -395,6 +401,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--balance-rounds", type=int, default=2,
                         help="short alone runs first, each scaling the faster replicas' --batches so the replicas' "
                              "inner steps take as long (default: 2; 0: --batches as given)")
+    parser.add_argument("--pace", action=argparse.BooleanOptionalAction, default=True,
+                        help="grow a replica's batch in the run while it idles at the syncs (Pacer; default: on)")
     parser.add_argument("--balance-seconds", type=float, default=30.0, help="a balance round's window (default: 30)")
     parser.add_argument("--max-restarts", type=int, default=20)
     parser.add_argument("--keep", type=Path, help="keep the runs' folders under this one")

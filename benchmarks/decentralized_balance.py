@@ -79,3 +79,63 @@ def balance_batches(args: argparse.Namespace, nproc: list[int], alone: Callable[
     finally:
         args.alone_seconds = window
     return rounds
+
+
+class Pacer:
+    """A rank's mean batch, paced in the run (``--pace``): the balance rounds size the batches alone, but a
+    replica's sync work differs from another's and this machine's speed drifts, so a replica that keeps waiting
+    at the syncs' starts for the others (``SyncStep.waited``: the quorum's wait, summed over ``phases`` phases,
+    against their wall time) grows its batch by ``gain`` of that share above ``deadband`` (arrival jitter). The
+    slowest replica, the last to arrive, waits only for the coordinator's answer and keeps its batch; no replica
+    shrinks, so the others converge on it, and the damping keeps one from overshooting past it for long."""
+
+    def __init__(self, mean: float, phases: int = 4, deadband: float = 0.02, gain: float = 0.5) -> None:
+        self.mean, self.phases, self.deadband, self.gain = mean, phases, deadband, gain
+        self._since: float | None = None  # the wall time of the first counted phase's start
+        self._idle, self._starts = 0.0, 0
+
+    def after_step(self, now: float, started: bool, waited: float) -> float | None:
+        """After an inner step whose syncs waited ``waited`` seconds for the others (``started``: a sync started
+        at it, a phase's boundary), at wall time ``now``: the new mean when it changed, else None."""
+        if self._since is None:  # count from a phase's start: a partial phase would skew the share
+            if started:
+                self._since = now
+            return None
+        self._idle += waited
+        self._starts += started
+        if self._starts < self.phases:
+            return None
+        share = self._idle / max(now - self._since, 1e-9)
+        self._since, self._idle, self._starts = now, 0.0, 0
+        if share <= self.deadband:
+            return None
+        self.mean = round(self.mean * min(1.25, 1 + self.gain * (share - self.deadband) / (1 - share)), 2)
+        return self.mean
+
+
+def paced_batches(run: dict, nproc: list[int], block: int) -> list[float]:
+    """Each rank's mean sequences per inner step over a paced run's window (its log's tokens): the batches the
+    ``alone-after`` launch then runs, so compute utilization's denominator is of the work the run did."""
+    t0, end, out = run["t0"], run["t0"] + run["window"], []
+    for replica, n in enumerate(nproc):
+        for rank in range(n):
+            counts = [r["tokens"] / block for inc in run["logs"].get((replica, rank), []) for r in report.steps(inc)
+                      if t0 <= r["t"] <= end]
+            out.append(round(sum(counts) / len(counts), 1))
+    return out
+
+
+def alone_after(args: argparse.Namespace, nproc: list[int], run: dict, alone: Callable[[], dict]
+                ) -> tuple[dict, list[float] | None]:
+    """The ``alone-after`` launch (``alone()``): with ``--pace``, at the batches the paced ``run`` trained on
+    (:func:`paced_batches`; ``args.batches`` restored after), and those batches."""
+    from hsdp.models.gpt import preset
+
+    if not args.pace:
+        return alone(), None
+    paced, initial = paced_batches(run, nproc, preset(args.preset).block_size), args.batches
+    args.batches = show_batches(paced)
+    try:
+        return alone(), paced
+    finally:
+        args.batches = initial

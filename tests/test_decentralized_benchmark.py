@@ -126,7 +126,9 @@ def test_arguments_reach_every_launch(tmp_path: Path):
     assert (job.mode, job.lighthouse_port, job.nproc, job.batches, job.every, job.fragments, job.delay) == \
         ("torchft", 1234, "2,2,2", "4,4,4,4,4,4", 60, 4, 2)
     plain = bench.parse([*bench._job_args(args, "plain", steps=90, eval_at="50,90"), "--out", "o"])
-    assert (plain.steps, plain.eval_at, plain.lighthouse_port) == (90, "50,90", None)
+    assert (plain.steps, plain.eval_at, plain.lighthouse_port, plain.pace) == (90, "50,90", None, True)
+    args.pace = False
+    assert not bench.parse([*bench._job_args(args, "decentralized"), "--out", "o"]).pace
     flags = bench._launch_flags(args, "torchft", Path("links.json"))
     assert flags[:1] == ["--elastic"] and flags == bench._launch_flags(args, "decentralized", Path("links.json"))
     assert "--no-emulation" in bench._launch_flags(args, "plain", Path("links.json"))
@@ -171,7 +173,7 @@ def test_balance_paces_fractional_batches_and_scales_the_faster_replicas():
     assert balance.step_seconds(run) == pytest.approx([0.2, 0.1])
     with pytest.raises(ValueError, match="at least 1 sequence"):
         balance.parse_batches("4,0.5")
-    with pytest.raises(SystemExit, match="same whole batch and --balance-rounds 0"):
+    with pytest.raises(SystemExit, match="same whole batch, --balance-rounds 0 and --no-pace"):
         bench.check(bench.parse(["--systems", "hsdp,torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4"]))
 
 
@@ -194,3 +196,44 @@ def test_balance_rounds_rescale_the_batches_and_damp_the_second_round():
     # Round 0: replicas 1 and 2 twice as fast, their batches doubled; round 1: replica 2 still 0.2 / 0.15 as fast,
     # half the correction in ratio (sqrt(4 / 3)); replica 0, the slowest, keeps its own throughout.
     assert [r["next"] for r in rounds] == ["4,4,60,16", "4,4,60,18.5"] and args.batches == "4,4,60,18.5"
+
+
+def test_pacer_grows_an_idle_replicas_batch_and_the_alone_after_run_takes_the_paced_batches():
+    import decentralized_balance as balance
+
+    def phases(pacer: balance.Pacer, idle: float, count: int = 4) -> list[float | None]:
+        """``count`` phases of 10 steps of 0.1 s (a start at each phase's first step, waiting ``idle`` s there)."""
+        out, now = [], 0.0
+        for k in range(10 * count + 1):
+            started = k % 10 == 0
+            now += 0.1 + (idle if started else 0.0)
+            out.append(pacer.after_step(now, started, idle if started else 0.001))
+        return out
+
+    # 0.259 s waited per 1.25 s phase (0.25 s at the start), less the 2 % deadband: half of that share over the
+    # busy share more, once per 4 phases.
+    fast, share = balance.Pacer(10.0), 0.259 / 1.25
+    changes = [m for m in phases(fast, 0.25) if m is not None]
+    assert changes == [pytest.approx(10.0 * (1 + 0.5 * (share - 0.02) / (1 - share)), abs=0.01)]
+    assert fast.mean == changes[0] > 11
+    slowest = balance.Pacer(10.0)  # the last to arrive waits only for the coordinator's answer: keeps its batch
+    assert all(m is None for m in phases(slowest, 0.01)) and slowest.mean == 10.0
+    capped = balance.Pacer(10.0)
+    assert [m for m in phases(capped, 5.0) if m is not None] == [12.5]  # at most 1.25x per adjustment
+    # The alone-after launch runs the window's mean batches per rank; args.batches is restored after it.
+    logs = {(0, 0): [[{**_step(0.1 * s, s), "tokens": 64 * 4} for s in range(10)]],
+            (1, 0): [[{**_step(0.1 * s, s), "tokens": 64 * (3 if s < 5 else 4)} for s in range(10)]]}
+    run, seen = {"logs": logs, "t0": 0.0, "window": 1.0}, []
+    args = bench.parse(["--ranks-per-node", "1,1", "--batches", "4,3", "--preset", "tiny"])
+
+    def alone() -> dict:
+        seen.append(args.batches)
+        return {"alone": True}
+
+    assert balance.alone_after(args, [1, 1], run, alone) == ({"alone": True}, [4.0, 3.5])
+    assert seen == ["4,3.5"] and args.batches == "4,3"
+    args.pace = False
+    assert balance.alone_after(args, [1, 1], run, alone) == ({"alone": True}, None)
+    with pytest.raises(SystemExit, match="--no-pace"):
+        bench.check(bench.parse(["--systems", "hsdp,torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4",
+                                 "--balance-rounds", "0"]))

@@ -19,6 +19,8 @@ One 4-rank spawn:
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from harness import run_distributed
@@ -28,6 +30,7 @@ from test_diloco_int8 import _Wire
 import hsdp
 
 WORLD, STEPS = 4, 8
+LATE_S = 0.4  # replica 1's lateness at a sync (_sync_seconds)
 
 
 def _replicate_bytes(model: hsdp.ShardedModel) -> float:
@@ -54,6 +57,24 @@ def _train(rank: int, sync: hsdp.DiLoCo | None, inner: str, steps: int = STEPS,
         opt.sync_replicas()
         sent.append(_replicate_bytes(model))
     return {n: p.detach().full_tensor() for n, p in model.named_parameters()}, sent
+
+
+def _sync_seconds(rank: int, late: float) -> list[float]:
+    """``last_sync.seconds`` after each of 4 inner steps of DiLoCo(every=4), replica 1 reaching the sync (the 4th
+    step) ``late`` seconds after replica 0."""
+    model = hsdp.ShardedModel(ParityNet(), mesh=hsdp.init_mesh(2), replica_sync=hsdp.DiLoCo(every=4))
+    opt = hsdp.ShardedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seconds = []
+    for step in range(4):
+        x, y = batch(step, rank)
+        loss_fn(model(x), y).backward()
+        if step == 3 and model.mesh.replicate_rank == 1:
+            time.sleep(late)
+        opt.step()
+        opt.zero_grad()
+        seconds.append(opt.last_sync.seconds)
+        assert opt.last_sync.waited < 0.05  # a fixed mesh has no quorum to wait for: the wait is the landing's
+    return seconds
 
 
 def _refusals(rank: int, tmp: str) -> dict[str, str]:
@@ -122,7 +143,8 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
                       if u.params],
             "h4_final": _train(rank, hsdp.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), "adamw", steps=6,
                                finish=True),
-            "refusals": _refusals(rank, tmp), "checked": _checked(rank)}
+            "refusals": _refusals(rank, tmp), "checked": _checked(rank), "rank": rank,
+            "seconds": _sync_seconds(rank, LATE_S)}
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +225,16 @@ def test_inter_node_bytes_are_one_all_reduce_of_the_model_per_sync(results: list
         _, sent = r["h4"]
         assert sent == [0, 0, 0, r["flat"] * 4] * 2  # fp32 pseudo-gradients of this rank's flat shards
         assert r["h4_bf16"] == [0, 0, 0, r["flat"] * 2] * 2
+
+
+def test_a_sync_reports_its_seconds_waits_for_a_late_replica_included(results: list[dict]) -> None:
+    for r in results:
+        *inner, sync = r["seconds"]
+        assert all(0 <= s < 0.05 for s in inner), r["seconds"]  # no sync: nothing but the phase's count
+        if r["rank"] < 2:  # replica 0 waited for replica 1's pseudo-gradients
+            assert LATE_S * 0.75 < sync < LATE_S + 2.0, r["seconds"]
+        else:
+            assert sync < LATE_S * 0.75, r["seconds"]
 
 
 def test_check_replicas_compares_the_global_copy_under_streaming_diloco(results: list[dict]) -> None:

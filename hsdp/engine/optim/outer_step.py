@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,10 +117,16 @@ def _numel(unit: ShardUnit) -> int:
 @dataclass(frozen=True)
 class SyncStep:
     """What DiLoCo did after one inner step: the fragments whose all-reduce started and those whose outer update
-    landed (both empty on most steps; with one fragment and no delay, every H-th step has ``(0,)`` in each)."""
+    landed (both empty on most steps; with one fragment and no delay, every H-th step has ``(0,)`` in each), its
+    wall seconds on this rank (``seconds``), and of those ``waited``: before a start, for the other replicas to
+    reach the sync (an elastic mesh's quorum; a failed attempt's redo). Over a phase, ``waited`` is how long this
+    replica idled for the others, which a batch weight can turn into training
+    (``benchmarks/decentralized_balance.py``); a fixed mesh has no quorum: a late replica shows in ``seconds``."""
 
     started: tuple[int, ...] = ()
     landed: tuple[int, ...] = ()
+    seconds: float = dataclasses.field(default=0.0, compare=False)  # timings: not what the step did
+    waited: float = dataclasses.field(default=0.0, compare=False)
 
 
 class OuterState:
@@ -145,6 +152,7 @@ class OuterState:
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
         self.carried: dict[int, Carried] = {}  # per fragment whose sync started and has not landed
         self.last: SyncStep | None = None  # what the last inner step did (None before the first)
+        self._waited, self._mark = 0.0, 0.0  # SyncStep.waited so far; perf_counter before the await (_start)
         self.plan: SyncPlan | None = None  # the syncs of the call under way, which a joiner healed in one follows
         self.joined: SyncPlan | None = None  # healed as a joiner: the healing member's plan, to run instead
         self._seen = self._versions()  # see [Note: loads after the optimizer]
@@ -199,31 +207,24 @@ class OuterState:
     def after_inner_step(self) -> bool:
         """Count one inner step, then run its syncs (``outer_plan.py``): land the syncs due, start those whose
         offset this is (landing them at once when ``delay`` is 0). True when an outer update landed."""
+        began = time.perf_counter()
         self.inner_steps = (self.inner_steps + 1) % self.policy.every
         self._vote_reduced()
         for sync in self.pending:
             sync.left -= 1
         lands = [s.fragment for s in self.pending if s.left <= 0]
         starts = [f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps]
-        return self.run(SyncPlan.after_step(lands, starts, self.policy.delay))
+        return self.run(SyncPlan.after_step(lands, starts, self.policy.delay), began)
 
     def _vote_reduced(self) -> None:
         """An open sync whose all-reduce already completed here is settled and voted on now, not where it lands
         (``ReplicateLayer.step_reduced``): the decision then waits only for the slowest member's all-reduce, not
         for it to reach its landing too, so ``delay`` inner steps absorb that much of the members' spread. A
         failure found here is the sync's, as at its landing."""
-        layer = self.model.mesh.replicas
         for sync in self.pending:
-            if not sync.opened or sync.failed or sync.voted or not sync.ready():
-                continue
-            try:
-                sync.settle()
-            except RuntimeError as e:
-                fail_sync(layer, f"fragment {sync.fragment}'s sync", e)
-                sync.failed = True
-                continue
-            layer.step_reduced()
-            sync.voted = True
+            if sync.opened and not (sync.failed or sync.voted) and sync.ready() and self._settle_or_fail(sync):
+                self.model.mesh.replicas.step_reduced()
+                sync.voted = True
 
     def sync_now(self) -> None:
         """Sync every fragment now: land the syncs in flight, then all-reduce and land every fragment's
@@ -242,10 +243,13 @@ class OuterState:
         return next((f for f in range(self.policy.fragments) if self.policy.offset(f) == self.inner_steps),
                     self.policy.fragments - 1)
 
-    def run(self, plan: SyncPlan) -> bool:
+    def run(self, plan: SyncPlan, began: float | None = None) -> bool:
         """Run ``plan``'s syncs in order, each a transaction of the replicate layer; a replica healed as a joiner
         meanwhile (dropped while alive, it rejoined in a sync's vote) drops the rest of its own plan for the
-        healing member's. True when an outer update landed."""
+        healing member's. True when an outer update landed. ``began``: the ``perf_counter`` the step's sync work
+        began at (``SyncStep.seconds``), by default now."""
+        began = time.perf_counter() if began is None else began
+        self._waited = 0.0
         started: list[int] = []
         landed: list[int] = []
         self.plan = plan
@@ -263,7 +267,7 @@ class OuterState:
         self.plan = None
         if plan.phase is not None:
             self.inner_steps = plan.phase
-        self.last = SyncStep(tuple(started), tuple(landed))
+        self.last = SyncStep(tuple(started), tuple(landed), time.perf_counter() - began, self._waited)
         self.mark_written()
         return bool(landed)
 
@@ -289,6 +293,7 @@ class OuterState:
             sync.settle()
             return sync
 
+        self._mark = time.perf_counter()
         return transact_sync(self.model.mesh.replicas, self.wire, attempt, self._land, self._rejoined,
                              f"fragment {fragment}'s sync")
 
@@ -297,6 +302,7 @@ class OuterState:
         if self.model.mesh.replicas.transactional:
             # What it sends, taken before the await: a start that fails there is redone with the same buffers.
             self._carried(fragment)
+        self._mark = time.perf_counter()
         opened = open_sync(self.model.mesh.replicas, self.wire, lambda: self._start(fragment),
                            f"fragment {fragment}'s sync")
         sync = opened.sync or PendingSync(fragment, self.policy.delay, [], [], failed=True)
@@ -325,11 +331,17 @@ class OuterState:
         failed on this rank (a member died) is discarded by the layer where it was to land and redone there, so
         it holds nothing to keep (raised where the layer cannot discard it)."""
         for sync in (s for s in self.pending if not s.failed):
-            try:
-                sync.settle()
-            except RuntimeError as e:
-                fail_sync(self.model.mesh.replicas, f"fragment {sync.fragment}'s sync", e)
-                sync.failed = True
+            self._settle_or_fail(sync)
+
+    def _settle_or_fail(self, sync: PendingSync) -> bool:
+        """Wait for ``sync``'s all-reduce; False when it failed on this rank (told to the layer, marked failed)."""
+        try:
+            sync.settle()
+        except RuntimeError as e:
+            fail_sync(self.model.mesh.replicas, f"fragment {sync.fragment}'s sync", e)
+            sync.failed = True
+            return False
+        return True
 
     def _carried(self, fragment: int) -> Carried:
         """What the fragment's sync sends, taken at its first start and kept until it lands (``Carried``). Where
@@ -361,7 +373,9 @@ class OuterState:
     @torch.no_grad()
     def _start(self, fragment: int) -> PendingSync:
         """Start the average of the fragment's pseudo-gradients over the replicas; kept buffers are sent as
-        copies (the all-reduce writes its buffer)."""
+        copies (the all-reduce writes its buffer). Called once the layer's await is over: that time was waited."""
+        now = time.perf_counter()
+        self._waited, self._mark = self._waited + now - self._mark, now
         carried = self._carried(fragment)
         buffers = self._buffers(fragment, carried) if carried.buffers is None else \
             (b.clone() for b in carried.buffers)
