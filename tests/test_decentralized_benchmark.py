@@ -152,6 +152,10 @@ def test_measure_and_the_side_by_side_table():
     assert torchft["held_out_gap"] == pytest.approx(2.0 / 1.8 - 1, abs=1e-4)
     assert hsdp["link_bytes_per_step_node"] == 80 and torchft["hsdp_bytes_per_step_node"] is None
     assert m["compute_utilization"] == hsdp["utilization"] and m["held_out_plain"] == 1.9
+    # Every frame the nodes sent (5000 + 8000 over 100 steps), against plain HSDP's count (400 per step).
+    assert (m["decentralized_link_bytes_per_step_all"], m["link_bytes_ratio_all"]) == (130, 3.1)
+    assert "| plain / decentralized bytes, all nodes summed (hsdp's count; link counters) | " in "\n".join(
+        report.table(m)) and report.table(m)[-1].endswith("3.1x | >= 100x: no |")
     timeouts = {"heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "hop_timeout": 60.0, "connect_timeout": 10.0,
                 "join_timeout": 300.0, "start_grace": 60.0}
     lines = report.side_by_side(m, timeouts, "int8", [1, 1])
