@@ -18,6 +18,8 @@ Three kinds of launch, one invocation:
    fixed mesh of degrees [2, 1, 1], DiLoCo whose phase is longer than the run: nothing crosses nodes). Its tokens/s
    (each replica's tokens per second over ``--alone-seconds``, summed) is compute utilization's denominator: the
    mean of one run before the measured runs and one after (``alone-after``), as this machine's speed drifts.
+   ``--pace`` (default): the decentralized ranks grow their batches in the run while they wait at the syncs
+   (``decentralized_balance.Pacer``); ``alone-after`` and ``plain`` then run the batches it trained on.
 2. ``decentralized``: the recipe for ``--minutes`` from the first committed step, this driver SIGKILLing every rank
    of one node every ``--kill-every`` seconds (replicas 0, 1, 2, 0, ...), torchrun restarting it; hsdp's
    coordinator on node 0. Compute utilization = the tokens it kept per second of the window / the alone tokens/s.
@@ -67,7 +69,7 @@ from typing import Any
 import decentralized_report as report
 import elastic_recovery as er
 import elastic_recovery_torchft as tf_launch
-from decentralized_balance import Pacer, alone_after, balance_batches, count_at, parse_batches, step_seconds
+from decentralized_balance import Pacer, at_paced_batches, balance_batches, count_at, parse_batches, step_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,13 +352,13 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
         balance = balance_batches(args, nproc, lambda name: launch(args, "alone", where, name=name))
         alone = [launch(args, "alone", where)]
         runs = {system: launch(args, SYSTEMS[system], where) for system in systems}
-        after, paced = alone_after(args, nproc, runs["hsdp"], lambda: launch(args, "alone", where, name="alone-after"))
-        alone.append(after)
-        tokens_per_step = sum(parse_batches(args.batches)) * preset(args.preset).block_size
-        plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
-                       for name, run in runs.items()}
-        plain = launch(args, "plain", where, steps=max(plain_steps.values()),
-                       eval_at=",".join(map(str, sorted(set(plain_steps.values())))))
+        with at_paced_batches(args, nproc, runs["hsdp"]) as paced:  # --pace: the references at the paced batches
+            alone.append(launch(args, "alone", where, name="alone-after"))
+            tokens_per_step = sum(parse_batches(args.batches)) * preset(args.preset).block_size
+            plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
+                           for name, run in runs.items()}
+            plain = launch(args, "plain", where, steps=max(plain_steps.values()),
+                           eval_at=",".join(map(str, sorted(set(plain_steps.values())))))
     m = report.measure(alone, runs, plain, nproc, plain_steps)
     m["balance"] = {"rounds": balance, "alone_step_s": [round(t, 4) for t in step_seconds(alone[0])],
                     "alone_after_step_s": [round(t, 4) for t in step_seconds(alone[1])], "paced": paced}

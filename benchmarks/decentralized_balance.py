@@ -16,8 +16,9 @@ average, to a tenth: a rank of mean ``b`` trains on :func:`count_at` sequences a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import decentralized_report as report
 
@@ -125,17 +126,21 @@ def paced_batches(run: dict, nproc: list[int], block: int) -> list[float]:
     return out
 
 
-def alone_after(args: argparse.Namespace, nproc: list[int], run: dict, alone: Callable[[], dict]
-                ) -> tuple[dict, list[float] | None]:
-    """The ``alone-after`` launch (``alone()``): with ``--pace``, at the batches the paced ``run`` trained on
-    (:func:`paced_batches`; ``args.batches`` restored after), and those batches."""
+
+@contextlib.contextmanager
+def at_paced_batches(args: argparse.Namespace, nproc: list[int], run: dict) -> Iterator[list[float] | None]:
+    """With ``--pace``, ``args.batches`` for the launches inside: the batches the paced ``run`` trained on
+    (:func:`paced_batches`), restored after; yields them (None without ``--pace``). The references (the alone
+    run after, plain HSDP) then do the same work per step as the run they are held against: a larger batch is
+    more tokens per second alone and fewer steps for the same tokens."""
     from hsdp.models.gpt import preset
 
     if not args.pace:
-        return alone(), None
+        yield None
+        return
     paced, initial = paced_batches(run, nproc, preset(args.preset).block_size), args.batches
     args.batches = show_batches(paced)
     try:
-        return alone(), paced
+        yield paced
     finally:
         args.batches = initial

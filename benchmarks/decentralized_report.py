@@ -346,7 +346,7 @@ def balance_lines(balance: dict | None) -> list[str]:
     alone = ", ".join(f"{t:.3f}" for t in balance["alone_step_s"])
     after = ", ".join(f"{t:.3f}" for t in balance["alone_after_step_s"])
     paced = ("" if not balance.get("paced") else f" Paced in the run (`--pace`): the ranks' mean batches over the "
-             f"window {','.join(f'{b:g}' for b in balance['paced'])}, which the alone run after it ran.")
+             f"window {','.join(f'{b:g}' for b in balance['paced'])}, which the alone run after it and plain HSDP ran.")
     return [f"Batches balanced by {len(balance['rounds'])} short alone runs (mean inner-step seconds per replica at"
             f" each round's batches: {rounds}); the alone runs then: {alone} s before, {after} s after.{paced}", ""]
 

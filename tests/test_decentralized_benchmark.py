@@ -202,7 +202,7 @@ def test_balance_rounds_rescale_the_batches_and_damp_the_second_round():
     assert [r["next"] for r in rounds] == ["4,4,60,16", "4,4,60,18.5"] and args.batches == "4,4,60,18.5"
 
 
-def test_pacer_grows_an_idle_replicas_batch_and_the_alone_after_run_takes_the_paced_batches():
+def test_pacer_grows_an_idle_replicas_batch_and_the_references_take_the_paced_batches():
     import decentralized_balance as balance
 
     def phases(pacer: balance.Pacer, idle: float, count: int = 4) -> list[float | None]:
@@ -224,20 +224,17 @@ def test_pacer_grows_an_idle_replicas_batch_and_the_alone_after_run_takes_the_pa
     assert all(m is None for m in phases(slowest, 0.01)) and slowest.mean == 10.0
     capped = balance.Pacer(10.0)
     assert [m for m in phases(capped, 5.0) if m is not None] == [12.5]  # at most 1.25x per adjustment
-    # The alone-after launch runs the window's mean batches per rank; args.batches is restored after it.
+    # The references (alone after, plain) run the window's mean batches per rank; args.batches is restored after.
     logs = {(0, 0): [[{**_step(0.1 * s, s), "tokens": 64 * 4} for s in range(10)]],
             (1, 0): [[{**_step(0.1 * s, s), "tokens": 64 * (3 if s < 5 else 4)} for s in range(10)]]}
-    run, seen = {"logs": logs, "t0": 0.0, "window": 1.0}, []
+    run = {"logs": logs, "t0": 0.0, "window": 1.0}
     args = bench.parse(["--ranks-per-node", "1,1", "--batches", "4,3", "--preset", "tiny"])
-
-    def alone() -> dict:
-        seen.append(args.batches)
-        return {"alone": True}
-
-    assert balance.alone_after(args, [1, 1], run, alone) == ({"alone": True}, [4.0, 3.5])
-    assert seen == ["4,3.5"] and args.batches == "4,3"
+    with balance.at_paced_batches(args, [1, 1], run) as paced:
+        assert paced == [4.0, 3.5] and args.batches == "4,3.5"
+    assert args.batches == "4,3"
     args.pace = False
-    assert balance.alone_after(args, [1, 1], run, alone) == ({"alone": True}, None)
+    with balance.at_paced_batches(args, [1, 1], run) as paced:
+        assert paced is None and args.batches == "4,3"
     with pytest.raises(SystemExit, match="--no-pace"):
         bench.check(bench.parse(["--systems", "hsdp,torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4",
                                  "--balance-rounds", "0"]))
