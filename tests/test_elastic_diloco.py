@@ -115,6 +115,10 @@ def test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members(run: tuple[
         {k: [offsets[(k + 1) % EVERY]] for k in starts}
     assert {r["step"]: r["landed"] for r in survivor if r["landed"]} == \
         {k + delay: [offsets[(k + 1) % EVERY]] for k in starts if k + delay <= survivor[-1]["step"]}
+    # Replica 1 reached one sync's start late (the worker's LATE_S): the others waited for it there, it did not.
+    late = next(r for r in logs[(1, 0)][0] if "late" in r)
+    waited = {rep: next(r["waited"] for r in logs[(rep, 0)][0] if r.get("step") == late["late"]) for rep in (0, 1, 2)}
+    assert min(waited[0], waited[2]) > late["seconds"] / 2 > waited[1], (late, waited)
     mid_phase = next(r["t"] for r in logs[(2, 0)][0] if "fault" in r)
     first_after = next(r for r in survivor if r["landed"] and r["step"] > mid_phase_step)
     assert first_after["t"] - mid_phase < 10, (first_after, mid_phase)  # the survivors did not wait for the restart

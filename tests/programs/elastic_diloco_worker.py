@@ -18,7 +18,9 @@ replica's first incarnation (torchrun restarts it, and it rejoins at a sync boun
 
 Each rank logs to ``<out>/r<replica>_s<rank>_i<pid>.jsonl``: ``{"joined": k}`` once its optimizer exists (k: the
 inner step it goes on at, after the heal; with the fragments' parameter names), then per inner step its loss, the
-fragments whose sync started and landed after it and the last sync's replicas (``model.last_step``). The run stops
+fragments whose sync started and landed after it, how long its syncs waited for the others (``last_sync.waited``:
+replica 1 reaches its first sync start after step 0 ``LATE_S`` late) and the last sync's replicas
+(``model.last_step``). The run stops
 after two consecutive syncs of all three replicas following a sync without the last victim (replica 1; replica 2
 without the mid-sync fault), the restarted victim counting its own join as one when it landed a sync, then checks
 replicas (the global copy) and saves the full parameters.
@@ -54,6 +56,8 @@ CASE, MID_PHASE_STEP = SYNCS[os.environ.get("ELASTIC_SYNC", "whole")]
 WIRE = torch.int8 if os.environ.get("ELASTIC_WIRE") == "int8" else None  # ELASTIC_WIRE=int8: DiLoCo's int8 wire
 SYNC = hsdp.DiLoCo(every=EVERY, outer_lr=0.7, outer_momentum=0.9, wire_dtype=WIRE, **CASE)
 MID_SYNC = os.environ.get("ELASTIC_MID_SYNC", "1") == "1"
+OFFSETS = {SYNC.offset(f) for f in range(SYNC.fragments)}  # phases at which a fragment's sync starts
+LATE_S = 1.0  # replica 1 reaches its first sync start after step 0 this late (the others' last_sync.waited)
 LAST_VICTIM = 1 if MID_SYNC else 2  # whose rejoining ends the run
 
 
@@ -101,18 +105,24 @@ def main() -> None:
     after = not first and replica == LAST_VICTIM
     joined_sync = opt.last_sync is not None and bool(opt.last_sync.landed)  # its join landed a sync
     together = 1 if after and joined_sync and len(model.last_step.replicas) == REPLICAS else 0
+    late = True  # replica 1's one late start still to come
     while step < MAX_STEPS:
         step_now["k"] = step
         x, y = batch(step, REPLICAS * replica + rank)
         loss = loss_fn(model(x), y)
         loss.backward()
+        if replica == 1 and first and 1 <= step < MID_PHASE_STEP and (step + 1) % EVERY in OFFSETS and late:
+            late = False
+            log.write(json.dumps({"late": step, "seconds": LATE_S}) + "\n")
+            time.sleep(LATE_S)
         opt.step()
         opt.zero_grad()
         last, synced = model.last_step, bool(opt.last_sync.landed)
         time.sleep(PACE_S if len(last.replicas) == REPLICAS else AWAY_PACE_S)
         log.write(json.dumps({"step": last.step, "loss": loss.item(), "synced": synced,
                               "started": list(opt.last_sync.started), "landed": list(opt.last_sync.landed),
-                              "replicas": list(last.replicas), "t": time.time()}) + "\n")
+                              "replicas": list(last.replicas), "waited": opt.last_sync.waited,
+                              "t": time.time()}) + "\n")
         log.flush()
         step = last.step + 1
         if not synced:
