@@ -116,7 +116,7 @@ class Pacer:
 
 def paced_batches(run: dict, nproc: list[int], block: int) -> list[float]:
     """Each rank's mean sequences per inner step over a paced run's window (its log's tokens): the batches the
-    ``alone-after`` launch then runs, so compute utilization's denominator is of the work the run did."""
+    references then run (:func:`at_paced_batches`)."""
     t0, end, out = run["t0"], run["t0"] + run["window"], []
     for replica, n in enumerate(nproc):
         for rank in range(n):
@@ -124,7 +124,6 @@ def paced_batches(run: dict, nproc: list[int], block: int) -> list[float]:
                       if t0 <= r["t"] <= end]
             out.append(round(sum(counts) / len(counts), 1))
     return out
-
 
 
 @contextlib.contextmanager
