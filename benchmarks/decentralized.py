@@ -8,9 +8,8 @@ fragments=F, delay=tau, wire_dtype=torch.int8)``: int8 pseudo-gradients with err
 (each rank's batch sized so that the replicas' inner steps take as long, ``model.set_batch_weight`` its
 sequence count, so a replica's pseudo-gradient counts by the samples it trained on: a sync waits for the slowest
 replica, so a faster one trains on more samples instead of waiting; the sizes measured first, by
-``--balance-rounds`` short alone launches: ``decentralized_balance.py``). A byte-level GPT (``hsdp.models.gpt``) on
-the standard library's sources (``hsdp.data.text``, the last 5 % of the tokens held out); at inner step k, rank s
-of replica r trains on windows drawn by a generator seeded (seed, k, r, s).
+``--balance-rounds`` short alone launches: ``decentralized_balance.py``). A byte-level GPT on the standard
+library's sources, the same windows in every launch (``decentralized_data.py``).
 
 Three kinds of launch, one invocation:
 
@@ -27,8 +26,9 @@ Three kinds of launch, one invocation:
    never reached the others).
 3. ``plain``: plain HSDP (the gradient all-reduced across replicas every step) on the same degrees and batches, no
    faults, unlimited links (loopback, no cpu groups), for as many steps as give the tokens the decentralized run
-   kept: the held-out loss at equal tokens (the decentralized replicas' mean at the end; each replica evaluates
-   the same fixed windows) and its inter-node bytes per step (hsdp's count).
+   kept: the held-out loss at equal tokens (the decentralized replicas' mean at the end, each replica on the whole
+   held-out split; plain's the mean of its evaluations within ``--plain-span`` steps of that point, its last
+   iterate jittering: ``decentralized_report.plain_reference``) and its inter-node bytes per step (hsdp's count).
 
 Inter-node bytes per step of the decentralized run: hsdp's count (the replicate group's wire bytes: the
 pseudo-gradients and the heals of the rejoining replicas) and the nodes' link counters (every frame: the
@@ -62,14 +62,13 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import decentralized_report as report
 import elastic_recovery as er
 import elastic_recovery_torchft as tf_launch
 from decentralized_balance import Pacer, at_paced_batches, balance_batches, count_at, parse_batches, step_seconds
+from decentralized_data import data, held_out_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,46 +96,6 @@ def _sync(args: argparse.Namespace) -> object:
     return hsdp.DiLoCo(every=args.every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                        fragments=args.fragments, delay=args.delay,
                        wire_dtype=torch.int8 if args.wire == "int8" else None)
-
-
-def _windows(tokens: object, block: int, count: int, generator: object) -> object:
-    import torch
-
-    starts = torch.randint(0, len(tokens) - block - 1, (count,), generator=generator)  # type: ignore[arg-type]
-    return torch.stack([tokens[s:s + block + 1] for s in starts.tolist()]).long()  # type: ignore[index]
-
-
-def _seed(seed: int, step: int, replica: int, rank: int) -> int:
-    """The batch's seed of ``rank`` of ``replica`` at inner step ``step``: the same data in every launch."""
-    return ((seed * 1_000_003 + step) * 64 + replica) * 64 + rank
-
-
-def data(args: argparse.Namespace) -> tuple[Any, Callable[[int, int, int, int], Any], Any]:
-    """Both systems' data: the model's config, the batch of (step, replica, rank, sequences) and the held-out
-    windows (every replica evaluates all of them)."""
-    import torch
-
-    from hsdp.data.text import as_tokens, default_corpus_bytes, split_tokens
-    from hsdp.models.gpt import preset
-
-    cfg = preset(args.preset)
-    train, held = split_tokens(as_tokens(default_corpus_bytes(args.corpus_bytes)), 0.05)
-
-    def batch_of(step: int, replica: int, rank: int, count: int) -> Any:
-        generator = torch.Generator().manual_seed(_seed(args.seed, step, replica, rank))
-        return _windows(train, cfg.block_size, count, generator)
-
-    return cfg, batch_of, _windows(held, cfg.block_size, args.eval_windows, torch.Generator().manual_seed(12345))
-
-
-def _evaluate(model: Any, held: Any) -> float:
-    import torch
-
-    model.eval()
-    with torch.no_grad():  # every rank of a replica the same windows: its shards' all-gathers, nothing across
-        _, loss = model(held[:, :-1], held[:, 1:])
-    model.train()
-    return float(loss.item())
 
 
 def job(args: argparse.Namespace) -> None:
@@ -187,12 +146,12 @@ def job(args: argparse.Namespace) -> None:
                 record["paced"] = paced
         log.write(json.dumps(record) + "\n")
         if step + 1 in eval_at:  # plain: the held-out loss where a faulty run's kept tokens are reached
-            log.write(json.dumps({"eval": _evaluate(model, held), "after": step, "t": time.time()}) + "\n")
+            log.write(json.dumps({"eval": held_out_loss(model, held), "after": step, "t": time.time()}) + "\n")
         log.flush()
         step = record["step"] + 1
     if elastic:  # what the DiLoCo guide tells users: land the last phase's progress, every replica the global copy
         opt.sync_replicas()
-    log.write(json.dumps({"eval": _evaluate(model, held), "after": step - 1, "t": time.time()}) + "\n")
+    log.write(json.dumps({"eval": held_out_loss(model, held), "after": step - 1, "t": time.time()}) + "\n")
     log.close()
 
 
@@ -357,14 +316,20 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
             tokens_per_step = sum(parse_batches(args.batches)) * preset(args.preset).block_size
             plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
                            for name, run in runs.items()}
-            plain = launch(args, "plain", where, steps=max(plain_steps.values()),
-                           eval_at=",".join(map(str, sorted(set(plain_steps.values())))))
-    m = report.measure(alone, runs, plain, nproc, plain_steps)
+            grid = sorted({t for s in plain_steps.values() for t in plain_grid(s, args.plain_span, args.plain_every)})
+            plain = launch(args, "plain", where, steps=grid[-1], eval_at=",".join(map(str, grid)))
+    m = report.measure(alone, runs, plain, nproc, plain_steps, args.plain_span)
     m["balance"] = {"rounds": balance, "alone_step_s": [round(t, 4) for t in step_seconds(alone[0])],
                     "alone_after_step_s": [round(t, 4) for t in step_seconds(alone[1])], "paced": paced}
     commands = {"alone": alone[0]["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
                 "plain": plain["command"]}
     report.write_results(args, systems, m, commands)
+
+
+def plain_grid(steps: int, span: int, every: int) -> list[int]:
+    """The step counts after which plain HSDP evaluates for a system whose kept tokens are ``steps`` of its steps:
+    every ``every`` steps within ``span`` either side, ``steps`` itself among them (``report.plain_reference``)."""
+    return sorted({steps, *range(max(1, steps - span), steps + span + 1, every)} if span else {steps})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -394,8 +359,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                              "was +12 %%, with 0.9 and lr 0.7 +1.0 %%)")
     parser.add_argument("--lr", type=float, default=1e-3, help="inner AdamW lr (default: 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows (default: 64)")
+    parser.add_argument("--eval-windows", type=int, default=0,
+                        help="held-out windows drawn at random (default: 0, the whole held-out split: "
+                             "decentralized_data.py says why)")
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    parser.add_argument("--plain-span", type=int, default=100,
+                        help="plain HSDP's held-out loss at equal tokens: the mean of its evaluations within this "
+                             "many steps either side (default: 100; 0: the one evaluation there)")
+    parser.add_argument("--plain-every", type=int, default=25, help="steps between those evaluations (default: 25)")
     parser.add_argument("--minutes", type=float, default=5.0, help="the decentralized window (default: 5)")
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills (default: 60)")
     parser.add_argument("--margin", type=float, default=25.0, help="no kill in the window's last seconds")

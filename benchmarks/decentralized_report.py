@@ -125,6 +125,25 @@ def eval_after(run: dict, steps_done: int) -> float:
     return next(r["eval"] for inc in run["logs"][(0, 0)] for r in inc if r.get("after") == steps_done - 1)
 
 
+def evals_near(run: dict, steps_done: int, span: int) -> list[float]:
+    """Replica 0's held-out losses after ``steps_done - span`` to ``steps_done + span`` steps, in step order."""
+    found = sorted((r["after"], r["eval"]) for inc in run["logs"][(0, 0)] for r in inc
+                   if "eval" in r and abs(r["after"] + 1 - steps_done) <= span)
+    return [loss for _, loss in found]
+
+
+def plain_reference(run: dict, steps_done: int, span: int) -> dict:
+    """Plain HSDP's held-out loss after ``steps_done`` steps: the mean of its evaluations within ``span`` steps
+    either side (a constant learning rate leaves the last iterate jittering by a few tenths of a percent from one
+    evaluation to the next; a symmetric window's mean is the curve's value at its centre to first order), the
+    single evaluation at ``steps_done`` and the window's range beside it. ``span`` 0: that evaluation alone."""
+    near = evals_near(run, steps_done, span) if span else []
+    at = eval_after(run, steps_done)
+    return {"held_out_plain": statistics.fmean(near) if near else at, "held_out_plain_at_step": at,
+            "held_out_plain_range": [min(near), max(near)] if near else [at, at], "plain_span": span,
+            "plain_evals": len(near) or 1}
+
+
 def _first_counted(lines: list[dict]) -> float | None:
     """When an incarnation's first inner step that counts ended: its first after its heal, if it healed."""
     trained = steps(lines)
@@ -199,14 +218,15 @@ def measure_system(run: dict, alone: float, nproc: list[int]) -> dict:
 
 
 def measure(alone: list[dict], runs: dict[str, dict], plain: dict, nproc: list[int],
-            plain_steps: dict[str, int]) -> dict:
+            plain_steps: dict[str, int], span: int = 0) -> dict:
     """hsdp's recipe against its references (the keys of the first results) and, per system, the side by side
-    figures, each against plain HSDP after as many tokens as it kept."""
+    figures, each against plain HSDP after as many tokens as it kept (``plain_reference`` over ``span``)."""
     rates = [alone_rate(run) for run in alone]  # before and after the runs (decentralized.py: the drift)
     rate = statistics.fmean(rates)
     systems = {name: measure_system(run, rate, nproc) for name, run in runs.items()}
     for name, s in systems.items():
-        s["plain_steps"], s["held_out_plain"] = plain_steps[name], eval_after(plain, plain_steps[name])
+        s["plain_steps"] = plain_steps[name]
+        s.update(plain_reference(plain, plain_steps[name], span))
         s["held_out_gap"] = round(s["held_out_mean"] / s["held_out_plain"] - 1, 4)
         if name != "hsdp":
             s["hsdp_bytes_per_step_node"] = None  # no such count: its link counters only
@@ -223,6 +243,7 @@ def measure(alone: list[dict], runs: dict[str, dict], plain: dict, nproc: list[i
         "inner_steps_in_window": h["steps_in_window"], "plain_steps": h["plain_steps"],
         "held_out_decentralized": h["held_out"], "held_out_decentralized_mean": h["held_out_mean"],
         "held_out_plain": h["held_out_plain"], "held_out_gap": h["held_out_gap"],
+        **{k: h[k] for k in ("held_out_plain_at_step", "held_out_plain_range", "plain_span", "plain_evals")},
         "plain_bytes_per_step_node": round(plain_bytes),
         "decentralized_bytes_per_step_node": h["hsdp_bytes_per_step_node"],
         "decentralized_link_bytes_per_step_node": link,
@@ -250,7 +271,7 @@ def table(m: dict) -> list[str]:
         f"| compute utilization | {m['compute_utilization']:.3f} | >= 0.90: {util} |",
         f"| held-out loss at equal tokens ({m['trained_tokens']:,}): decentralized (replicas' mean) | "
         f"{m['held_out_decentralized_mean']:.4f} | |",
-        f"| held-out loss, plain HSDP on unlimited links, no faults ({m['plain_steps']} steps) | "
+        f"| held-out loss, plain HSDP on unlimited links, no faults ({_plain_steps(m)}) | "
         f"{m['held_out_plain']:.4f} | |",
         f"| gap | {100 * m['held_out_gap']:+.2f} % | within 3 %: {gap} |",
         f"| inter-node bytes per step, busiest node: plain HSDP (hsdp's count) | "
@@ -265,6 +286,16 @@ def table(m: dict) -> list[str]:
         f"| plain / decentralized bytes, all nodes summed (hsdp's count; link counters) | {m['bytes_ratio_all']}x; "
         f"{m.get('link_bytes_ratio_all') or 'n/a'}x | >= 100x: {ratio} |",
     ]
+
+
+def _plain_steps(m: dict) -> str:
+    """Where plain HSDP's held-out loss was read: the step, or the window whose evaluations were averaged."""
+    span = m.get("plain_span", 0)
+    if not span:
+        return f"{m['plain_steps']} steps"
+    low, high = m["held_out_plain_range"]
+    return (f"the mean of {m['plain_evals']} evaluations within {m['plain_steps']} +- {span} steps: {low:.4f} to "
+            f"{high:.4f}; at {m['plain_steps']} steps {m['held_out_plain_at_step']:.4f}")
 
 
 def _bytes(value: int | None) -> str:

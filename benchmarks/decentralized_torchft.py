@@ -34,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from decentralized_data import held_out_loss
 from diloco_slow_links_torchft import _fragments
 from elastic_recovery_torchft import (
     MIN_REPLICAS,
@@ -174,10 +175,8 @@ def job(args: argparse.Namespace, data: tuple[Any, Callable[..., Any], Any]) -> 
             log.flush()
             state["step"] += 1  # the healed counter is the peer's step in progress: both go on from the next
     _sync_all(diloco, manager)
-    model.eval()
-    with torch.no_grad():  # every rank of a node the same windows: FSDP2's all-gathers, nothing across
-        _, loss = model(held[:, :-1], held[:, 1:])
-    log.write(json.dumps({"eval": loss.item(), "after": state["step"] - 1, "t": time.time(),
+    loss = held_out_loss(model, held)  # every rank of a node the same windows: FSDP2's all-gathers, nothing across
+    log.write(json.dumps({"eval": loss, "after": state["step"] - 1, "t": time.time(),
                           "final_syncs": [committed for _, committed in syncs]}) + "\n")
     log.close()
     manager.shutdown(wait=False)

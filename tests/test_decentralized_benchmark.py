@@ -163,6 +163,41 @@ def test_measure_and_the_side_by_side_table():
     assert any(line.startswith("| ... hsdp's own count") and line.endswith("| n/a |") for line in lines)
 
 
+def test_plain_reference_is_the_mean_of_its_evaluations_around_equal_tokens():
+    """Plain's held-out loss at a system's tokens: the evaluations within the span averaged (a jittering last
+    iterate), the one at the step and the window's range reported beside it; span 0: that one evaluation."""
+    assert bench.plain_grid(200, 100, 25) == [100, 125, 150, 175, 200, 225, 250, 275, 300]
+    assert bench.plain_grid(30, 100, 25) == [1, 26, 30, 51, 76, 101, 126] and bench.plain_grid(50, 0, 25) == [50]
+    evals = {99: 2.0, 124: 1.7, 149: 1.9, 174: 1.5, 199: 1.8, 399: 1.0}  # after = steps done - 1
+    plain = {"logs": {(0, 0): [[_step(0.1 * s, s) for s in range(5)]
+                               + [{"eval": v, "after": a, "t": 1.0} for a, v in evals.items()]]}}
+    ref = report.plain_reference(plain, 150, 50)
+    assert ref["held_out_plain"] == pytest.approx((2.0 + 1.7 + 1.9 + 1.5 + 1.8) / 5)
+    assert (ref["held_out_plain_at_step"], ref["held_out_plain_range"], ref["plain_evals"]) == (1.9, [1.5, 2.0], 5)
+    assert report.plain_reference(plain, 150, 0)["held_out_plain"] == 1.9
+    m = {"plain_steps": 150, **ref}
+    assert report._plain_steps(m) == "the mean of 5 evaluations within 150 +- 50 steps: 1.5000 to 2.0000; at 150 " \
+        "steps 1.9000"
+
+
+def test_held_out_split_windows_predict_every_token_once():
+    import decentralized_data as bench_data
+    import torch
+
+    tokens = torch.arange(23, dtype=torch.uint8)
+    windows = bench_data.split_windows(tokens, 5)  # 4 windows of 6 tokens: targets 1..20, each once
+    assert windows.shape == (4, 6) and windows.dtype == torch.long
+    assert torch.cat([w[1:] for w in windows]).tolist() == list(range(1, 21))
+
+    class Mean(torch.nn.Module):  # "loss": the batch's mean first input token, so chunks must weigh by size
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[None, torch.Tensor]:
+            return None, x[:, 0].float().mean()
+
+    held = torch.arange(600).reshape(600, 1).repeat(1, 3)
+    model = Mean().train()
+    assert bench_data.held_out_loss(model, held) == pytest.approx(299.5) and model.training  # chunks 256, 256, 88
+
+
 def test_balance_paces_fractional_batches_and_scales_the_faster_replicas():
     import decentralized_balance as balance
 
