@@ -126,10 +126,11 @@ def eval_after(run: dict, steps_done: int) -> float:
 
 
 def evals_near(run: dict, steps_done: int, span: int) -> list[float]:
-    """Replica 0's held-out losses after ``steps_done - span`` to ``steps_done + span`` steps, in step order."""
-    found = sorted((r["after"], r["eval"]) for inc in run["logs"][(0, 0)] for r in inc
-                   if "eval" in r and abs(r["after"] + 1 - steps_done) <= span)
-    return [loss for _, loss in found]
+    """Replica 0's held-out losses after ``steps_done - span`` to ``steps_done + span`` steps, in step order, one
+    per step count (the run's closing evaluation repeats its last ``--eval-at``)."""
+    found = {r["after"]: r["eval"] for inc in run["logs"][(0, 0)] for r in inc
+             if "eval" in r and abs(r["after"] + 1 - steps_done) <= span}
+    return [found[after] for after in sorted(found)]
 
 
 def plain_reference(run: dict, steps_done: int, span: int) -> dict:

@@ -170,7 +170,9 @@ def test_plain_reference_is_the_mean_of_its_evaluations_around_equal_tokens():
     assert bench.plain_grid(30, 100, 25) == [1, 26, 30, 51, 76, 101, 126] and bench.plain_grid(50, 0, 25) == [50]
     evals = {99: 2.0, 124: 1.7, 149: 1.9, 174: 1.5, 199: 1.8, 399: 1.0}  # after = steps done - 1
     plain = {"logs": {(0, 0): [[_step(0.1 * s, s) for s in range(5)]
-                               + [{"eval": v, "after": a, "t": 1.0} for a, v in evals.items()]]}}
+                               + [{"eval": v, "after": a, "t": 1.0} for a, v in evals.items()]
+                               + [{"eval": 1.0, "after": 399, "t": 2.0}]]}}  # the closing one repeats the last
+    assert report.evals_near(plain, 350, 50) == [1.0]
     ref = report.plain_reference(plain, 150, 50)
     assert ref["held_out_plain"] == pytest.approx((2.0 + 1.7 + 1.9 + 1.5 + 1.8) / 5)
     assert (ref["held_out_plain_at_step"], ref["held_out_plain_range"], ref["plain_evals"]) == (1.9, [1.5, 2.0], 5)
