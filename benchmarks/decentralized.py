@@ -316,7 +316,7 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
             tokens_per_step = sum(parse_batches(args.batches)) * preset(args.preset).block_size
             plain_steps = {name: max(1, round(report.kept_tokens(run, window_only=False) / tokens_per_step))
                            for name, run in runs.items()}
-            grid = sorted({t for s in plain_steps.values() for t in plain_grid(s, args.plain_span, args.plain_every)})
+            grid = report.plain_grid(plain_steps.values(), args.plain_span, args.plain_every)
             plain = launch(args, "plain", where, steps=grid[-1], eval_at=",".join(map(str, grid)))
     m = report.measure(alone, runs, plain, nproc, plain_steps, args.plain_span)
     m["balance"] = {"rounds": balance, "alone_step_s": [round(t, 4) for t in step_seconds(alone[0])],
@@ -324,12 +324,6 @@ def drive(args: argparse.Namespace, systems: list[str]) -> None:
     commands = {"alone": alone[0]["command"], **{SYSTEMS[name]: run["command"] for name, run in runs.items()},
                 "plain": plain["command"]}
     report.write_results(args, systems, m, commands)
-
-
-def plain_grid(steps: int, span: int, every: int) -> list[int]:
-    """The step counts after which plain HSDP evaluates for a system whose kept tokens are ``steps`` of its steps:
-    every ``every`` steps within ``span`` either side, ``steps`` itself among them (``report.plain_reference``)."""
-    return sorted({steps, *range(max(1, steps - span), steps + span + 1, every)} if span else {steps})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

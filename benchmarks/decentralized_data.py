@@ -5,9 +5,9 @@ tokens held out); at inner step k, rank s of replica r trains on windows drawn b
 so every launch (alone, decentralized, torchft, plain) sees the same data.
 
 Held-out loss: by default the whole held-out split, cut into consecutive windows (every held-out token predicted
-once), token-weighted over chunks of windows. Why not a few random windows: with 64 windows (4,096 predicted tokens,
-what this benchmark used until 2026-12-07) two models a few steps apart differed by up to 2 % on them where the
-whole split (about 100,000 tokens) moved by 0.3 %; the benchmark's gap line (3 %) was then decided by the sample.
+once), token-weighted over chunks of windows. Why not a few random windows: on 64 of them (4,096 predicted tokens,
+what this benchmark used until 2026-12-07) the same plain-HSDP models scored up to 2.2 % away from their loss on
+512 windows, as much as the benchmark's gap line (3 %) allows (docs/reference/benchmarks.md).
 ``--eval-windows N`` still draws N random windows (a fixed generator) where a quick run wants them.
 """
 

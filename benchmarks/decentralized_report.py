@@ -16,6 +16,7 @@ import math
 import shlex
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 Logs = dict[tuple[int, int], list[list[dict]]]
@@ -131,6 +132,12 @@ def evals_near(run: dict, steps_done: int, span: int) -> list[float]:
     found = {r["after"]: r["eval"] for inc in run["logs"][(0, 0)] for r in inc
              if "eval" in r and abs(r["after"] + 1 - steps_done) <= span}
     return [found[after] for after in sorted(found)]
+
+
+def plain_grid(steps: Iterable[int], span: int, every: int) -> list[int]:
+    """The step counts after which plain HSDP evaluates, for systems whose kept tokens are ``steps`` of its steps:
+    every ``every`` steps within ``span`` either side of each, each itself among them (:func:`plain_reference`)."""
+    return sorted({t for s in steps for t in (s, *(range(max(1, s - span), s + span + 1, every) if span else ()))})
 
 
 def plain_reference(run: dict, steps_done: int, span: int) -> dict:

@@ -166,8 +166,9 @@ def test_measure_and_the_side_by_side_table():
 def test_plain_reference_is_the_mean_of_its_evaluations_around_equal_tokens():
     """Plain's held-out loss at a system's tokens: the evaluations within the span averaged (a jittering last
     iterate), the one at the step and the window's range reported beside it; span 0: that one evaluation."""
-    assert bench.plain_grid(200, 100, 25) == [100, 125, 150, 175, 200, 225, 250, 275, 300]
-    assert bench.plain_grid(30, 100, 25) == [1, 26, 30, 51, 76, 101, 126] and bench.plain_grid(50, 0, 25) == [50]
+    assert report.plain_grid([200], 100, 25) == [100, 125, 150, 175, 200, 225, 250, 275, 300]
+    assert report.plain_grid([30], 100, 25) == [1, 26, 30, 51, 76, 101, 126]
+    assert report.plain_grid([50, 20], 0, 25) == [20, 50] and report.plain_grid([50, 60], 10, 10) == [40, 50, 60, 70]
     evals = {99: 2.0, 124: 1.7, 149: 1.9, 174: 1.5, 199: 1.8, 399: 1.0}  # after = steps done - 1
     plain = {"logs": {(0, 0): [[_step(0.1 * s, s) for s in range(5)]
                                + [{"eval": v, "after": a, "t": 1.0} for a, v in evals.items()]
