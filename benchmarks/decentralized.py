@@ -278,6 +278,9 @@ def check(args: argparse.Namespace) -> list[str]:
     systems = [s for s in args.systems.split(",") if s]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise SystemExit(f"--systems {args.systems}: choose from {','.join(SYSTEMS)}")
+    if args.plain_every < 1 or args.plain_span < 0:
+        raise SystemExit(f"--plain-every must be at least 1 and --plain-span at least 0 (got {args.plain_every}, "
+                         f"{args.plain_span})")
     if len(batches) != sum(nproc):
         raise SystemExit(f"--batches gives {len(batches)} counts for {sum(nproc)} ranks "
                          f"(--ranks-per-node {args.nproc})")

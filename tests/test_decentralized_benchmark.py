@@ -110,6 +110,8 @@ def test_torchft_refuses_unequal_layouts_naming_the_fix():
         bench.check(bench.parse(["--systems", "hsdp,torchft"]))  # the default layout: 2,1,1
     with pytest.raises(SystemExit, match="baselines are hsdp's"):
         bench.check(bench.parse(["--systems", "torchft", "--ranks-per-node", "1,1,1", "--batches", "4,4,4"]))
+    with pytest.raises(SystemExit, match="--plain-every must be at least 1"):
+        bench.check(bench.parse(["--plain-every", "0"]))
     with pytest.raises(SystemExit, match="choose from"):
         bench.check(bench.parse(["--systems", "hsdp,ddp"]))
     with pytest.raises(SystemExit, match="--delay below"):
