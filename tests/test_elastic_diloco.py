@@ -20,7 +20,8 @@ each case:
   replica's inner steps, at each fragment's sync start its pseudo-gradient and weight (the inner steps since the
   fragment's last sync, or since it was healed: 0 in the sync it enters), at the landing the weighted average
   over the sync's committed members and the outer step of that fragment, which every member then holds; a joiner
-  takes the weights and inner optimizer state of the lowest-numbered member that trained;
+  takes the global copy as its weights and the inner optimizer state of the lowest-numbered member that trained
+  (a replay taking that member's weights instead is checked to differ);
 - ``check_replicas`` (the global copy) passes on every member at the end; the launch exits 0, nothing left behind;
 - on degrees 2, 1, 1: each sync's pseudo-gradients are averaged piece by piece over the quorum's degrees, and the
   killed 1-rank replica 2 is healed from the 2-rank replica 0 (so is every 1-rank replica at the first quorum): its
@@ -155,17 +156,21 @@ def test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members(run: tuple[
     if len(set(nproc)) > 1:  # the degrees mattered: a replay weighting replicas by rank count fails (0.1 measured)
         by_ranks, _ = _replay(policy, nproc, logs, syncs, entered, by_ranks=True)
         assert max((params[0][n] - by_ranks[0][n]).abs().max().item() for n in params[0]) > 1e-3
+    if fragments > 1:  # the joiner's weights mattered: a replay healing it with its source's weights fails
+        from_source, _ = _replay(policy, nproc, logs, syncs, entered, from_source=True)
+        assert max((params[0][n] - from_source[0][n]).abs().max().item() for n in params[0]) > 1e-4
 
 
 
 def _replay(policy: hsdp.DiLoCo, nproc: tuple[int, ...], logs: dict[tuple[int, int], list[list[dict]]],
-            syncs: dict[int, list[int]], entered: dict[int, tuple[int, int]], by_ranks: bool = False
+            syncs: dict[int, list[int]], entered: dict[int, tuple[int, int]], by_ranks: bool = False,
+            from_source: bool = False
             ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[tuple[int, int, int], float]]:
     """:func:`_simulate` on one thread (tiny ops: with 2 threads on a loaded 2-core machine it takes 30x longer)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _simulate(policy, nproc, logs, syncs, entered, by_ranks)
+        return _simulate(policy, nproc, logs, syncs, entered, by_ranks, from_source)
     finally:
         torch.set_num_threads(threads)
 
@@ -215,7 +220,8 @@ def _stubbed(policy: hsdp.DiLoCo) -> tuple[OuterState, list[tuple[str, int]]]:
 
 
 def _simulate(policy: hsdp.DiLoCo, nproc: tuple[int, ...], logs: dict[tuple[int, int], list[list[dict]]],
-              syncs: dict[int, list[int]], entered: dict[int, tuple[int, int]], by_ranks: bool = False
+              syncs: dict[int, list[int]], entered: dict[int, tuple[int, int]], by_ranks: bool = False,
+              from_source: bool = False
               ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[tuple[int, int, int], float]]:
     """One process: Streaming DiLoCo's replicas as the logs say they met. Each replica takes the inner steps it
     logged (on its ``nproc[r]`` ranks' batches concatenated; ``by_ranks``: its weight times that count, what a
@@ -223,7 +229,8 @@ def _simulate(policy: hsdp.DiLoCo, nproc: tuple[int, ...], logs: dict[tuple[int,
     (with ``delay`` 0, after the start below): over the members that committed it (``syncs[k]``), their
     pseudo-gradients sent at its start, averaged with their weights, step the fragment's global copy through the
     outer optimizer, and each member's weights of that fragment become it; a replica healed after step k takes
-    the lowest-numbered committed member's weights and inner optimizer state, and its weights restart at 0; the
+    the global copy as its weights (``from_source``: the lowest-numbered committed member's weights, what a heal
+    must not do) and that member's inner optimizer state, and its weights restart at 0; the
     fragment whose offset the phase reached sends each present replica's pseudo-gradient (global - local) with
     its weight: its inner steps since that fragment's last start (or its heal). The losses each rank saw, and each
     replica's final weights."""
@@ -266,6 +273,10 @@ def _simulate(policy: hsdp.DiLoCo, nproc: tuple[int, ...], logs: dict[tuple[int,
         for victim in healed:
             source = min(r for r in syncs[entered[victim][1]] if r not in healed)
             local[victim].load_state_dict(local[source].state_dict())
+            if not from_source:
+                with torch.no_grad():
+                    for p, q in zip(global_model.parameters(), local[victim].parameters(), strict=True):
+                        q.copy_(p)
             inner[victim].load_state_dict(copy.deepcopy(inner[source].state_dict()))
             since[victim] = [0] * policy.fragments
         for f in _starting(policy, k):

@@ -43,7 +43,9 @@ def heal_outer(outer: OuterState, comm: Comm, source: int, joining: bool, joiner
     """DiLoCo's part of the heal from member ``source`` to the members ``joiners`` (on their ranks and the
     source's only: the other members' global copies and outer states are equal to the source's at a sync
     boundary), whatever the members' shard degrees (module docstring): the global copy, the outer optimizer's
-    state and the phase; a joiner also forgets its own phase weights (its inner steps before the boundary do not
+    state and the phase. A joiner's weights become that global copy (every fragment: what the members hold after
+    the sync under way lands, less their drift since each other fragment's last sync, which their own
+    pseudo-gradients carry), and it forgets its own phase weights (its inner steps before the boundary do not
     count)."""
     cuts = _cuts(outer)
     for flat in outer.global_copy:
@@ -59,6 +61,11 @@ def heal_outer(outer: OuterState, comm: Comm, source: int, joining: bool, joiner
     for (i, k), v in rows.items():
         received[i][k] = v
     outer.outer.load_state_dict(state["outer"])
+    for unit, flat in zip(outer.units, outer.global_copy, strict=True):
+        # It enters with the global copy, not the source's weights: the source's inner steps since each fragment's
+        # last sync are in the source's own pseudo-gradient; taken here too they would count again in the
+        # joiner's, weighted by the joiner's samples (its phase weights restart below).
+        unit.sharded_flat.copy_(flat)
     outer.inner_steps = state["phase"]
     outer.pending, outer.carried = [], {}  # the members' syncs in flight are not its own
     outer.joined = SyncPlan.joined(state["plan"], outer.due())  # the members' syncs from the one under way
