@@ -22,12 +22,11 @@ the ``delay`` inner steps its all-reduce overlaps and closes at the landing step
 synchronously among the survivors before it lands (``OuterState`` keeps the buffers it sent for that). On a
 fixed layer the lifecycle is a no-op: every sync commits once, as it always did.
 
-A joining replica (restarted, or dropped while alive) enters at a sync boundary: the heal (``elastic_heal.py``
-and ``outer_heal.py``) gives it the lowest-numbered live member's inner optimizer state, global copy (every
-fragment, which become its weights), outer optimizer state and phase, in the await of a sync's transaction; its
-phase weights are zeroed,
-so its pseudo-gradient weighs 0 in that sync (and in a redo of it), and each landing leaves it with the fragment's
-new global copy like every member. It then runs the rest of the members' syncs of that inner step
+A joining replica (restarted, or dropped while alive) enters at a sync boundary: the heal (``elastic_heal.py`` and
+``outer_heal.py``) gives it the lowest-numbered live member's inner optimizer state, global copy (every fragment,
+which become its weights), outer optimizer state and phase, in the await of a sync's transaction; its phase weights
+are zeroed, so its pseudo-gradient weighs 0 in that sync (and in a redo of it), and each landing leaves it with the
+fragment's new global copy like every member. It then runs the rest of the members' syncs of that inner step
 (``outer_plan.py``): a replica built while its layer has a transaction open (``outer_heal.join_open_sync``: a
 joiner healed at its ``ShardedOptimizer`` construction, or every replica at an elastic job's start) takes part in
 that sync right there, so the members never wait for its start-up. A sync in which every replica weighs 0 (the
