@@ -31,7 +31,7 @@ test: venv
 	$(BIN)/ruff check hsdp tests examples benchmarks docs/hooks
 	$(BIN)/lint-imports --no-cache
 	$(DOCS_BUILD)
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=60 tests
 
 lint: venv
 	$(BIN)/ruff check hsdp tests examples benchmarks docs/hooks
