@@ -7,6 +7,7 @@ the check waits up to 10 s for them to go)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,8 +52,21 @@ def run_launch(flags: Sequence[str], script: Sequence[str], env: Mapping[str, st
     except subprocess.TimeoutExpired:
         proc.kill()
         output, _ = proc.communicate()
-        pytest.fail(f"hsdp launch {' '.join(flags)} did not finish in {timeout:g} s:\n{output[-6000:]}")
+        pytest.fail(f"hsdp launch {' '.join(flags)} did not finish in {timeout:g} s:\n{why_failed(output)}")
     deadline = time.monotonic() + 10
     while alive_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     return proc.returncode, output, alive_with(marker)
+
+
+# What a rank says when hsdp's fault handling ends it, and what an uncaught error prints.
+_CAUSE = re.compile(r"aborting: |Traceback \(most recent call last\)|^\S*Error: |exited with status|exitcode", re.M)
+
+
+def why_failed(output: str, tail: int = 6000) -> str:
+    """A failed launch's output for an assertion message: every line naming a cause (a rank's ``aborting:``, a
+    traceback's start, an error, a node's exit status), which may lie far above the end, then the last ``tail``
+    characters. A multi-node launch prints thousands of lines; the cause is often not in the tail."""
+    lines = output.splitlines()
+    causes = [f"{i}: {line}" for i, line in enumerate(lines) if _CAUSE.search(line)][:60]
+    return "lines naming a cause:\n" + "\n".join(causes) + f"\n--- the last {tail} characters ---\n" + output[-tail:]

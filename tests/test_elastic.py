@@ -44,7 +44,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from launched import run_launch
+from launched import run_launch, why_failed
 from models import ParityNet, batch, logits, loss_fn, tiny_gpt
 
 from hsdp.tools.launch.netns import find_tools, list_namespaces
@@ -81,7 +81,7 @@ def _run(out: Path, case: dict[str, str]) -> str:
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_VICTIM": str(VICTIM),
            "ELASTIC_FAULT_STEP": str(FAULT_STEP), **case}
     code, output, left = run_launch(flags, [str(PROGRAM)], env, RUN_TIMEOUT_S)
-    assert code == 0, output[-6000:]
+    assert code == 0, why_failed(output)
     assert left == [], f"processes left behind: {left}"
     if tools is not None:
         assert set(list_namespaces(tools)) <= before, output[-3000:]

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 import pytest
-from launched import run_launch
+from launched import run_launch, why_failed
 
 from hsdp.tools.launch.netns import find_tools
 
@@ -48,7 +48,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], list
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_VICTIM": str(VICTIM),
            "ELASTIC_FAULT_STEP": str(FAULT_STEP)}
     code, output, left = run_launch(flags, [str(PROGRAM)], env, 240)
-    assert code == 0 and left == [], output[-6000:]
+    assert code == 0 and left == [], why_failed(output)
     found = _logs(out)
     assert len(found[(VICTIM, 0)]) == 2, "the victim did not rejoin"
     return found

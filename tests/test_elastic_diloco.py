@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launched import run_launch
+from launched import run_launch, why_failed
 from models import ParityNet, batch, loss_fn
 
 import hsdp
@@ -78,7 +78,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_SYNC": sync,
            "ELASTIC_MID_SYNC": "1" if mid_sync else "0", "ELASTIC_WIRE": wire}
     code, output, left = run_launch(flags, [str(PROGRAM)], env, RUN_TIMEOUT_S)
-    assert code == 0, output[-6000:]
+    assert code == 0, why_failed(output)
     assert left == [], f"processes left behind: {left}"
     return case, out, output
 

@@ -183,7 +183,7 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
         tuple(n // (tp_degree or 1) for n in joined.ranks)
     layer = ElasticLayer(joined.client, found.replica_id, degree, joined.replicas, param_mesh.get_local_rank("shard"),
                          param_mesh.get_group("shard"), param_mesh, device_type, policy, tp_rank, tp_degree or 1,
-                         declared)
+                         declared, on_finished=watchdog.mark_done if watchdog is not None else None)
     return HSDPMesh(None, watchdog, layer=layer)
 
 

@@ -61,7 +61,7 @@ class ElasticLayer:
     def __init__(self, client: CoordinatorClient, replica_id: int, degree: int, replicas: int, shard_rank: int,
                  shard_group: dist.ProcessGroup, param_mesh: DeviceMesh, device_type: str,
                  policy: ElasticPolicy, tp_rank: int = 0, tp_degree: int = 1,
-                 declared: tuple[int, ...] | None = None) -> None:
+                 declared: tuple[int, ...] | None = None, on_finished: Callable[[], None] | None = None) -> None:
         self.client, self.replica_id, self.degree, self.configured = client, replica_id, degree, replicas
         self.shard_rank, self.shard_group, self.param_mesh = shard_rank, shard_group, param_mesh
         # The replicate groups' position: one per (shard rank, tp rank); T is in the name, so replicas of another
@@ -87,6 +87,7 @@ class ElasticLayer:
         self._dropped = False  # the coordinator dropped this live replica: the current step runs alone
         self._retired: list[tuple[float, dist.ProcessGroup]] = []  # replaced groups, kept until safe to destroy
         self._lock = threading.RLock()
+        self._on_finished = on_finished  # the watchdog's mark_done: see close
         # At exit, before the interpreter tears threads down: stop the heartbeat, shut the group down (a gloo
         # group destroyed with its threads still running ends the process with std::terminate).
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -364,6 +365,10 @@ class ElasticLayer:
         """Stop the heartbeat and shut the current group down (the replica leaves; idempotent); ``finished``: it
         leaves because its training is done (the coordinator then tells a replica arriving after every member
         finished that the job completed, instead of that it was lost)."""
+        if finished and self._on_finished is not None:
+            # The watchdog first: the teardown below may wait up to hop_timeout for a retired group's collective,
+            # and a rank whose training is done must not be judged hung, or its peer dead, meanwhile.
+            self._on_finished()
         self.client.close(finished)
         groups, self._group, self._pieces, self._built = self._groups(), None, {}, False
         for group in groups:
