@@ -5,7 +5,8 @@ With NCCL, ``Work.wait(timeout)`` blocks the host and, once ``timeout`` has pass
 behind backward work, or a heal broadcast of a large shard, easily takes longer than a 250 ms slice: a timed wait
 would abort a healthy step. Gloo's timed wait only stops waiting (the collective runs on), which is how an
 elastic wait gives up on the coordinator's notice. No process group is needed: ``Comm`` runs on a stand-in mesh,
-and ``dist.all_reduce`` returns stand-ins of the backends' works.
+and ``dist.all_reduce`` returns stand-ins of the backends' works. The same wait bounds a finished rank's exit
+(dropping a retired group joins its collective): the rank is done for its watchdog before it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Comm
+from hsdp.engine.replicate.elastic.layer import ElasticLayer
 
 
 class _NCCLLikeWork:
@@ -107,3 +109,29 @@ def test_a_gloo_replicate_wait_still_gives_up_on_the_coordinators_notice(monkeyp
     with pytest.raises(RuntimeError, match="hsdp elastic: replica 1 left the quorum"):
         handle.wait()
     assert work.timed_waits == 3 and layer.asked == 3
+
+
+class _Retired:
+    """A retired replicate group: dropping it records the moment (a real one may wait up to hop_timeout there)."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def __del__(self) -> None:
+        self.events.append("retired group dropped")
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_finished_rank_is_done_for_its_watchdog_before_the_replicate_teardown(finished: bool) -> None:
+    """At exit, an elastic rank drops its retired groups, which may wait up to hop_timeout for a collective a
+    stopped peer never joined: a rank whose training finished must already be done for its watchdog then (not
+    judged hung, its peer not judged dead). A rank that failed is not done: its silence is the failure."""
+    events: list[str] = []
+    layer = object.__new__(ElasticLayer)  # only what close() reads
+    layer.client = types.SimpleNamespace(close=lambda done: events.append(f"coordinator told (finished={done})"))
+    layer._group, layer._pieces, layer._built = None, {}, True
+    layer._retired = [(0.0, _Retired(events))]  # type: ignore[list-item]
+    layer._on_finished = lambda: events.append("watchdog done")
+    layer.close(finished)
+    expected = [f"coordinator told (finished={finished})", "retired group dropped"]
+    assert events == (["watchdog done", *expected] if finished else expected)
