@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
+from harness import RankProcess, run_distributed, start_program
 from models import ParityNet, batch, global_batch, loss_fn
 
 import hsdp
@@ -75,31 +74,31 @@ def test_clip_grad_norm_matches_unsharded_and_replica_check_names_the_parameter(
 
 
 def _run_victim(point: str, victim: int, timeout: float = 3.0, wait_for_victim: bool = False,
-                degrees: str = "2") -> tuple[list[subprocess.Popen], list[str], float]:
-    """Four ranks of fault_worker.py; the store lives in this process (as torchrun's agent hosts it), so it
-    outlives any rank, rank 0 included. Returns the processes, their outputs and the seconds until every
-    rank (the victim too with ``wait_for_victim``; a stopped or killed one never exits by itself) had
-    exited."""
+                degrees: str = "2") -> tuple[list[RankProcess], list[str], float]:
+    """Four ranks of fault_worker.py (from the fork server: see harness.start_program); the store lives in this
+    process (as torchrun's agent hosts it), so it outlives any rank, rank 0 included. Returns the processes,
+    their outputs and the seconds until every rank (the victim too with ``wait_for_victim``; a stopped or killed
+    one never exits by itself) had exited."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = []
-    for rank in range(4):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1",
-               "FAULT_WORKER_DEGREES": degrees}
-        procs.append(subprocess.Popen([sys.executable, str(PROGRAM), point, str(victim), str(timeout)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        start = time.monotonic()
-        for rank, p in enumerate(procs):
-            if rank != victim or wait_for_victim:
-                p.wait(timeout=90)
-        elapsed = time.monotonic() - start
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    return procs, [p.stdout.read() for p in procs], elapsed
+    with tempfile.TemporaryDirectory() as logs:
+        procs = []
+        for rank in range(4):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1",
+                   "FAULT_WORKER_DEGREES": degrees}
+            procs.append(start_program(PROGRAM, [point, str(victim), str(timeout)], env, f"{logs}/{rank}.log"))
+        try:
+            start = time.monotonic()
+            for rank, p in enumerate(procs):
+                if rank != victim or wait_for_victim:
+                    p.wait(timeout=90)
+            elapsed = time.monotonic() - start
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        return procs, [p.output() for p in procs], elapsed
 
 
 @pytest.mark.parametrize(("point", "degrees"), [("forward", "2"), ("backward", "2"), ("step", "2"), ("gather", "2"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from harness import RankProcess, start_program
 
 from hsdp.engine.faults import verdict as verdict_module
 from hsdp.engine.faults.status import EXIT_CODE
@@ -38,17 +38,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(late_by: float) -> list[subprocess.Popen]:
-    """Four ranks, rank 0 hosting the store, ranks 1 and 3 reading the verdict ``late_by`` seconds late."""
+def _start(late_by: float, logs: Path) -> list[RankProcess]:
+    """Four ranks (from the fork server: see harness.start_program), rank 0 hosting the store, ranks 1 and 3
+    reading the verdict ``late_by`` seconds late; their outputs in ``logs``."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
-    args = [sys.executable, str(PROGRAM), str(TIMEOUT), str(INTERVAL), "1,3", str(late_by)]
-    return [subprocess.Popen(args, env={**env, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-                                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(4)]
+    argv = [str(TIMEOUT), str(INTERVAL), "1,3", str(late_by)]
+    return [start_program(PROGRAM, argv, {**env, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                                          "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}, logs / f"{rank}.log")
+            for rank in range(4)]
 
 
-def _finish(procs: list[subprocess.Popen]) -> tuple[list[int], list[str]]:
+def _finish(procs: list[RankProcess]) -> tuple[list[int], list[str]]:
     try:
         for p in procs:
             p.wait(timeout=150)
@@ -57,14 +58,14 @@ def _finish(procs: list[subprocess.Popen]) -> tuple[list[int], list[str]]:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    return [p.returncode for p in procs], [p.stdout.read() for p in procs]
+    return [p.returncode for p in procs], [p.output() for p in procs]
 
 
-def test_every_rank_names_the_sleeping_rank_though_two_read_the_verdict_late() -> None:
+def test_every_rank_names_the_sleeping_rank_though_two_read_the_verdict_late(tmp_path: Path) -> None:
     """The store in rank 0 (a plain launch), ranks 1 and 3 reading the verdict late (within the hold): no rank
     leaves, the store's host included, before every rank has the verdict."""
     start = time.monotonic()
-    codes, outputs = _finish(_start(HOLD - 3.0))
+    codes, outputs = _finish(_start(HOLD - 3.0, tmp_path))
     elapsed = time.monotonic() - start
     assert "rank 2: misbehaving" in outputs[2], outputs[2][-3000:]
     # Each rank ends on the verdict, naming rank 2, and with nothing that blames another rank.
