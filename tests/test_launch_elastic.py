@@ -196,7 +196,8 @@ def _state(step: int, epoch: int, members: dict, pending: dict | None = None, qu
            finishers: set | None = None, gone: set | None = None) -> SimpleNamespace:
     return SimpleNamespace(step=step, epoch=epoch, members=members, pending=pending or {}, quorum=quorum,
                            history=history or [], stopped=stopped, refusals=refusals or [], completed=completed,
-                           finishers=finishers or set(), gone=gone or set())
+                           finished={r for r, _ in finishers or ()}, finishers=finishers or set(),
+                           gone=gone or set())
 
 
 def test_membership_log_says_what_changed_and_nothing_else() -> None:
@@ -232,6 +233,17 @@ def test_membership_log_says_what_changed_and_nothing_else() -> None:
                           125.0)
     assert "after 2m05s" in summary and "4 (3 committed, 1 discarded)" in summary
     assert "1 join(s), 1 departure(s), 1 refused; last epoch 2" in summary and "stopped at step 9: 1 live" in summary
+
+
+def test_the_end_names_the_replicas_that_finished_not_one_that_died_beside_them() -> None:
+    """Replicas 0 and 2 finish while replica 1 dies in the same pass: the job completed, replica 1 left."""
+    log = MembershipLog(heartbeat_timeout=3.0, clock=lambda: 0.0)
+    three = {0: _inc(1), 1: _inc(1), 2: _inc(1)}
+    log.observe(_state(0, 0, three, quorum=Quorum(0, 0, (0, 1, 2), (1, 1, 1))))
+    end = _state(12, 0, {}, completed="done", finishers={(0, 1), (2, 1)}, gone={(1, 1)})
+    assert [line.split(" ", 1)[1] for line in log.observe(end)] == [
+        "job completed after step 11: replicas 0, 2 finished training"]
+    assert "completed after step 11: replicas 0, 2 finished training" in log.summary(end, "j", 60.0)
 
 
 def test_serve_reports_a_replica_that_came_and_went_and_exits_once_none_is_left() -> None:

@@ -32,6 +32,7 @@ class _State(Protocol):
     quorum: Any
     stopped: str
     completed: str
+    finished: set[int]
     finishers: set[tuple[int, int]]
     gone: set[tuple[int, int]]
     history: list[tuple[int, str, tuple[int, ...]]]
@@ -82,7 +83,7 @@ class MembershipLog:
             lines.append(f"job stopped at step {state.step}: {state.stopped}")
         if state.completed and not self._completed:
             self._completed = state.completed
-            lines.append(f"job completed after step {state.step - 1}: every replica left finished training")
+            lines.append(f"job completed after step {state.step - 1}: {_finishers(state)} finished training")
         stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
         return [f"{stamp} {line}" for line in lines]
 
@@ -144,5 +145,11 @@ class MembershipLog:
         if state.stopped:
             lines.append(f"  stopped at step {state.step}: {state.stopped}")
         if state.completed:
-            lines.append(f"  completed after step {state.step - 1}: every replica left finished training")
+            lines.append(f"  completed after step {state.step - 1}: {_finishers(state)} finished training")
         return "\n".join(lines)
+
+
+def _finishers(state: _State) -> str:
+    """Who ended the job by finishing: the last members (one that died beside them left, said on its own line)."""
+    ids = sorted(state.finished)
+    return f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
