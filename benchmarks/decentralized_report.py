@@ -405,9 +405,9 @@ def write_results(args: argparse.Namespace, systems: list[str], m: dict, command
           f"{args.kill_every:g} s ({date})", "",
           f"GPT `{args.preset}`, byte-level, stdlib sources; per-rank batches {args.batches} sequences (batch "
           f"weights); node CPUs {args.node_cpus}; elastic replicas, Streaming DiLoCo H = {args.every}, F = "
-          f"{args.fragments}, tau = {args.delay}, {args.wire} wire, outer lr {args.outer_lr}, momentum "
-          f"{args.outer_momentum}; inner AdamW lr {args.lr}, clip 1.0. Window {args.minutes:g} min from the first "
-          f"step all replicas committed together. Kills: "
+          f"{args.fragments}, tau = {args.delay}, alpha = {args.mix}, {args.wire} wire, outer lr {args.outer_lr}, "
+          f"momentum {args.outer_momentum}; inner AdamW lr {args.lr}, clip 1.0. Window {args.minutes:g} min from "
+          f"the first step all replicas committed together. Kills: "
           + ", ".join(f"replica {k['victim']} at +{k['at_s']} s" for k in m["kills"]) + ".", "",
           *balance_lines(m.get("balance")), "```", *commands.values(), "```", "", *table(m), "",
           f"Held-out loss per replica at the end: {m['held_out_decentralized']}."]

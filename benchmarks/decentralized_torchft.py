@@ -7,10 +7,10 @@ seeded windows per (inner step, replica, rank)), batches, inner AdamW + clip 1.0
 SGD. Inside each node the replica is FSDP2 (``fully_shard`` on every block, then the root, over the node's
 ranks on gloo); a one-rank node trains the plain module (FSDP2 over one rank shards nothing). Across the nodes
 ``torchft.local_sgd.DiLoCo`` with ``model_fragments`` (hsdp's split: ``diloco_slow_links_torchft._fragments``),
-``fragment_sync_delay=tau``, ``fragment_update_alpha=0`` (hsdp's ``mix=0``) and a ``torchft.Manager`` per node
-(``use_async_quorum=False``, as DiLoCo requires), its lighthouse on node 0 (started by the driver, as in
-``elastic_recovery.py``), the timeouts of ``elastic_recovery_torchft.timeouts`` (hsdp's). Pseudo-gradients
-travel in fp32: torchft's quantised all-reduce needs triton (a GPU).
+``fragment_sync_delay=tau``, ``fragment_update_alpha`` the driver's ``--mix`` (hsdp's ``mix``) and a
+``torchft.Manager`` per node (``use_async_quorum=False``, as DiLoCo requires), its lighthouse on node 0 (started
+by the driver, as in ``elastic_recovery.py``), the timeouts of ``elastic_recovery_torchft.timeouts`` (hsdp's).
+Pseudo-gradients travel in fp32: torchft's quantised all-reduce needs triton (a GPU).
 
 What differs from hsdp, by torchft's design: a restarted node trains ``H / F - tau`` inner steps from its fresh
 initialisation before its first quorum heals it (those steps are lost: the heal overwrites them, and the log
@@ -151,7 +151,7 @@ def job(args: argparse.Namespace, data: tuple[Any, Callable[..., Any], Any]) -> 
     log.write(json.dumps({"joined": 0, "t": time.time(), "restart": restart}) + "\n")
     stop_file, stop_at, syncs = Path(args.out) / "stop", None, []
     with DiLoCo(manager, fragments, inner, outer, sync_every=args.every, fragment_sync_delay=args.delay,
-                fragment_update_alpha=0.0) as diloco:
+                fragment_update_alpha=args.mix) as diloco:
         _log_syncs(diloco, syncs)
         while stop_at is None or state["step"] <= stop_at or _in_flight(diloco):
             if stop_at is None and stop_file.exists():
