@@ -56,7 +56,10 @@ def _train(rank: int, policy: dict, steps: int) -> dict:
         sent.append(sum(op["bytes"] for op in row.values()))
         seconds.append(row["all_reduce"]["seconds"] if "all_reduce" in row else None)
         in_flight.append([(s.fragment, s.left, sum(not h.done for h in s.handles)) for s in outer.pending])
-    return {"params": {n: p.detach().full_tensor() for n, p in model.named_parameters()}, "sent": sent,
+    params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    opt.sync_replicas()
+    synced = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return {"params": params, "synced": synced, "sent": sent,
             "seconds": seconds, "in_flight": in_flight,
             "fragments": [[u.name for u in outer.fragment_units(f)] for f in range(len(outer.fragments))],
             "flat": {u.name: u.sharded_flat.numel() for u in model.units}}
@@ -126,21 +129,24 @@ def _fragment_of(name: str, fragments: int) -> int:
     return {1: 0, 2: int(block >= 1), 3: 0 if block < 0 else (1 if block < 2 else 2)}[fragments]
 
 
-def _simulate(every: int, fragments: int = 1, delay: int = 0, mix: float = 0.0,
-              steps: int = 8) -> list[dict[str, torch.Tensor]]:
+def _simulate(every: int, fragments: int = 1, delay: int = 0, mix: float = 0.0, steps: int = 8,
+              final: bool = False) -> list[dict[str, torch.Tensor]]:
     """Two streaming DiLoCo workers in one process (replica q trains on its ranks' batches 2q, 2q + 1): fragment f
     computes the mean pseudo-gradient after step s with s % every == (f + 1) * every // fragments % every, and
     after step s + delay the outer optimizer steps its global weights with it and each worker's weights of the
-    fragment become mix * local + (1 - mix) * global. Returns each worker's weights."""
+    fragment become mix * local + (1 - mix) * global. ``final``: then ``sync_replicas`` (the syncs in flight land
+    so, then every fragment in order syncs at once and each worker's weights become the global copy). Returns each
+    worker's weights."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: more threads only contend on the shared cores (20x slower under load)
     try:
-        return _simulate_workers(every, fragments, delay, mix, steps)
+        return _simulate_workers(every, fragments, delay, mix, steps, final)
     finally:
         torch.set_num_threads(threads)
 
 
-def _simulate_workers(every: int, fragments: int, delay: int, mix: float, steps: int) -> list[dict[str, torch.Tensor]]:
+def _simulate_workers(every: int, fragments: int, delay: int, mix: float, steps: int,
+                      final: bool) -> list[dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     global_model = ParityNet()
     workers = [ParityNet() for _ in range(2)]
@@ -150,7 +156,7 @@ def _simulate_workers(every: int, fragments: int, delay: int, mix: float, steps:
     outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     pending: list[tuple[int, dict[str, torch.Tensor]]] = []  # (land after step, mean pseudo-gradient by name)
 
-    def land(means: dict[str, torch.Tensor]) -> None:
+    def land(means: dict[str, torch.Tensor], share: float = mix) -> None:
         params = dict(global_model.named_parameters())
         for name, mean in means.items():
             params[name].grad = mean
@@ -160,7 +166,12 @@ def _simulate_workers(every: int, fragments: int, delay: int, mix: float, steps:
             for w in workers:
                 local = dict(w.named_parameters())
                 for name in means:
-                    local[name].copy_(mix * local[name] + (1 - mix) * params[name])
+                    local[name].copy_(share * local[name] + (1 - share) * params[name])
+
+    def pseudo_gradient(f: int) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return {name: torch.stack([g - dict(w.named_parameters())[name] for w in workers]).mean(0)
+                    for name, g in global_model.named_parameters() if _fragment_of(name, fragments) == f}
 
     for step in range(1, steps + 1):
         for q, (w, opt) in enumerate(zip(workers, inner, strict=True)):
@@ -170,13 +181,15 @@ def _simulate_workers(every: int, fragments: int, delay: int, mix: float, steps:
             opt.zero_grad()
         for f in range(fragments):
             if step % every == (f + 1) * every // fragments % every:
-                with torch.no_grad():
-                    means = {name: torch.stack([g - dict(w.named_parameters())[name] for w in workers]).mean(0)
-                             for name, g in global_model.named_parameters() if _fragment_of(name, fragments) == f}
-                pending.append((step + delay, means))
+                pending.append((step + delay, pseudo_gradient(f)))
         for due in [p for p in pending if p[0] == step]:
             land(due[1])
         pending = [p for p in pending if p[0] > step]
+    if final:
+        for _, means in pending:
+            land(means)
+        for f in range(fragments):
+            land(pseudo_gradient(f), share=0.0)
     return [{n: p.detach().clone() for n, p in w.named_parameters()} for w in workers]
 
 
@@ -190,6 +203,19 @@ def test_each_replica_equals_simulated_streaming_workers(results: list[dict], ru
     if run != "f1":  # the replicas differ (a fragment is mid-phase): the check above could tell them apart
         assert not torch.equal(results[0][run]["params"]["blocks.0.up.weight"],
                                results[2][run]["params"]["blocks.0.up.weight"])
+
+
+@pytest.mark.parametrize("run", ["f2", "f3", "f1"])
+def test_sync_replicas_leaves_every_replica_the_global_copy_whatever_mix(results: list[dict], run: str) -> None:
+    """After ``sync_replicas`` (syncs in flight landed, then every fragment synced) the replicas are equal, the
+    global copy, with mix > 0 too ("f3", two syncs in flight: their landings mix, the final syncs replace)."""
+    policy, steps = RUNS[run]
+    ref = _simulate(**policy, steps=steps, final=True)
+    for name, value in ref[0].items():
+        torch.testing.assert_close(ref[1][name], value, rtol=0, atol=0)
+        for rank, r in enumerate(results):
+            torch.testing.assert_close(r[run]["synced"][name], value, rtol=1e-5, atol=1e-5, msg=f"{rank} {name}")
+            assert torch.equal(r[run]["synced"][name], results[0][run]["synced"][name]), (rank, name)
 
 
 def test_fragments_split_the_units_by_size(results: list[dict]) -> None:

@@ -51,6 +51,15 @@ class SyncPlan:
         """``sync_now``: every sync in flight lands, then every fragment syncs at once; the phase restarts."""
         return cls(tuple((LAND, f) for f in lands) + tuple((TRANSACT, f) for f in range(fragments)), phase=0)
 
+    @property
+    def lands_global(self) -> bool:
+        """The step under way is one of ``sync_now``'s syncs of every fragment (a plan that restarts the phase):
+        its landing leaves every replica the global copy, whatever ``mix`` (its landings of syncs in flight mix as
+        any other, so their ``delay`` steps' progress reaches the final pseudo-gradient). Read from the plan's
+        steps, not from how this replica runs them: a joiner taking part in a landing's redo as a sync mixes as
+        the members do."""
+        return self.phase is not None and self.at < len(self.steps) and self.steps[self.at][0] == TRANSACT
+
     def rest(self) -> list[Any]:
         """The steps from the one under way and the phase they leave, as the heal sends them to a joiner."""
         return [[list(s) for s in self.steps[self.at:]], self.phase]

@@ -9,7 +9,8 @@ asynchronously ([Note: pieces and weights]; ``wire_dtype=torch.int8``: quantised
 and all-gathered in int8, ``outer_wire.py``). ``delay`` inner steps later it *lands*: the all-reduce is waited, the
 mean is set as the fragment's global copies' gradient, the outer optimizer steps (torch's optimizers skip parameters
 without a gradient, so one optimizer serves every fragment and the others' state is untouched), and the global copy is
-merged into the shards (``mix * local + (1 - mix) * global``; a plain copy at ``mix=0``). With one fragment and
+merged into the shards (``mix * local + (1 - mix) * global``; a plain copy at ``mix=0``, and at ``sync_now``'s syncs of
+every fragment, which leave the replicas equal). With one fragment and
 ``delay=0`` that is DiLoCo's sync after every H-th step, on the same code path. Each sync is a transaction of the
 replicate layer (``outer_transaction.py``: on an elastic mesh the replicas present at the sync, a failed all-reduce
 redone among the survivors, a joiner healed at the boundary and weighing 0), opened at its start and closed at its
@@ -419,7 +420,8 @@ class OuterState:
                 self.global_copy[i].grad = mean
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
-        mix = self.policy.mix
+        # sync_now's syncs leave the replicas equal: the global copy (outer_plan.SyncPlan.lands_global).
+        mix = 0.0 if self.plan is not None and self.plan.lands_global else self.policy.mix
         for i in indices:
             local, global_copy = self.units[i].sharded_flat, self.global_copy[i]
             local.copy_(global_copy if mix == 0 else torch.lerp(global_copy, local.float(), mix))
