@@ -135,8 +135,9 @@ def _simulate(every: int, fragments: int = 1, delay: int = 0, mix: float = 0.0, 
     computes the mean pseudo-gradient after step s with s % every == (f + 1) * every // fragments % every, and
     after step s + delay the outer optimizer steps its global weights with it and each worker's weights of the
     fragment become mix * local + (1 - mix) * global. ``final``: then ``sync_replicas`` (the syncs in flight land
-    so, then every fragment in order syncs at once and each worker's weights become the global copy). Returns each
-    worker's weights."""
+    so, then every fragment in order syncs at once and each worker's weights become the global copy; right after
+    the one fragment's own sync, only the latter: no outer step on a zero pseudo-gradient). Returns each worker's
+    weights."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: more threads only contend on the shared cores (20x slower under load)
     try:
@@ -185,7 +186,11 @@ def _simulate_workers(every: int, fragments: int, delay: int, mix: float, steps:
         for due in [p for p in pending if p[0] == step]:
             land(due[1])
         pending = [p for p in pending if p[0] > step]
-    if final:
+    if final and fragments == 1 and steps % every == 0 and not pending:  # just synced: no outer step again
+        with torch.no_grad():
+            for w in workers:
+                w.load_state_dict(global_model.state_dict())
+    elif final:
         for _, means in pending:
             land(means)
         for f in range(fragments):

@@ -1,18 +1,20 @@
 """``hsdp train parallel.replica_sync=diloco``: DiLoCo in the training app, on 2 x 2 gloo ranks.
 
 One 4-rank spawn runs the tiny GPT's in-process jobs:
-- H = 3, fp32 wire, 7 steps, checkpoints every 2: the records say ``synced`` on steps 3 and 6 only; a step that
-  did not sync sends nothing across nodes (``replicate_bytes`` 0) and a sync step sends one all-reduce of the
-  rank's flat shards (2(R-1)/R x its parameter bytes); after each step the replicas' weights are compared
-  (``check_replicas``): the same after a sync step, different after the others (each replica trained on its own
-  batches); the loss falls; ``summary.json`` holds the synced steps, the amortized floor and the nodes' mean bytes
-  per step;
+- H = 3, fp32 wire, 7 steps, checkpoints every 2: the records say ``synced`` on steps 3 and 6 and on the last,
+  7, which ends training with ``sync_replicas`` (``synced_all``); a step that did not sync sends nothing across
+  nodes (``replicate_bytes`` 0) and a sync step sends one all-reduce of the rank's flat shards (2(R-1)/R x its
+  parameter bytes); after each step the replicas' weights are compared (``check_replicas``): the same after a sync
+  step, different after the others (each replica trained on its own batches); the loss falls;
+  ``summary.json`` holds the synced steps, the amortized floor and the nodes' mean bytes per step;
 - the same run stopped after step 5 and resumed from its step-4 checkpoint (mid-phase): bitwise the straight run;
-- H = 2, bf16 wire, two micro-batches per step: the sync sends half the fp32 bytes, the first step nothing;
+- H = 2, bf16 wire, two micro-batches per step: the sync sends half the fp32 bytes, the first step nothing (the
+  last step synced already: the end of training adds no collective);
 - streaming, H = 4, two fragments, delay 1, 6 steps: fragment 0 starts its all-reduce after steps 2 and 6, fragment
-  1 after step 4, each lands a step later (``sync_started`` / ``sync_landed``, ``synced`` on steps 3 and 5); the
-  bytes cross on the start steps only, the two fragments together the whole model; stopped after step 5 and
-  resumed from step 4 (fragment 1 in flight, kept by the checkpoint): bitwise the straight run.
+  1 after step 4, each lands a step later (``sync_started`` / ``sync_landed``, ``synced`` on steps 3 and 5), and
+  the last step, 6, then lands fragment 0 and syncs both (the end of training); the bytes cross on the start
+  steps only, the two fragments together the whole model; stopped after step 5 and resumed from step 4 (fragment
+  1 in flight, kept by the checkpoint): bitwise the straight run.
 
 Without processes: the configuration's refusals (each naming the field and the fix), before any rank starts.
 """
@@ -98,13 +100,15 @@ def test_replicas_sync_every_h_steps_and_only_then_cross_nodes(jobs: tuple[list[
     summary = results[0]["fp32"][0]
     assert summary["mesh"] == {"replicas": 2, "shards": 2, "world": 4}
     assert [r["step"] for r in records] == list(range(1, 8))
-    assert [r["synced"] for r in records] == [s % 3 == 0 for s in range(1, 8)]
+    synced = [s % 3 == 0 or s == 7 for s in range(1, 8)]  # the last step ends training with a sync
+    assert [r["synced"] for r in records] == synced
+    assert [r.get("synced_all", False) for r in records] == [s == 7 for s in range(1, 8)]
     # R = 2: a sync all-reduces this rank's flat shards (its parameter bytes), 2(R-1)/R = 1 of them on the wire.
     params = summary["ranks"][0]["params"]
-    assert [r["replicate_bytes"] for r in records] == [params if s % 3 == 0 else 0 for s in range(1, 8)]
+    assert [r["replicate_bytes"] for r in records] == [params if s else 0 for s in synced]
     assert all(r["shard_bytes"] > 0 for r in records)  # inside a replica every step is ordinary HSDP
-    for r in results:  # every rank of both replicas saw the same: synced weights after steps 3 and 6 only
-        assert r["fp32"][1] == [s % 3 == 0 for s in range(1, 8)]
+    for r in results:  # every rank of both replicas saw the same: synced weights after steps 3, 6 and 7 only
+        assert r["fp32"][1] == synced
     assert records[-1]["loss"] < records[0]["loss"] - 0.3
     assert "synced" in (base / "fp32" / "metrics.csv").read_text().splitlines()[0]
 
@@ -121,20 +125,20 @@ def test_a_resumed_run_continues_mid_phase_bitwise(jobs: tuple[list[dict], Path]
     for a, b in zip(straight, resumed, strict=True):
         for key in ("loss", "grad_norm", "synced", "replicate_bytes"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    for r in results:  # the resumed session's replicas: apart after 5 and 7, the same after the sync at 6
-        assert r["resumed"][1] == [False, True, False]
+    for r in results:  # the resumed session's replicas: apart after 5, the same after the syncs at 6 and 7
+        assert r["resumed"][1] == [False, True, True]
 
 
 def test_summary_holds_the_syncs_and_the_amortized_floor(jobs: tuple[list[dict], Path]) -> None:
     _, base = jobs
     summary = json.loads((base / "fp32" / "summary.json").read_text())
     sync = summary["replica_sync"]
-    assert (sync["mode"], sync["every"], sync["wire_dtype"], sync["synced_steps"]) == ("diloco", 3, "fp32", [3, 6])
+    assert (sync["mode"], sync["every"], sync["wire_dtype"], sync["synced_steps"]) == ("diloco", 3, "fp32", [3, 6, 7])
     per_sync = 2 * 1 / 2 * summary["model"]["params"] * 4
     assert sync["inter_node_floor_bytes_per_sync"] == pytest.approx(per_sync)
     assert summary["inter_node_floor_bytes_per_step"] == pytest.approx(per_sync / 3)
-    for node in summary["nodes"]:  # the mean of 7 steps, 2 of them syncs (padding rides along)
-        assert per_sync * 2 / 7 <= node["replicate_bytes_per_step"] < 1.01 * per_sync * 2 / 7
+    for node in summary["nodes"]:  # the mean of 7 steps, 3 of them syncs (padding rides along)
+        assert per_sync * 3 / 7 <= node["replicate_bytes_per_step"] < 1.01 * per_sync * 3 / 7
 
 
 def test_a_bf16_wire_halves_the_sync(jobs: tuple[list[dict], Path]) -> None:
@@ -222,13 +226,15 @@ def test_streaming_fragments_start_staggered_and_land_after_the_delay(jobs: tupl
     results, base = jobs
     records = read_metrics(str(base / "stream"))
     summary = results[0]["stream"][0]
-    assert [r["sync_started"] for r in records] == [[], [0], [], [1], [], [0]]
-    assert [r["sync_landed"] for r in records] == [[], [], [0], [], [1], []]
-    assert [r["synced"] for r in records] == [False, False, True, False, True, False]
+    # Step 6 starts fragment 0's sync, then ends training: lands it, syncs both fragments at once.
+    assert [r["sync_started"] for r in records] == [[], [0], [], [1], [], [0, 0, 1]]
+    assert [r["sync_landed"] for r in records] == [[], [], [0], [], [1], [0, 0, 1]]
+    assert [r["synced"] for r in records] == [False, False, True, False, True, True]
     sent = [r["replicate_bytes"] for r in records]
     assert [s > 0 for s in sent] == [False, True, False, True, False, True]
-    assert sent[1] + sent[3] == summary["ranks"][0]["params"] and sent[5] == sent[1]  # R = 2, fp32
-    assert summary["replica_sync"]["synced_steps"] == [3, 5]
+    params = summary["ranks"][0]["params"]
+    assert sent[1] + sent[3] == params and sent[5] == sent[1] + params  # R = 2, fp32
+    assert summary["replica_sync"]["synced_steps"] == [3, 5, 6]
     assert (summary["replica_sync"]["fragments"], summary["replica_sync"]["delay"]) == (2, 1)
     # Resumed from step 4 with fragment 1 in flight: it lands after step 5 as in the straight run, bit for bit.
     resumed = read_metrics(str(base / "stream_resumed"))

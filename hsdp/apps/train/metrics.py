@@ -15,7 +15,8 @@ to TensorBoard under ``tb/`` when the ``tensorboard`` package is installed, and 
   where a wait blocks; ``None`` on GPUs, where the stream waits and the profiler trace shows it) and
   ``mem_bytes`` (peak memory so far: CUDA allocator peak on GPUs, the process's peak resident set on CPUs) and,
   with ``parallel.replica_sync = "diloco"`` only, ``synced`` (whether the step ended with the replicas' sync: its
-  ``replicate_bytes`` are the sync's all-reduce, those of the other steps 0).
+  ``replicate_bytes`` are the sync's all-reduce, those of the other steps 0; the last of ``train.steps`` syncs
+  every fragment, ``synced_all``).
 
 On ``--resume`` the files keep the records up to the checkpoint's step and the resumed steps follow, so a
 resumed run's files read like an uninterrupted run's.

@@ -14,7 +14,10 @@ tune H and the outer learning rate against a plain run's held-out loss. Each ste
 says whether it synced (``"synced"``: an outer update landed after its inner AdamW step), and its
 ``replicate_bytes`` show the spike: one all-reduce of the rank's flat shards on a sync step, 0 on the others. The
 step's ``grad_norm`` and ``loss`` are the replica's own; the held-out loss and the sample are the replicas' weights
-as they stand (the same on all of them right after a sync step, each its own in between).
+as they stand (the same on all of them right after a sync step, each its own in between). The last of
+``train.steps`` ends with ``opt.sync_replicas()`` (:func:`sync_at_end`; its record says ``"synced_all"``): every
+fragment synced at once, so the final evaluation, sample, checkpoint and export are the global copy with every
+replica's last steps in, and the replicas leave equal.
 
 Streaming DiLoCo: ``diloco_fragments`` F splits the model's units into F fragments, each synced once every H steps
 at its own staggered step (the link carries 1/F of the model at a time); ``diloco_delay`` tau lets a fragment's
@@ -22,8 +25,8 @@ all-reduce run behind tau more inner steps before its update lands; ``diloco_mix
 weights a replica keeps then (0: the global copy replaces them). The records then also say which fragments started
 their all-reduce after the step (``"sync_started"``: the step's ``replicate_bytes`` are theirs) and which landed
 (``"sync_landed"``), in ``metrics.jsonl`` (the CSV keeps ``synced``). A sync started in the last tau steps of a
-run never lands (a checkpoint keeps it for the resumed session). F must not exceed the model's units with
-parameters (refused by the optimizer at start-up).
+session stopped early (``train.stop_after``, a signal) lands in the resumed one (its checkpoint keeps it). F must
+not exceed the model's units with parameters (refused by the optimizer at start-up).
 
 What DiLoCo does not combine with is refused when the configuration is read, before any rank starts: a
 ``parallel.replica_hop`` other than ``fp32`` (there is no per-step hop to compress; the wire dtype is
@@ -84,6 +87,20 @@ def step_fields(par: ParallelConfig, optimizer: hsdp.ShardedOptimizer) -> dict[s
     if par.diloco_fragments == 1 and par.diloco_delay == 0:
         return {"synced": bool(record.landed)}
     return {"synced": bool(record.landed), "sync_started": list(record.started), "sync_landed": list(record.landed)}
+
+
+def sync_at_end(par: ParallelConfig, optimizer: hsdp.ShardedOptimizer, fields: dict[str, Any]) -> dict[str, Any]:
+    """After the last of ``train.steps`` under DiLoCo: ``optimizer.sync_replicas()``, so the final evaluation,
+    sample, checkpoint and export hold the global copy with every replica's last steps in (not the copy of the last
+    sync, nor one replica's weights), and every replica leaves with it. ``fields`` (the step's own
+    :func:`step_fields`) gain that sync's fragments and ``synced_all``. Not at ``train.stop_after``: a session
+    stopped there resumes bit for bit."""
+    if not is_diloco(par):
+        return fields
+    optimizer.sync_replicas()
+    final = step_fields(par, optimizer)
+    merged = {key: value + final[key] for key, value in fields.items() if key != "synced"}
+    return {**fields, **merged, "synced": True, "synced_all": True}
 
 
 def summary_fields(cfg: RunConfig, records: list[dict[str, Any]], n_params: int,

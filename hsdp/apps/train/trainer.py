@@ -46,7 +46,7 @@ from hsdp.apps.train.profiling import StepProfiler, profile_window
 from hsdp.apps.train.progress import Reporter
 from hsdp.apps.train.rank_warnings import RankWarnings
 from hsdp.apps.train.ranks import RankChannel
-from hsdp.apps.train.replica_sync import is_diloco, step_fields, wrap_options
+from hsdp.apps.train.replica_sync import is_diloco, step_fields, sync_at_end, wrap_options
 from hsdp.apps.train.result import LoopResult
 from hsdp.apps.train.rundir import prepare_run_dir
 from hsdp.apps.train.wandb_sink import record_sinks
@@ -264,8 +264,9 @@ class Trainer:
             total += loss.detach().double()
         return total / accum
 
-    def _optimizer_step(self, step: int) -> tuple[float, float, float]:
-        """One optimizer step; ``(this rank's loss, grad norm before clipping, seconds)``."""
+    def _optimizer_step(self, step: int) -> tuple[float, float, float, dict[str, Any]]:
+        """One optimizer step; ``(this rank's loss, grad norm before clipping, seconds, DiLoCo's record fields)``
+        (the last of ``train.steps`` syncs DiLoCo's replicas: ``replica_sync.sync_at_end``)."""
         start = time.perf_counter()
         set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.train.steps))
         # Cleared here rather than after the step: the last step's gradients then count in the summary's
@@ -275,17 +276,20 @@ class Trainer:
         max_norm = self.cfg.optim.grad_clip or math.inf  # inf: measure the norm, scale nothing
         grad_norm = hsdp.clip_grad_norm_(self.model, max_norm)
         self.optimizer.step()
+        sync = step_fields(self.cfg.parallel, self.optimizer)
+        if step == self.cfg.train.steps:
+            sync = sync_at_end(self.cfg.parallel, self.optimizer, sync)
         # The step's one read for the record: loss and norm in one copy, after the step (it also makes the
         # timing include the device's work).
         loss_value, norm_value = torch.stack([loss, grad_norm.double()]).tolist()
-        return loss_value, norm_value, time.perf_counter() - start
+        return loss_value, norm_value, time.perf_counter() - start, sync
 
     def step(self, step: int, stop_requested: bool) -> tuple[dict[str, Any], bool]:
         """Run step ``step`` and measure it: its metrics record, and ``True`` when some rank asked to stop
         (the same on every rank: the request travels in the loss average)."""
         cfg = self.cfg
         self.model.reset_comm_stats()
-        loss, grad_norm, seconds = self._optimizer_step(step)
+        loss, grad_norm, seconds, sync = self._optimizer_step(step)
         comm = comm_totals(self.model.comm_stats(), waits_block=self.mesh.device.type == "cpu")
         # Each rank's mean loss weighted by its share of the global batch (1 for the even split): the mean
         # over every sequence of the step.
@@ -300,7 +304,7 @@ class Trainer:
         record = {"step": step, "loss": mean_loss, "eval_loss": None, "lr": lr_at(step, cfg.optim, cfg.train.steps),
                   "grad_norm": grad_norm, "tokens": step * n_tokens, "step_tokens": n_tokens, "step_s": seconds,
                   "tokens_per_s": n_tokens / max(seconds, 1e-9), **comm,
-                  "mem_bytes": peak_memory_bytes(self.mesh.device), **step_fields(self.cfg.parallel, self.optimizer)}
+                  "mem_bytes": peak_memory_bytes(self.mesh.device), **sync}
         if self.pen is not None:  # elastic: what the coordinator decided, the batch really averaged
             record = self.pen.annotate(step, record)
         self._calibrate(step, seconds, comm["exposed_comm_s"])

@@ -230,8 +230,21 @@ class OuterState:
     def sync_now(self) -> None:
         """Sync every fragment now: land the syncs in flight, then all-reduce and land every fragment's
         pseudo-gradient (one outer step per fragment), so every replica holds the global copy; the phase
-        restarts at 0. The same calls on every rank (the end of training, before evaluating or exporting)."""
+        restarts at 0. The same calls on every rank (the end of training, before evaluating or exporting).
+        Right after DiLoCo's own sync of its one fragment (phase 0, none in flight) nothing trained since: no
+        collective, no outer step (on a zero pseudo-gradient it would still move the weights by the momentum);
+        the replicas only take the global copy (with ``mix > 0`` each kept a share of its own)."""
+        if self.inner_steps == 0 and not self.pending and self.policy.fragments == 1:
+            self._take_global()
+            return
         self.run(SyncPlan.sync_all([s.fragment for s in self.pending], self.policy.fragments))
+
+    @torch.no_grad()
+    def _take_global(self) -> None:
+        for unit, global_copy in zip(self.units, self.global_copy, strict=True):
+            unit.sharded_flat.copy_(global_copy)
+        self.last = SyncStep()
+        self.mark_written()
 
     def enter(self) -> None:
         """Admitted into a sync under way (``outer_heal.join_open_sync``): run the healing member's plan from that
