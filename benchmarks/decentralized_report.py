@@ -326,7 +326,7 @@ _ROWS = (
 )
 
 
-def side_by_side(m: dict, timeouts: dict[str, float], wire: str, nproc: list[int]) -> list[str]:
+def side_by_side(m: dict, timeouts: dict[str, float], wire: str, nproc: list[int], mix: float = 0.0) -> list[str]:
     """Both systems' figures in one table, and what is not equal between them."""
     systems = m["systems"]
     one = "the plain module (one rank per node: FSDP2 would shard nothing)" if max(nproc) == 1 else \
@@ -348,8 +348,8 @@ def side_by_side(m: dict, timeouts: dict[str, float], wire: str, nproc: list[int
               f"(a dead one is dropped at once); torchft's lighthouse has only the heartbeat, and a kill landing in a "
               f"fragment's all-reduce waits out gloo's {t['hop_timeout']:g} s receive timeout.",
               f"- torchft 0.2.0: `torchft.local_sgd.DiLoCo` (hsdp's fragments, `fragment_sync_delay` = tau, "
-              f"`fragment_update_alpha` 0), a `torchft.Manager` per node (synchronous quorum), the lighthouse on node "
-              f"0; inside each node {one}.",
+              f"`fragment_update_alpha` {mix:g}, hsdp's `mix`), a `torchft.Manager` per node (synchronous quorum), "
+              f"the lighthouse on node 0; inside each node {one}.",
               "- Healing: hsdp admits and heals a restarted node before its first step, at a sync; torchft's trains "
               "H/F - tau inner steps from its fresh start before its first quorum heals it (lost, counted so), then "
               "repeats the peer it was copied from until its next sync.",
@@ -412,7 +412,8 @@ def write_results(args: argparse.Namespace, systems: list[str], m: dict, command
           *balance_lines(m.get("balance")), "```", *commands.values(), "```", "", *table(m), "",
           f"Held-out loss per replica at the end: {m['held_out_decentralized']}."]
     if "torchft" in systems:
-        md += ["", *side_by_side(m, result["timeouts_s"], args.wire, [int(n) for n in args.nproc.split(",")])]
+        md += ["", *side_by_side(m, result["timeouts_s"], args.wire, [int(n) for n in args.nproc.split(",")],
+                                 args.mix)]
     stem = f"decentralized_{date}{'_' + args.tag if args.tag else ''}"
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / f"{stem}.json").write_text(json.dumps(result, indent=1))
