@@ -356,8 +356,10 @@ def side_by_side(m: dict, timeouts: dict[str, float], wire: str, nproc: list[int
               "- Batches: hsdp weights every rank's contribution by its batch (batch weights); torchft weights the "
               "ranks inside a node (the loss scaled before FSDP2's mean) but averages the nodes' pseudo-gradients "
               "equally: equal only with equal batches per node.",
-              "- The end: both land every replica on the global copy before the held-out eval (hsdp "
-              "`opt.sync_replicas()`; torchft: past any sync in flight, every fragment synced once).",
+              "- The end: both sync every fragment before the held-out eval (hsdp `opt.sync_replicas()`, every "
+              "replica the global copy; torchft: past any sync in flight, every fragment synced once"
+              + (")." if mix == 0 else f", its landings mixing by alpha {mix:g} as any: its replicas end apart, "
+                 "the held-out loss is their mean)."),
               "- Utilization's denominator is hsdp's alone run for both (torchft's inner steps run FSDP2, not "
               "hsdp's sharding; no alone run of its own)."]
     return lines
