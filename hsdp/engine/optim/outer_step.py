@@ -6,18 +6,17 @@ are split into ``fragments`` contiguous fragments (:func:`split_fragments`; one 
 step (``ShardedOptimizer.step``) that brings the phase to a fragment's offset (``DiLoCo.offset``), the fragment's sync
 is *started*: pseudo-gradient = global - local, all-reduced (average) over the replicate group in the wire dtype,
 asynchronously ([Note: pieces and weights]; ``wire_dtype=torch.int8``: quantised with error feedback, reduce-scattered
-and all-gathered in int8, ``outer_wire.py``). ``delay`` inner steps later it *lands*: the all-reduce is waited, the
-mean is set as the fragment's global copies' gradient, the outer optimizer steps (torch's optimizers skip parameters
-without a gradient, so one optimizer serves every fragment and the others' state is untouched), and the global copy is
-merged into the shards (``mix * local + (1 - mix) * global``; a plain copy at ``mix=0``, and at ``sync_now``'s syncs of
-every fragment, which leave the replicas equal). With one fragment and
-``delay=0`` that is DiLoCo's sync after every H-th step, on the same code path. Each sync is a transaction of the
-replicate layer (``outer_transaction.py``: on an elastic mesh the replicas present at the sync, a failed all-reduce
-redone among the survivors, a joiner healed at the boundary and weighing 0), opened at its start and closed at its
-landing (at once with ``delay=0``); the syncs one call runs are a plan (``outer_plan.py``), which a joiner healed in
-one of them follows from there. Padding rows are zero on every replica, so they stay zero. A checkpoint waits for the
-syncs in flight and keeps their means and steps left, so they land at the same steps after a resume
-(``outer_checkpoint.py``, [Note: syncs in flight]).
+and all-gathered in int8, ``outer_wire.py``). ``delay`` inner steps later it *lands*: the all-reduce is waited, the mean
+is set as the fragment's global copies' gradient, the outer optimizer steps (torch's optimizers skip parameters without
+a gradient, so one optimizer serves every fragment and the others' state is untouched), and the global copy is merged
+into the shards (``mix * local + (1 - mix) * global``; a plain copy at ``mix=0``, and at ``sync_now``'s syncs of every
+fragment, which leave the replicas equal). With one fragment and ``delay=0`` that is DiLoCo's sync after every H-th
+step, on the same code path. Each sync is a transaction of the replicate layer (``outer_transaction.py``: on an elastic
+mesh the replicas present at the sync, a failed all-reduce redone among the survivors, a joiner healed at the boundary
+and weighing 0), opened at its start and closed at its landing (at once with ``delay=0``); the syncs one call runs are a
+plan (``outer_plan.py``), which a joiner healed in one of them follows from there. Padding rows are zero on every
+replica, so they stay zero. A checkpoint waits for the syncs in flight and keeps their means and steps left, so they
+land at the same steps after a resume (``outer_checkpoint.py``, [Note: syncs in flight]).
 
 [Note: loads after the optimizer] torch lets the optimizer be built before the weights are loaded
 (``model.load_state_dict``, ``hsdp.load_pretrained``, ``hsdp.materialize``, a model-only ``hsdp.load_checkpoint``,
