@@ -1,8 +1,7 @@
 """Hangs in collectives hsdp does not issue (DTensor's full_tensor, a user's all_reduce, a barrier).
 
 The sampler and the judgement are checked without processes (fake torch.distributed frames, crafted
-snapshots); the end-to-end cases run 4 ranks of programs/foreign_worker.py with FaultPolicy(timeout=3), started
-from the fork server (harness.start_program).
+snapshots); the end-to-end cases run 4 ranks of programs/foreign_worker.py with FaultPolicy(timeout=3).
 """
 
 from __future__ import annotations
@@ -10,7 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-import tempfile
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from harness import RankProcess, start_program
 
 from hsdp.engine.faults import stacks
 from hsdp.engine.faults.foreign import foreign_report, judge_foreign, working_notice
@@ -182,27 +181,27 @@ def test_the_working_notice_and_hsdp_own_report_name_the_foreign_call() -> None:
 
 
 @functools.cache
-def _run(case: str) -> tuple[list[RankProcess], list[str], float]:
+def _run(case: str) -> tuple[list[subprocess.Popen], list[str], float]:
     """Four ranks of foreign_worker.py (once per case: two tests read the first); the store lives in this
     process (as torchrun's agent hosts it). Returns the processes, their outputs, and the seconds from rank
     0's misuse to the last rank's exit."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory() as logs:
-        procs = []
-        for rank in range(4):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
-            procs.append(start_program(PROGRAM, [case, str(TIMEOUT)], env, f"{logs}/{rank}.log"))
-        try:
-            for p in procs:
-                p.wait(timeout=120)
-            end = time.time()
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        outputs = [p.output() for p in procs]
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(PROGRAM), case, str(TIMEOUT)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        for p in procs:
+            p.wait(timeout=120)
+        end = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    outputs = [p.stdout.read() for p in procs]
     fault = re.search(r"misbehaving \(\w+\) at ([\d.]+)", outputs[0])
     return procs, outputs, end - float(fault.group(1)) if fault else float("nan")
 
