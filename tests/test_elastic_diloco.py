@@ -23,6 +23,8 @@ each case:
   takes the global copy as its weights and the inner optimizer state of the lowest-numbered member that trained
   (a replay taking that member's weights instead is checked to differ);
 - ``check_replicas`` (the global copy) passes on every member at the end; the launch exits 0, nothing left behind;
+- ``opt.sync_replicas()`` then leaves every rank the same weights, and replica 0's checkpoint after it (the others
+  gone) holds them, with its int8-wire residuals;
 - on degrees 2, 1, 1: each sync's pseudo-gradients are averaged piece by piece over the quorum's degrees, and the
   killed 1-rank replica 2 is healed from the 2-rank replica 0 (so is every 1-rank replica at the first quorum): its
   global copy, outer momentum and inner AdamW state re-cut across degrees on the way. Each replica's
@@ -48,6 +50,8 @@ from launched import run_launch, why_failed
 from models import ParityNet, batch, loss_fn
 
 import hsdp
+from hsdp.checkpoint.dcp_io import read_metadata_file
+from hsdp.checkpoint.export import read_weights
 from hsdp.engine.optim.outer_pending import PendingSync
 from hsdp.engine.optim.outer_plan import START, SyncPlan
 from hsdp.engine.optim.outer_step import OuterState, SyncStep
@@ -160,6 +164,35 @@ def test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members(run: tuple[
         from_source, _ = _replay(policy, nproc, logs, syncs, entered, from_source=True)
         assert max((params[0][n] - from_source[0][n]).abs().max().item() for n in params[0]) > 1e-4
 
+
+def test_the_closing_sync_leaves_every_replica_the_global_copy_and_the_writer_checkpoints_it(
+        run: tuple[str, Path, str]) -> None:
+    """``opt.sync_replicas()`` after the last step (as ``hsdp train`` ends): every rank of every replica leaves with
+    the same weights, which moved where inner steps were not synced yet, and replica 0 alone then checkpoints
+    with no step of the job open and the others gone: the checkpoint's model is that global copy, and with the int8
+    wire it keeps replica 0's residuals (their layout is the last sync's pieces: reading the current step's
+    would wait for a quorum that never comes)."""
+    case, out, _ = run
+    wire = CASES[case][3]
+    finals = {path.name: torch.load(path) for path in sorted(out.glob("final_r*_s*.pt"))}
+    assert len(finals) == sum(CASES[case][1])
+    reference = finals["final_r0_s0.pt"]
+    for name, final in finals.items():
+        for key, value in final.items():
+            assert torch.equal(value, reference[key]), (name, key)
+    before = torch.load(out / "params_r0_s0.pt")
+    moved = max((reference[k] - before[k]).abs().max().item() for k in before)
+    # Whole-model DiLoCo stops right after its sync (nothing trained since: the sync only adopts the global copy,
+    # which it holds already); Streaming DiLoCo's other fragment trained since its own sync, and one is in flight.
+    assert moved == 0.0 if SYNCS[CASES[case][0]][0] == 1 else moved > 1e-6, moved
+    saved = read_weights(out / "checkpoint").tensors
+    assert set(reference) <= set(saved), sorted(set(reference) - set(saved))
+    for key, value in reference.items():
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=0, msg=key)
+    metadata, _ = read_metadata_file(str(next(out.glob("checkpoint/**/.metadata"))))
+    residuals = [k for k in metadata.state_dict_metadata if ".residual." in k]
+    assert bool(residuals) == (wire == "int8"), residuals
+    assert all(k.startswith("diloco.replica.0.residual.") for k in residuals), residuals
 
 
 def _replay(policy: hsdp.DiLoCo, nproc: tuple[int, ...], logs: dict[tuple[int, int], list[list[dict]]],

@@ -263,3 +263,14 @@ def test_residuals_follow_an_elastic_quorums_pieces_element_by_element() -> None
     follow_plan(hop, "u", whole, whole, 10, torch.device("cpu"))
     assert torch.equal(hop.residuals["u@0,1"], torch.zeros(8))
 
+
+def test_residuals_laid_out_like_the_slot_are_cut_into_the_first_plans_buckets() -> None:
+    """``old=None``: one residual under the unit's key, laid out like the slot (what a DiLoCo checkpoint's load
+    leaves on an elastic mesh before its first sync); each element's goes to the bucket that sends it."""
+    halves = PiecePlan((Bucket((0, 2, 3), ((0, 4),), 0), Bucket((1, 2, 3), ((4, 4), (8, 2)), 2)), 1.0)
+    hop = hsdp.Int8ErrorFeedbackHop()
+    hop.load_state_dict({"u": torch.arange(8.0)})
+    follow_plan(hop, "u", None, halves, 8, torch.device("cpu"))
+    assert torch.equal(hop.residuals["u@0,2,3"], torch.arange(4.0))
+    assert torch.equal(hop.residuals["u@1,2,3"], torch.arange(4.0) + 4)
+

@@ -77,11 +77,14 @@ class GatedCoordinator(Coordinator):
 
 
 @contextlib.contextmanager
-def _coordinator(replicas: int, min_replicas: int) -> Iterator[tuple[GatedCoordinator, str, dist.Store]]:
-    """The coordinator serving in a thread, its address, and the test's own connection to its store."""
+def _coordinator(replicas: int, min_replicas: int, ranks: tuple[int, ...] | None = None
+                 ) -> Iterator[tuple[GatedCoordinator, str, dist.Store]]:
+    """The coordinator serving in a thread, its address, and the test's own connection to its store (``ranks``:
+    each replica's rank count, declared as ``hsdp coordinator --nproc-per-replica`` does)."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # start_grace: step 1 waits for every replica however slow their start (else fewer may begin the job).
-    coord = GatedCoordinator(master, JOB, replicas=replicas, min_replicas=min_replicas, start_grace=120.0)
+    coord = GatedCoordinator(master, JOB, replicas=replicas, min_replicas=min_replicas, start_grace=120.0,
+                             ranks=ranks)
     stop = threading.Event()
     thread = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
     thread.start()
@@ -252,6 +255,37 @@ def test_below_the_minimum_every_rank_stops_and_the_survivor_checkpoints_its_las
     summary = json.loads((run / "summary.json").read_text())
     assert "below the minimum" in summary["elastic"]["quorum_lost"] and summary["elastic"]["committed"] == 3
     assert all(r["replicate_bytes"] > 0 for r in read_metrics(str(run)))  # the bf16 hop crossed the groups
+
+
+def test_elastic_streaming_diloco_on_degrees_2_1_with_the_int8_wire_ends_synced_and_checkpointed(
+        tmp_path: Path) -> None:
+    """The decentralized recipe in small: replicas of 2 and 1 ranks, Streaming DiLoCo (H 4, 2 fragments, delay 1,
+    mix 0.5) with the int8 wire. Step 7 is mid-phase with a sync in flight: it ends with ``sync_replicas`` over both
+    replicas, after which the writer (replica 0) alone evaluates and checkpoints while replica 1 has left."""
+    steps = 7
+    args = [*_args(tmp_path, steps, checkpoint_every=4), "parallel.sharding_degree=[2,1]",
+            "parallel.replica_sync=diloco", "parallel.diloco_every=4", "parallel.diloco_fragments=2",
+            "parallel.diloco_delay=1", "parallel.diloco_mix=0.5", "parallel.diloco_wire_dtype=int8"]
+    deadline = time.monotonic() + 120
+    with _coordinator(replicas=2, min_replicas=2, ranks=(2, 1)) as (coord, address, _):
+        jobs = [Replica(r, ranks, address, args, tmp_path) for r, ranks in ((0, 2), (1, 1))]
+        statuses = [job.wait(deadline) for job in jobs]
+        while not coord.state.completed and time.monotonic() < deadline:  # its next poll sees the last one finish
+            time.sleep(0.02)
+        completed = coord.state.completed
+    for job, status in zip(jobs, statuses, strict=True):
+        assert status == [0] * len(status), job.output()[-4000:]
+    assert "replica(s) [0, 1] finished training after step" in completed, completed
+    run = tmp_path / "run"
+    records = read_metrics(str(run))
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and all(r["committed"] for r in records)
+    last = records[-1]
+    # The closing sync: the fragment in flight landed, then both fragments synced at once (int8: bytes crossed).
+    assert last["synced_all"] and sorted(last["sync_started"])[-2:] == [0, 1] and last["replicate_bytes"] > 0
+    assert not any(r.get("synced_all") for r in records[:-1]) and last["eval_loss"] is not None
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000004", "step_000007"]
+    _loads(run / "checkpoints")
+    assert json.loads((run / "summary.json").read_text())["replica_sync"]["wire_dtype"] == "int8"
 
 
 def test_elastic_refusals_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -23,7 +23,8 @@ replica 1 reaches its first sync start after step 0 ``LATE_S`` late) and the las
 (``model.last_step``). The run stops
 after two consecutive syncs of all three replicas following a sync without the last victim (replica 1; replica 2
 without the mid-sync fault), the restarted victim counting its own join as one when it landed a sync, then checks
-replicas (the global copy) and saves the full parameters.
+replicas (the global copy) and saves the full parameters; then ``opt.sync_replicas()``, the full parameters again
+(``final_...``), and replica 0 alone checkpoints (``<out>/checkpoint``), as ``hsdp train``'s writer does.
 """
 
 from __future__ import annotations
@@ -138,6 +139,13 @@ def main() -> None:
     model.check_replicas()
     torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},
                os.path.join(out, f"params_r{replica}_s{rank}.pt"))
+    # The end of training as hsdp train ends it: every fragment synced (the replicas leave with the global copy),
+    # then replica 0 alone checkpoints, with no step of the job open (the others are gone by then).
+    opt.sync_replicas()
+    torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},
+               os.path.join(out, f"final_r{replica}_s{rank}.pt"))
+    if replica == 0:
+        hsdp.save_checkpoint(os.path.join(out, "checkpoint"), model, opt)
     log.write(json.dumps({"done": step}) + "\n")
     log.close()
 

@@ -17,7 +17,7 @@ step's ``grad_norm`` and ``loss`` are the replica's own; the held-out loss and t
 as they stand (the same on all of them right after a sync step, each its own in between). The last of
 ``train.steps`` ends with ``opt.sync_replicas()`` (:func:`sync_at_end`; its record says ``"synced_all"``): every
 fragment synced at once, so the final evaluation, sample, checkpoint and export are the global copy with every
-replica's last steps in, and the replicas leave equal (not yet on an elastic mesh: see ``Trainer._optimizer_step``).
+replica's last steps in, and the replicas leave equal (on an elastic mesh too: the replicas present at that sync).
 
 Streaming DiLoCo: ``diloco_fragments`` F splits the model's units into F fragments, each synced once every H steps
 at its own staggered step (the link carries 1/F of the model at a time); ``diloco_delay`` tau lets a fragment's

@@ -277,9 +277,7 @@ class Trainer:
         grad_norm = hsdp.clip_grad_norm_(self.model, max_norm)
         self.optimizer.step()
         sync = step_fields(self.cfg.parallel, self.optimizer)
-        # Not on an elastic mesh yet: there (the 2,1,1 recipe, reproduced) replicas 1 and 2 finished, then the
-        # coordinator stopped the job below its minimum with replica 0 still live; the cause is not found yet.
-        if step == self.cfg.train.steps and self.mesh.elastic is None:
+        if step == self.cfg.train.steps:
             sync = sync_at_end(self.cfg.parallel, self.optimizer, sync)
         # The step's one read for the record: loss and norm in one copy, after the step (it also makes the
         # timing include the device's work).

@@ -149,7 +149,7 @@ def residual_state_dict(outer: OuterState) -> dict[str, torch.Tensor]:
     if outer.wire is None:
         return out
     for i, unit in enumerate(outer.units):
-        flat = residual_flat(outer.wire, unit, outer.piece_plan(unit))
+        flat = residual_flat(outer.wire, unit, outer.residual_plan(unit))
         if flat is not None:
             for p, chunk in chunks(outer, i, flat):
                 out[p.fqn] = stamp(p.to_dtensor(chunk))
@@ -169,7 +169,7 @@ def _load_residuals(outer: OuterState, saved: dict[str, Any]) -> None:
         for p, chunk in chunks(outer, i, flat):
             if p.fqn in saved:
                 chunk.copy_(_local(saved[p.fqn]))
-        set_residual_flat(outer.wire, unit, outer.piece_plan(unit), flat)
+        set_residual_flat(outer.wire, unit, outer.residual_plan(unit), flat)
 
 
 def _pending(outer: OuterState, in_flight: dict[int, tuple[int, torch.Tensor]]) -> list[PendingSync]:

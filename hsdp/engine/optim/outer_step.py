@@ -146,7 +146,7 @@ class OuterState:
             unit.phase_weight = torch.zeros((), dtype=torch.float64, device=unit.sharded_flat.device)
         self.global_copy = [u.sharded_flat.detach().float().clone() for u in self.units]
         self.wire = wire_hop(policy)  # the int8 wire's quantiser and residuals (``outer_wire.py``); None for floats
-        self._wire_plans: dict[str, PiecePlan] = {}  # the plan each unit's wire residuals follow (elastic)
+        self._wire_plans: dict[str, PiecePlan] = {}  # the plan each unit's wire residuals follow (residual_plan)
         self.outer = policy.make_outer(self.global_copy)
         self.inner_steps = 0  # the phase: inner steps since the last fragment's sync started, mod H
         self.pending: list[PendingSync] = []  # started, not landed, in the order started
@@ -412,9 +412,18 @@ class OuterState:
         # Scale 1: each replica's pseudo-gradient counts once (the gradients' pre-scale weighs ranks, not replicas).
         hop = AllReduceHop() if self.wire is None else self.wire
         if self.wire is not None and self.model.mesh.replicas.transactional:  # quorums of other degrees (elastic)
-            follow_plan(self.wire, label, self._wire_plans.get(label), plan, buffer.numel(), buffer.device)
+            follow_plan(self.wire, label, self._wire_plans.get(label), plan, buffer.numel() - n_extra, buffer.device)
             self._wire_plans[label] = plan
         return start_piece_hops(hop, buffer, dataclasses.replace(plan, scale=1.0), comm, label)
+
+    def residual_plan(self, unit: ShardUnit) -> PiecePlan | None:
+        """The piece plan the unit's int8-wire residuals are laid out by (``None``: one residual, laid out like its
+        flat shard). On a transactional layer (elastic) the plan of the unit's last sync: a quorum since may have
+        other degrees, and a save after the last sync (``sync_replicas`` at the end of training) must not wait for
+        a quorum that never comes; its next sync re-cuts them (``piece_hop.follow_plan``)."""
+        if self.model.mesh.replicas.transactional:
+            return self._wire_plans.get(wire_key(unit))
+        return self.piece_plan(unit)
 
     def piece_plan(self, unit: ShardUnit, n_extra: int = 0) -> PiecePlan | None:
         """The unit's piece plan across replicas of different degrees for a buffer laid out like its flat shard

@@ -76,7 +76,8 @@ def follow_plan(hop: ReplicaHop, key: str, old: PiecePlan | None, new: PiecePlan
                 device: torch.device) -> None:
     """Lay a stateful hop's per-bucket state of unit ``key`` (the int8 hop's residuals) out by ``new``'s buckets
     before its hops: where a layer's replicas change (elastic), a quorum of other shard degrees regroups this rank's
-    ``numel`` slot elements into other buckets (``old``: the plan the state follows), and each element keeps what
+    ``numel`` slot elements (the tail excluded) into other buckets (``old``: the plan the state follows; ``None``:
+    one state under ``key`` laid out like the slot, as a checkpoint's load leaves it), and each element keeps what
     rounding lost of it (error feedback's invariant), re-cut on the way. A bucket state of the wrong size for its
     plan (a discarded step put back one laid out by an earlier plan) counts as none: zeros, never a crash. (Where a
     plan change and a discard coincide, a state of the right size put back under a name the new plan reuses is taken
@@ -85,19 +86,21 @@ def follow_plan(hop: ReplicaHop, key: str, old: PiecePlan | None, new: PiecePlan
     if state is None:
         return
 
-    def sized(holders: tuple[int, ...], segments: list[tuple[int, int]]) -> torch.Tensor | None:
-        value = state.get(bucket_key(key, holders))
+    def sized(name: str, segments: list[tuple[int, int]]) -> torch.Tensor | None:
+        value = state.get(name)
         return value if value is not None and value.numel() == sum(n for _, n in segments) else None
 
     flat = None
-    if old is not None and old != new:
-        flat = flat_from_buckets([(sized(h, s), s) for h, s in state_segments(old)], numel, device)
+    if old is None:
+        flat = sized(key, [(0, numel)])
+    elif old != new:
+        flat = flat_from_buckets([(sized(bucket_key(key, h), s), s) for h, s in state_segments(old)], numel, device)
     fresh = {}
     for holders, segments in state_segments(new):
         name = bucket_key(key, holders)
         if flat is not None:
             fresh[name] = torch.cat([flat[o: o + n] for o, n in segments])
-        elif name in state and sized(holders, segments) is None:
+        elif name in state and sized(name, segments) is None:
             fresh[name] = torch.zeros(sum(n for _, n in segments), device=device)
     if fresh:
         hop.load_state_dict(fresh)

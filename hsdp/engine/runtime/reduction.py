@@ -263,7 +263,8 @@ class Reduction:
                 unit.piece_plans)
             if plan is not None:
                 if unit.comm.mesh.replicas.transactional:  # (elastic) quorums of other degrees, discarded steps
-                    follow_plan(unit.hop, unit.key, unit.hop_plan, plan, self.output.numel(), self.output.device)
+                    follow_plan(unit.hop, unit.key, unit.hop_plan, plan, self.output.numel() - self.n_extra,
+                                self.output.device)
                     unit.hop_plan = plan
                 self._handle = start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)
             # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces. Nor

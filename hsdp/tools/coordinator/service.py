@@ -24,11 +24,14 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from hsdp.engine.faults.signals import handle_signals
 from hsdp.tools.coordinator.config import ADDRESS_LINE, ANY_HOST, CoordinatorConfig
 from hsdp.tools.coordinator.events import MembershipLog
+
+if TYPE_CHECKING:
+    from hsdp.tools.coordinator.server import Coordinator
 
 POLL_S = 0.005  # a decision waits at most this long after its last input arrived
 STOP_LINGER_S = 5.0  # serving after the job stopped: the replicas blocked on a quorum read the reason
@@ -76,19 +79,26 @@ def serve(config: CoordinatorConfig, *, out: IO[str] | None = None, err: IO[str]
     stopped_at: float | None = None
     with handle_signals(_STOP_SIGNALS, on_signal):
         while not stopping[0] and not (stop is not None and stop()):
-            coordinator.poll()
-            for line in log.observe(coordinator.state):
-                _say(out, line)
+            _observe(coordinator, log, out)
             state = coordinator.state
             if state.stopped or state.completed:
                 stopped_at = stopped_at or time.monotonic()
                 if time.monotonic() - stopped_at >= (config.linger if state.completed else linger):
                     break
             time.sleep(period)
+        if stopping[0]:  # one last look: hsdp launch stops it once every node ended, maybe right after the last finish
+            _observe(coordinator, log, out)
     _say(out, log.summary(coordinator.state, config.job, time.monotonic() - started))
     if stopping[0] or not coordinator.state.stopped:
         return 0  # stopped by a signal, or the job completed
     return BELOW_MINIMUM if coordinator.state.members else 0
+
+
+def _observe(coordinator: Coordinator, log: MembershipLog, out: IO[str]) -> None:
+    """One pass of the coordinator's decisions, and the lines that say what changed."""
+    coordinator.poll()
+    for line in log.observe(coordinator.state):
+        _say(out, line)
 
 
 def _say(out: IO[str], text: str) -> None:
