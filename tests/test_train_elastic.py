@@ -15,7 +15,9 @@ every run takes the same path whatever the machine's speed. Checked:
   the committed steps only; the summary counts committed and discarded steps and the membership changes; the
   checkpoints load into the model, and no lease is left behind;
 - below the minimum (2 of 2 replicas, one killed) the survivor raises ``QuorumLost``, checkpoints its last
-  finished step, says why and exits with status 3;
+  finished step, says why and exits with status 3 (under DiLoCo: the step whose sync the job stopped in);
+- elastic Streaming DiLoCo with the int8 wire on replicas of 2 and 1 ranks ends with the closing sync, then the
+  writer alone evaluates and checkpoints;
 - the refusals before anything starts (configuration, no torchrun, no coordinator), the lease's rule for the
   replicas of one job (taken over at once, passed on quietly, another job still refused).
 """
@@ -255,6 +257,28 @@ def test_below_the_minimum_every_rank_stops_and_the_survivor_checkpoints_its_las
     summary = json.loads((run / "summary.json").read_text())
     assert "below the minimum" in summary["elastic"]["quorum_lost"] and summary["elastic"]["committed"] == 3
     assert all(r["replicate_bytes"] > 0 for r in read_metrics(str(run)))  # the bf16 hop crossed the groups
+
+
+def test_below_the_minimum_under_diloco_the_checkpoint_is_of_the_step_whose_sync_stopped(tmp_path: Path) -> None:
+    """Under DiLoCo the layer's steps are syncs, not train steps: the job stops in step 4's sync (H = 4), after its
+    inner step, and the checkpoint is of step 4 (it once took the sync's number, 1, for the train step's)."""
+    args = [*_args(tmp_path, steps=50, checkpoint_every=0), "train.eval_every=0", "parallel.replica_sync=diloco",
+            "parallel.diloco_every=4"]
+    deadline = time.monotonic() + 100
+    with _coordinator(replicas=2, min_replicas=2) as (coord, address, probe):
+        coord.quorum_gate = 1  # the first sync (elastic step 0 admitted them): both wait for it
+        jobs = [Replica(r, 1, address, args, tmp_path) for r in range(2)]
+        _until("both replicas at the first sync", lambda: _held_at(coord, probe, 1, (0, 1)), deadline, jobs)
+        jobs[1].kill()
+        _until("the coordinator to see replica 1 dead", lambda: coord.dead(1), deadline, jobs[:1])
+        coord.quorum_gate = NEVER
+        status = jobs[0].wait(deadline)
+    assert status == [QUORUM_LOST_EXIT_STATUS], jobs[0].output()[-4000:]
+    assert "replica 0 stopped after step 4: hsdp elastic: the coordinator stopped the job" in jobs[0].said()
+    run = tmp_path / "run"
+    assert [r["step"] for r in read_metrics(str(run))] == [1, 2, 3]  # step 4's record: never finished
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000004"]
+    _loads(run / "checkpoints")
 
 
 def test_elastic_streaming_diloco_on_degrees_2_1_with_the_int8_wire_ends_synced_and_checkpointed(

@@ -30,7 +30,8 @@ coordinator``); all of them train into the same ``train.out_dir``. The rules:
   fresh ``hsdp train``; once it is published, a replica joins the running job's directory, whose ``config.toml``
   must equal its own configuration. Another job's live lease is refused either way.
 * **Below the minimum** the coordinator stops the job and every rank raises ``hsdp.QuorumLost``. ``hsdp train``
-  stops after the last finished step, whose state every member holds alike; the first replica to claim it on the
+  stops after the last finished step, whose state every member holds alike (under DiLoCo, where the coordinator's
+  steps are syncs: the step whose sync the job stopped in, its inner step taken); the first replica to claim it on the
   coordinator's store (the writer of the last step when the store is gone) checkpoints there and writes the
   summary; every rank exits with :data:`QUORUM_LOST_EXIT_STATUS`.
 """

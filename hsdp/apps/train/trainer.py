@@ -381,17 +381,21 @@ class Trainer:
                         if self._run_step(step, signals.requested):
                             break
                 except QuorumLost as e:  # elastic, below the minimum: every rank of every replica
-                    self._quorum_lost(e)
+                    self._quorum_lost(e, step)
             self.result.trace = self.profiler.close() or self.result.trace
         return self.result
 
-    def _quorum_lost(self, error: QuorumLost) -> None:
+    def _quorum_lost(self, error: QuorumLost, current: int) -> None:
         """Stop after the last finished step, whose state every member holds alike; the replica that claims it
-        checkpoints there (see :mod:`hsdp.apps.train.elastic_run`)."""
+        checkpoints there (see :mod:`hsdp.apps.train.elastic_run`). ``current``: the train step it was raised in."""
         assert self.pen is not None and self.mesh.elastic is not None
         self.pen.quorum_lost = self.result.quorum_lost = str(error)
         self.optimizer.zero_grad(set_to_none=True)
-        step = self.mesh.elastic.step  # every elastic step before it is decided: the last finished train step
+        # Per step, train step k is elastic step k - 1, so every elastic step before the layer's is decided: the
+        # last finished train step. Under DiLoCo the layer counts syncs, and the job stops in the current step's,
+        # after its inner step: the weights are that step's (its syncs that committed landed; the one stopped
+        # did not), so that is the step its checkpoint is of.
+        step = current if is_diloco(self.cfg.parallel) else self.mesh.elastic.step
         if self.pen.claim_final() and step > 0:
             self.pen.hold()  # the lease, and the records the file lacks
             if self.result.checkpoint_step != step:
