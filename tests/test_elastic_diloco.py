@@ -23,8 +23,9 @@ each case:
   takes the global copy as its weights and the inner optimizer state of the lowest-numbered member that trained
   (a replay taking that member's weights instead is checked to differ);
 - ``check_replicas`` (the global copy) passes on every member at the end; the launch exits 0, nothing left behind;
-- ``opt.sync_replicas()`` then leaves every rank the same weights, and replica 0's checkpoint after it (the others
-  gone) holds them, with its int8-wire residuals;
+- ``opt.sync_replicas()`` then leaves every rank the same weights, and the checkpoint one replica saves alone after
+  it (the others gone; replica 1 in the streaming case) holds them, its inner optimizer state where a load on
+  another replica count reads it, and its int8-wire residuals;
 - on degrees 2, 1, 1: each sync's pseudo-gradients are averaged piece by piece over the quorum's degrees, and the
   killed 1-rank replica 2 is healed from the 2-rank replica 0 (so is every 1-rank replica at the first quorum): its
   global copy, outer momentum and inner AdamW state re-cut across degrees on the way. Each replica's
@@ -80,11 +81,17 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     flags = ["--elastic", "--nodes", str(REPLICAS), "--nproc-per-node", ",".join(map(str, nproc)), "--max-restarts",
              "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--no-emulation"]
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_OUT": str(out), "ELASTIC_SYNC": sync,
-           "ELASTIC_MID_SYNC": "1" if mid_sync else "0", "ELASTIC_WIRE": wire}
+           "ELASTIC_MID_SYNC": "1" if mid_sync else "0", "ELASTIC_WIRE": wire, "ELASTIC_WRITER": str(_writer(case))}
     code, output, left = run_launch(flags, [str(PROGRAM)], env, RUN_TIMEOUT_S)
     assert code == 0, why_failed(output)
     assert left == [], f"processes left behind: {left}"
     return case, out, output
+
+
+def _writer(case: str) -> int:
+    """The replica that checkpoints at the end: replica 1 in one case (a writer other than replica 0, as after
+    replica 0 left an elastic job), replica 0 elsewhere."""
+    return 1 if case == "streaming" else 0
 
 
 def _logs(out: Path) -> dict[tuple[int, int], list[list[dict]]]:
@@ -168,9 +175,9 @@ def test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members(run: tuple[
 def test_the_closing_sync_leaves_every_replica_the_global_copy_and_the_writer_checkpoints_it(
         run: tuple[str, Path, str]) -> None:
     """``opt.sync_replicas()`` after the last step (as ``hsdp train`` ends): every rank of every replica leaves with
-    the same weights, which moved where inner steps were not synced yet, and replica 0 alone then checkpoints
+    the same weights, which moved where inner steps were not synced yet, and one replica alone then checkpoints
     with no step of the job open and the others gone: the checkpoint's model is that global copy, and with the int8
-    wire it keeps replica 0's residuals (their layout is the last sync's pieces: reading the current step's
+    wire it keeps that replica's residuals (their layout is the last sync's pieces: reading the current step's
     would wait for a quorum that never comes)."""
     case, out, _ = run
     wire = CASES[case][3]
@@ -190,9 +197,13 @@ def test_the_closing_sync_leaves_every_replica_the_global_copy_and_the_writer_ch
     for key, value in reference.items():
         torch.testing.assert_close(saved[key], value, rtol=0, atol=0, msg=key)
     metadata, _ = read_metadata_file(str(next(out.glob("checkpoint/**/.metadata"))))
-    residuals = [k for k in metadata.state_dict_metadata if ".residual." in k]
+    keys, writer = list(metadata.state_dict_metadata), _writer(case)
+    residuals = [k for k in keys if ".residual." in k]
     assert bool(residuals) == (wire == "int8"), residuals
-    assert all(k.startswith("diloco.replica.0.residual.") for k in residuals), residuals
+    assert all(k.startswith(f"diloco.replica.{writer}.residual.") for k in residuals), residuals
+    # The writer's inner AdamW state sits where a load on another replica count reads it (``optim.state``), whichever
+    # replica wrote it (a writer other than replica 0 once kept it under its own replica's keys only).
+    assert [k for k in keys if k.startswith("optim.state.") and k.endswith(".exp_avg")], keys
 
 
 def _replay(policy: hsdp.DiLoCo, nproc: tuple[int, ...], logs: dict[tuple[int, int], list[list[dict]]],

@@ -6,7 +6,8 @@ writer per identically named chunk), so it would silently resume every replica f
 DiLoCo checkpoint holds::
 
     model.<name>                               the global copy, in the parameter's dtype (buffers as always)
-    optim.state.<param>.<name>                 replica 0's inner optimizer state (replica 0 writes it)
+    optim.state.<param>.<name>                 replica 0's inner optimizer state (replica 0 writes it; on an
+                                               elastic mesh the one replica that saves)
     optim.param_groups.<i>.<name>              the inner hyper-parameters (the same on every replica)
     diloco.global.<param>                      the global copy in fp32, sharded like the parameter
     diloco.outer.<param>.<name>                the outer optimizer's state (momentum), sharded like the parameter
@@ -85,7 +86,9 @@ def save_state(model: ShardedModel, optimizer: ShardedOptimizer) -> dict[str, An
         for slot in p.slots:
             model_sd[slot.fqn] = weights[p.fqn]
     inner = optimizer._named_state_dict()
-    if replica == 0:
+    # ``optim`` holds the inner state of the lowest replica saving, which a load on another replica count reads:
+    # replica 0 here, or this replica where it saves alone (elastic: the other replicas are other jobs).
+    if replica == (replica if model.mesh.replicas.outside_world else 0):
         optim = inner
     else:  # replica 0's state sits in ``optim``; the others' must not collide with it
         optim = {k: v for k, v in inner.items() if k != "state"}

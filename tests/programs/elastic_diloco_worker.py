@@ -24,7 +24,8 @@ replica 1 reaches its first sync start after step 0 ``LATE_S`` late) and the las
 after two consecutive syncs of all three replicas following a sync without the last victim (replica 1; replica 2
 without the mid-sync fault), the restarted victim counting its own join as one when it landed a sync, then checks
 replicas (the global copy) and saves the full parameters; then ``opt.sync_replicas()``, the full parameters again
-(``final_...``), and replica 0 alone checkpoints (``<out>/checkpoint``), as ``hsdp train``'s writer does.
+(``final_...``), and one replica alone (``ELASTIC_WRITER``, default 0) checkpoints (``<out>/checkpoint``), as
+``hsdp train``'s writer does.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ MID_SYNC = os.environ.get("ELASTIC_MID_SYNC", "1") == "1"
 OFFSETS = {SYNC.offset(f) for f in range(SYNC.fragments)}  # phases at which a fragment's sync starts
 LATE_S = 1.0  # replica 1 reaches its first sync start after step 0 this late (the others' last_sync.waited)
 LAST_VICTIM = 1 if MID_SYNC else 2  # whose rejoining ends the run
+WRITER = int(os.environ.get("ELASTIC_WRITER", "0"))  # the replica that checkpoints at the end (alone)
 
 
 def main() -> None:
@@ -140,11 +142,11 @@ def main() -> None:
     torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},
                os.path.join(out, f"params_r{replica}_s{rank}.pt"))
     # The end of training as hsdp train ends it: every fragment synced (the replicas leave with the global copy),
-    # then replica 0 alone checkpoints, with no step of the job open (the others are gone by then).
+    # then one replica alone checkpoints, with no step of the job open (the others are gone by then).
     opt.sync_replicas()
     torch.save({n: p.detach().full_tensor() for n, p in model.named_parameters()},
                os.path.join(out, f"final_r{replica}_s{rank}.pt"))
-    if replica == 0:
+    if replica == WRITER:
         hsdp.save_checkpoint(os.path.join(out, "checkpoint"), model, opt)
     log.write(json.dumps({"done": step}) + "\n")
     log.close()
