@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
 
@@ -73,14 +74,22 @@ def save_adapter(model: ShardedModel, save_directory: str | os.PathLike, **kwarg
 
 def adapter_keys(model: ShardedModel) -> set[str]:
     """The ``state_dict`` keys PEFT saves for the adapters of ``model``: PEFT's own selection
-    (``get_peft_model_state_dict``, every adapter) run on the sharded state dict, whose values are the
-    parameters' DTensors, mapped back to their keys by identity (PEFT renames the keys it keeps, not the values)."""
-    sharded = model.state_dict(keep_vars=True)
+    (``get_peft_model_state_dict``, every adapter) run on stand-ins of the sharded state dict's values, mapped back
+    to their keys by identity (PEFT renames the keys it keeps, not the values). The stand-ins are empty tensors of
+    each value's full shape and dtype on the meta device: given the DTensors themselves, PEFT 0.22 and later gathers
+    the ones it selects into new CPU tensors (a collective per tensor, and no identity left to map back)."""
+    stand_ins = {key: _stand_in(value) for key, value in model.state_dict(keep_vars=True).items()}
     kept: set[int] = set()
     for name in model.peft_config:
-        chosen = get_peft_model_state_dict(model, state_dict=sharded, adapter_name=name)
+        chosen = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=name)
         kept |= {id(v) for v in chosen.values()}
-    return {key for key, value in sharded.items() if id(value) in kept}
+    return {key for key, value in stand_ins.items() if id(value) in kept}
+
+
+def _stand_in(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device="meta")
 
 
 def _check(model: Any, save_directory: Any, kwargs: dict[str, Any]) -> None:
