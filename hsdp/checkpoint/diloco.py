@@ -87,10 +87,11 @@ def save_state(model: ShardedModel, optimizer: ShardedOptimizer) -> dict[str, An
             model_sd[slot.fqn] = weights[p.fqn]
     inner = optimizer._named_state_dict()
     # ``optim`` holds the inner state of the lowest replica saving, which a load on another replica count reads:
-    # replica 0 here, or this replica where it saves alone (elastic: the other replicas are other jobs).
-    if replica == (replica if model.mesh.replicas.outside_world else 0):
+    # replica 0, or this replica where it saves alone (elastic: the other replicas are other jobs).
+    lowest_saving = replica if model.mesh.replicas.outside_world else 0
+    if replica == lowest_saving:
         optim = inner
-    else:  # replica 0's state sits in ``optim``; the others' must not collide with it
+    else:  # the lowest's state sits in ``optim``; the others' must not collide with it
         optim = {k: v for k, v in inner.items() if k != "state"}
         mine[OPTIM] = {"state": inner["state"]}
     residuals = residual_state_dict(outer)
