@@ -102,10 +102,12 @@ class Watchdog:
         self._stop.set()
         # Wait for the thread to leave any store call: a daemon thread still inside C++ when the interpreter
         # finalizes is ended by pthread_exit, which aborts the process ("terminate called without an active
-        # exception") after all the work is done. Bounded: a store whose host is gone must not stall exit.
+        # exception") after all the work is done. A loaded machine can hold a beat's store work for seconds;
+        # bounded all the same, since a store whose host is stopped never answers and must not stall exit long.
+        deadline = time.monotonic() + max(2 * self.policy.interval, self.policy.timeout / 4)
         for thread in (self._thread, self._store_thread):
-            if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(timeout=2 * self.policy.interval)
+            while thread.is_alive() and thread is not threading.current_thread() and time.monotonic() < deadline:
+                thread.join(timeout=self.policy.interval)
         with contextlib.suppress(Exception):  # the store's host may be gone already at shutdown
             self.store.add(f"hsdp/done/{self.rank}", 1)
         self.verdict.settle(self.rank)  # a failure published later is none of this rank's: nobody waits for it
