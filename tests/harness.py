@@ -47,6 +47,9 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: 
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=90))
+        # Every rank's connections are up before any runs ``fn``: a rank whose ``fn`` returns at once would
+        # otherwise exit while a slower peer still connects to it ("Connection closed by peer" in its init).
+        dist.barrier()
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # report, do not hang the others silently
         result = ("error", traceback.format_exc())

@@ -2,7 +2,7 @@
 
 Spawns are the cost, so: the lease's rules run in this process; the parent-death signal runs in one small
 child; one 2-rank spawn checks ``save_checkpoint`` and ``hsdp train``'s run directory against leases held
-elsewhere; one torchrun job of ``hsdp train`` (4 ranks) meets a second job while alive, loses its agent to
+elsewhere; one torchrun job of ``hsdp train`` (2 ranks) meets a second job while alive, loses its agent to
 SIGKILL mid-training, and is taken over and resumed bitwise by a third.
 """
 
@@ -234,12 +234,13 @@ def test_saves_and_hsdp_train_respect_a_lease_held_by_another_job(tmp_path: Path
 # ---------------------------------------------------------------------------------------------------------
 # A torchrun job of hsdp train: a second job, its agent SIGKILLed, a third job that takes over
 # ---------------------------------------------------------------------------------------------------------
+RANKS = 2  # what the lease and the orphans need; fewer processes on 2 cores
 TRAIN = ["--steps", "1000", "train.checkpoint_every=4", "train.log_every=1", "train.eval_every=0",
          "train.sample_tokens=0", "data.max_bytes=100000", "train.batch_size=2"]
 
 
 def _torchrun(out: Path, log: Path, *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
            "-m", "hsdp.apps.train", "--out", str(out), *args]
     with open(log, "w") as f:  # a file, not a pipe: nobody reads while the job runs
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
@@ -304,7 +305,7 @@ def test_orphaned_ranks_end_and_a_second_job_is_refused_then_takes_over(tmp_path
         _wait_for_steps(out, lambda n: n >= 5, first, log)  # step 4 is committed
         workers = _children(first.pid)
         holder = json.loads(Path(lease_path(ckpts)).read_text())
-        assert len(workers) == 4 and holder["pid"] in workers, (workers, holder)
+        assert len(workers) == RANKS and holder["pid"] in workers, (workers, holder)
         # A second job while the first lives: refused before any rank starts. (That a refused rank writes
         # nothing is checked exactly by the 2-rank test; here the first job keeps writing, so check what the
         # second's start would write: the configuration, the lease.)
@@ -332,7 +333,7 @@ def test_orphaned_ranks_end_and_a_second_job_is_refused_then_takes_over(tmp_path
                 os.kill(pid, signal.SIGKILL)
     text = log.read_text()
     assert not any(process_alive(p) for p in workers) and ended_s < 30, (ended_s, text[-3000:])
-    assert text.count(f"aborting: its launcher (pid {first.pid}) is gone") == 4, text[-3000:]
+    assert text.count(f"aborting: its launcher (pid {first.pid}) is gone") == RANKS, text[-3000:]
     time.sleep(1.0)
     assert _committed(ckpts) == committed  # nothing committed after the kill
     newest = int(committed[1][len("step_"):])
