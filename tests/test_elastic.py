@@ -26,11 +26,12 @@ replicas have different shard degrees, ``--nproc-per-node 2,1,1`` (the coordinat
 the gradient is the mean over the members' ranks, reduced piece by piece over the quorum's degrees (a replay
 averaging the replicas instead of their ranks is checked to differ), and the killed 1-rank replica is healed from
 the 2-rank replica 0, its rows re-cut on the way (the first quorum heals both 1-rank replicas from it too); the
-``stop-rank-1`` case runs replicas of 1, 1 and 2 ranks (the victim the 2-rank one: fewer processes on 2 cores). The
-``stop`` case (a stopped replica restarted and healed), the starved replica's job (dropped alive, healed without
-a restart) and the one restarted after the job completed (killed in backward) run tensor parallelism: each
-replica's 2 ranks are one shard position of two tp ranks (``init_mesh(elastic=True, tensor_parallel_degree=2)``),
-and the replicate groups and the heal are per (shard, tp) position.
+``stop-rank-1`` case runs replicas of 1, 1 and 2 ranks (the victim the 2-rank one: fewer processes on 2 cores),
+and the job whose replica is restarted after it completed (killed in backward) replicas of one rank. The
+``stop`` case (a stopped replica restarted and healed) and the starved replica's job (dropped alive, healed
+without a restart) run tensor parallelism: each replica's 2 ranks are one shard position of two tp ranks
+(``init_mesh(elastic=True, tensor_parallel_degree=2)``), and the replicate groups and the heal are per (shard,
+tp) position.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ HEARTBEAT_TIMEOUT_S = 4  # the coordinator's: above its default 3 s, which a bus
 # stopped rank 1 leaves its replica's rank 0 beating while it waits in the reduce-scatter inside the node, and
 # the watchdog's bound (what ended that replica and so the survivors' wait before every rank beat) is 15 s there.
 WEIGHTED_ROWS = "2,4,6"  # the kill case: rows per rank of replicas 0, 1, 2, and the batch weight of each
-TP = {"ELASTIC_TP": "2"}  # the starve and completed cases: each replica one shard position of two tp ranks
+TP = {"ELASTIC_TP": "2"}  # the stop and starve cases: each replica one shard position of two tp ranks
 HETERO = {"ELASTIC_NPROC": "2,1,1"}  # the kill case: replicas of 2, 1 and 1 ranks (shard degrees; stop-rank-1: 1,1,2)
 CASES = {"kill": {"ELASTIC_FAULT": "kill", "ELASTIC_ROWS": WEIGHTED_ROWS, **HETERO},
          "stop": {"ELASTIC_FAULT": "stop", "ELASTIC_ACCUM": "2", **TP},
@@ -220,13 +221,12 @@ def test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart
 
 def test_a_replica_restarted_after_the_job_completed_ends_cleanly(tmp_path: Path) -> None:
     last = FAULT_STEP + 4  # the survivors finish while the killed replica's restart waits to start
-    case = {"ELASTIC_FAULT": "kill", "ELASTIC_LAST_STEP": str(last), **TP}
+    case = {"ELASTIC_FAULT": "kill", "ELASTIC_LAST_STEP": str(last), "ELASTIC_NPROC": "1,1,1"}  # fewer processes
     output = _run(tmp_path, case)
     assert "[coordinator] " in output and f"job completed after step {last}" in output, output[-6000:]
     assert f"hsdp elastic: replica {VICTIM}: the elastic job 'default' completed" in output, output[-6000:]
     assert "start a new job from a checkpoint" not in output and "exited with status" not in output, output[-6000:]
     logs = _records(tmp_path)
-    _check_tensor_parallel(logs)
     assert len(logs[(VICTIM, 0)]) == 1  # the restart ended before it logged anything: nothing to train
     survivor = _survivor(logs)
     assert survivor[-1]["step"] == last

@@ -128,7 +128,6 @@ TABLE: dict[frozenset[Feature], Rule] = {frozenset(pair): rule for pair, rule in
     (F.ELASTIC, F.TENSOR_PARALLEL): _supported(
         "tests/test_elastic.py::test_a_failed_replica_costs_a_step_and_rejoins_from_a_peer",
         "tests/test_elastic.py::test_a_live_replica_the_coordinator_dropped_rejoins_healed_without_a_restart",
-        "tests/test_elastic.py::test_a_replica_restarted_after_the_job_completed_ends_cleanly",
         "tests/test_train_elastic.py::test_a_killed_replica_costs_a_step_hands_the_run_to_a_survivor_and_writes_"
         "again_after_rejoining"),
     (F.ELASTIC, F.SLICED_OPTIMIZER): _refused("a dead replica would take its slice of the optimizer state with it",
