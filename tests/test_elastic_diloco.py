@@ -1,14 +1,13 @@
 """DiLoCo on an elastic mesh: each fragment's sync is a transaction over the replicas present at it.
 
 ``hsdp launch --elastic --nodes 3`` (``tests/programs/elastic_diloco_worker.py``): inner AdamW, each fragment
-synced every 3 inner steps through an outer Nesterov SGD, in four cases: whole-model DiLoCo on replicas of 2 ranks,
-and Streaming DiLoCo on replicas of 1 rank (two fragments, delay 1: a sync starts after one inner step and lands
-after the next; one step both lands fragment 1 and starts fragment 0), and Streaming DiLoCo on replicas of 2, 1
-and 1 ranks (``--nproc-per-node 2,1,1``: shard degrees that differ, the mid-phase fault only), in fp32 and with the
-int8 wire (error feedback: replayed in fp32 to 5e-3, and checked to differ from it). Replica 2 is
-SIGKILLed mid-phase (in the backward of a step with no sync in flight); once it is back, replica 1 is SIGKILLed at
-a sync's start, just before its pseudo-gradient all-reduce; torchrun restarts each (no checkpoint). Checked, in
-each case:
+synced every 3 inner steps through an outer Nesterov SGD, in three cases: whole-model DiLoCo on replicas of 2
+ranks, and Streaming DiLoCo (two fragments, delay 1: a sync starts after one inner step and lands after the next;
+one step both lands fragment 1 and starts fragment 0) on replicas of 2, 1 and 1 ranks (``--nproc-per-node 2,1,1``:
+shard degrees that differ), in fp32 and with the int8 wire (error feedback: replayed in fp32 to 5e-3, and checked
+to differ from it; the mid-phase fault only: fewer restarts on 2 cores). Replica 2 is SIGKILLed mid-phase (in the
+backward of a step with no sync in flight); once it is back, replica 1 is SIGKILLed at a sync's start, just before
+its pseudo-gradient all-reduce; torchrun restarts each (no checkpoint). Checked, in each case:
 
 - the survivors do not wait for a restart: their sync after the mid-phase kill lands within 10 s of it (the
   coordinator's heartbeat timeout is 4 s), and that sync is theirs alone unless the restart was already there;
@@ -24,7 +23,7 @@ each case:
   (a replay taking that member's weights instead is checked to differ);
 - ``check_replicas`` (the global copy) passes on every member at the end; the launch exits 0, nothing left behind;
 - ``opt.sync_replicas()`` then leaves every rank the same weights, and the checkpoint one replica saves alone after
-  it (the others gone; replica 1 in the streaming case) holds them, its inner optimizer state where a load on
+  it (the others gone; replica 1 in the fp32 streaming case) holds them, its inner optimizer state where a load on
   another replica count reads it, and its int8-wire residuals;
 - on degrees 2, 1, 1: each sync's pseudo-gradients are averaged piece by piece over the quorum's degrees, and the
   killed 1-rank replica 2 is healed from the 2-rank replica 0 (so is every 1-rank replica at the first quorum): its
@@ -59,11 +58,10 @@ from hsdp.engine.optim.outer_step import OuterState, SyncStep
 
 PROGRAM = Path(__file__).parent / "programs" / "elastic_diloco_worker.py"
 REPLICAS, EVERY = 3, 3
-# Per case: the worker's SYNCS key (fragments, delay, the mid-phase step), the ranks of each replica (one for the
-# streaming case: a cheaper launch, the same transactions; 2, 1, 1: different shard degrees), whether replica 1
-# dies mid-sync too (not on 2, 1, 1: fewer restarts on 2 cores), and the wire (int8: error feedback, replayed in fp32).
-CASES = {"whole": ("whole", (2, 2, 2), True, "fp32"), "streaming": ("streaming", (1, 1, 1), True, "fp32"),
-         "streaming-2-1-1": ("streaming", (2, 1, 1), False, "fp32"),
+# Per case: the worker's SYNCS key (fragments, delay, the mid-phase step), the ranks of each replica (2, 1, 1:
+# different shard degrees), whether replica 1 dies mid-sync too (not with the int8 wire: fewer restarts on 2 cores),
+# and the wire (int8: error feedback, replayed in fp32).
+CASES = {"whole": ("whole", (2, 2, 2), True, "fp32"), "streaming-2-1-1": ("streaming", (2, 1, 1), True, "fp32"),
          "streaming-2-1-1-int8": ("streaming", (2, 1, 1), False, "int8")}
 # The int8 wire against the fp32 replay: error feedback keeps the weights within about one rounding step of it
 # (a pseudo-gradient block's max / 127); farther, residuals went astray (a quorum of other degrees regroups them).
@@ -91,7 +89,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 def _writer(case: str) -> int:
     """The replica that checkpoints at the end: replica 1 in one case (a writer other than replica 0, as after
     replica 0 left an elastic job), replica 0 elsewhere."""
-    return 1 if case == "streaming" else 0
+    return 1 if case == "streaming-2-1-1" else 0
 
 
 def _logs(out: Path) -> dict[tuple[int, int], list[list[dict]]]:
@@ -167,7 +165,7 @@ def test_diloco_on_an_elastic_mesh_replays_exactly_the_syncs_members(run: tuple[
     if len(set(nproc)) > 1:  # the degrees mattered: a replay weighting replicas by rank count fails (0.1 measured)
         by_ranks, _ = _replay(policy, nproc, logs, syncs, entered, by_ranks=True)
         assert max((params[0][n] - by_ranks[0][n]).abs().max().item() for n in params[0]) > 1e-3
-    if case == "streaming":  # the joiner's weights mattered: a replay healing it with its source's weights fails
+    if case == "streaming-2-1-1":  # the joiner's weights mattered: a replay healing it with its source's weights fails
         from_source, _ = _replay(policy, nproc, logs, syncs, entered, from_source=True)
         assert max((params[0][n] - from_source[0][n]).abs().max().item() for n in params[0]) > 1e-4
 
