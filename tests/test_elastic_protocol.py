@@ -18,6 +18,7 @@ import torch.distributed as dist
 from elastic_clients import ReplicaClient
 from harness import run_distributed
 
+from hsdp.engine.faults.policy import FaultPolicy
 from hsdp.engine.replicate.elastic.bootstrap import admit
 from hsdp.engine.replicate.elastic.client import CoordinatorClient, JobCompleted, QuorumLost, connect, parse_address
 from hsdp.engine.replicate.elastic.protocol import ElasticPolicy
@@ -336,6 +337,9 @@ def test_elastic_mesh_refusals_before_any_process(monkeypatch: pytest.MonkeyPatc
 
     with pytest.raises(ValueError, match="drop device_mesh and per-replica degree lists"):
         init_mesh([2, 1], elastic=True)
+    with pytest.raises(ValueError, match=r"FaultPolicy\(timeout=3\) must be above ElasticPolicy\(heartbeat_timeout=4\)"
+                       r".*raise FaultPolicy.timeout"):
+        init_mesh(elastic=ElasticPolicy(heartbeat_timeout=4.0), fault_policy=FaultPolicy(timeout=3.0, interval=0.5))
     with monkeypatch.context() as env:  # tensor parallelism combines with elastic; a T not dividing the job does not
         env.setenv("HSDP_COORDINATOR", "127.0.0.1:1")
         env.setenv("HSDP_REPLICA_ID", "0")

@@ -154,6 +154,12 @@ def _elastic_mesh(sharding_degree: ShardingDegree | None, tp_degree: int | None,
                          "device_mesh and per-replica degree lists (replicas of different degrees: give each "
                          "replica's torchrun its own --nproc-per-node and the coordinator --nproc-per-replica, "
                          "e.g. hsdp launch --elastic --nproc-per-node 2,1,1)")
+    if fault_policy is not None and fault_policy.timeout <= policy.heartbeat_timeout:
+        # The survivors wait for a stopped peer replica until the coordinator drops it (its heartbeat timeout): a
+        # watchdog judging that wait a hang first would end every survivor, losing the job instead of a step.
+        raise ValueError(f"FaultPolicy(timeout={fault_policy.timeout:g}) must be above ElasticPolicy(heartbeat_timeout="
+                         f"{policy.heartbeat_timeout:g}): a stopped peer replica would end the others as a hang before "
+                         f"the coordinator drops it; raise FaultPolicy.timeout well above it (defaults: 45 s and 3 s)")
     found = elastic_env(coordinator)
     world_size = int(os.environ.get("WORLD_SIZE", "0"))
     if world_size:  # before any collective where torchrun tells the world size
