@@ -57,11 +57,23 @@ class ReplicaHop(Protocol):
         ...
 
 
+def waits_locally(hop: Any) -> bool:
+    """Whether waiting for ``hop``'s handles issues no collective (an optional ``waits_locally`` attribute of a
+    hop; absent: no). Only then may the runtime wait for them wherever a rank first reads a gradient
+    (``runtime/late_grads.py``): a collective issued there could meet another rank's different one."""
+    return bool(getattr(hop, "waits_locally", False))
+
+
 @dataclass
 class AllReduceHop:
     """All-reduce (average) in ``dtype`` (``None``: the buffer's own). Exact up to the wire dtype."""
 
     dtype: torch.dtype | None = None
+
+    @property
+    def waits_locally(self) -> bool:
+        """True: its wait casts back at most (``waits_locally``)."""
+        return True
 
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
         """Begin the average of ``buffer`` over the replicate group, on the wire in ``dtype``."""
@@ -121,6 +133,11 @@ class Int8ErrorFeedbackHop:
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
     two_stage: bool = False
     _second: list[_SecondStage] = field(default_factory=list, repr=False, compare=False)  # started, not yet flushed
+
+    @property
+    def waits_locally(self) -> bool:
+        """Its wait dequantises; a two-stage average's wait may issue the all-gather (``waits_locally``)."""
+        return not self.two_stage
 
     def flush(self, comm: Comm) -> None:
         """Issue the second stages of the two-stage averages started since the last flush behind their first
@@ -315,6 +332,8 @@ def _quantise(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Ten
 class NoHop:
     """Nothing crosses nodes: the reduced gradient stays the replica's own average (DiLoCo's inner steps,
     ``replica_sync.py``, whose replicas sync their weights every H steps instead)."""
+
+    waits_locally = True
 
     def start(self, buffer: torch.Tensor, n_flags: int, comm: Comm, key: str) -> Handle:
         return Handle()

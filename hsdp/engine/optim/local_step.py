@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hsdp.engine.runtime.late_grads import raw_grad
 from hsdp.engine.runtime.sharded_param import ShardedParam
 
 # torch.optim classes whose update of an element reads only that element (of the parameter, its gradient
@@ -63,7 +64,7 @@ class LocalViews:
             # Rebuilt when the shard buffer moved (e.g. model.to(...)): the view must alias the live shard.
             view = nn.Parameter(local, requires_grad=param.requires_grad)
             self._views[id(param)] = view
-        grad = param.grad
+        grad = raw_grad(param)  # as landed so far: the step lands late gradients itself (late_grads.py)
         view.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
         return view
 

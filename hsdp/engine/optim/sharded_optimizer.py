@@ -21,8 +21,10 @@ from hsdp.engine.optim.muon import muon_step
 from hsdp.engine.optim.outer_heal import join_open_sync
 from hsdp.engine.optim.outer_step import OuterState, SyncStep
 from hsdp.engine.optim.piece_slice_state import is_piece_sliced, piece_slice_state, piece_sliced_tensor
+from hsdp.engine.optim.unit_steps import step_as_grads_land, step_slices_unit_by_unit
 from hsdp.engine.runtime.dtensor import as_sharded_state, as_slice_state
 from hsdp.engine.runtime.hop_state import hop_state_dict, load_hop_state_dict
+from hsdp.engine.runtime.late_grads import LateGrads
 from hsdp.engine.runtime.origin import check_origin, stamp
 from hsdp.engine.runtime.piece_slice import PieceSliceLayout
 from hsdp.engine.runtime.sharded_param import ShardedParam
@@ -105,6 +107,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pass  # built in __new__ from an existing optimizer
 
     def step(self, closure: Any = None) -> Any:
+        # The last backward's hops, if still in flight: landed here unit by unit (late_grads.py).
+        late = self._hsdp_model._hsdp_state.step.take_late() if self._steps_as_grads_land(closure) else None
+        try:
+            return self._step(closure, late)
+        finally:
+            if late is not None:
+                late.land_all()  # the step raised before landing them all
+
+    def _step(self, closure: Any, late: LateGrads | None) -> Any:
         # Stale unsharded copies must not outlive an update of the shards.
         self._hsdp_model.reshard()
         self._hsdp_model._hsdp_state.step_read.before_step()  # as torch's step pre-hook, which these may skip
@@ -119,7 +130,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Under DiLoCo an inner step crosses no replicas: no transaction (the sync is one, outer_transaction.py).
         if outer is None and not finish_step(self._hsdp_model):
             return None  # discarded on every member (elastic_heal.py): nothing is applied anywhere
-        result = self._inner_step(closure)
+        if late is not None:
+            step_as_grads_land(self, self._hsdp_local_views, late, self._hsdp_model._hsdp_state.step_read,
+                               self._base_step)
+            result = None
+        else:
+            result = self._inner_step(closure)
         self._hsdp_steps += 1
         if self._hsdp_outer is not None:
             self._hsdp_outer.after_inner_step()  # DiLoCo: every H-th step syncs the replicas' weights
@@ -147,33 +163,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # must be local: only a replica slice is stepped (DTensor cannot step it).
             result = _evaluate(closure)
             _slice_chunk_grads(self._hsdp_model)
-            self._step_slices_unit_by_unit()
+            step_slices_unit_by_unit(self, self._hsdp_model, self._hsdp_local_views, self._base_step)
         elif self._hsdp_local_views is not None and closure is None:
             with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
-                result = super().step()
+                result = self._base_step()
         elif self._hsdp_unverified and closure is None:
             result = self._verified_step()
         else:
-            result = super().step(closure)
+            result = self._base_step(closure)
         return result
 
-    def _step_slices_unit_by_unit(self) -> None:
-        """Replica-sharded optimizer: step the slices one unit at a time, in the next forward's order, and queue
-        each unit's slice all-gather as soon as its slices are stepped, so the first units' gathers (what the
-        next forward needs first) overlap the optimizer's work on the rest, then that forward."""
-        model = self._hsdp_model
-        for sp in model.sharded_params():
-            sp.refresh_slice()  # replicas of different degrees: the slice's own buffer, from the chunk
-        unit_of = {id(p.sharded): unit for unit in model.units for p in unit.params}
-        groups = [list(g["params"]) for g in self.param_groups]
-        with local_step(self, self._hsdp_local_views):  # see [Note: why a local step]
-            local = [list(g["params"]) for g in self.param_groups]
-            for unit in model.units_in_forward_order:
-                for g, params, views in zip(self.param_groups, groups, local, strict=True):
-                    g["params"] = [v for p, v in zip(params, views, strict=True) if unit_of[id(p)] is unit]
-                if any(g["params"] for g in self.param_groups):
-                    super().step()
-                model.gather_stepped_slices([unit])
+    def _base_step(self, closure: Any = None) -> Any:
+        """The wrapped class's own step, without torch's step hooks: ``step`` (this class's) ran them once, and
+        a step in parts (unit by unit) must not run them once per part."""
+        step = original_class(self, ShardedOptimizer).step
+        return getattr(step, "__wrapped__", step)(self, closure) if getattr(step, "hooked", False) \
+            else step(self, closure)
+
+    def _steps_as_grads_land(self, closure: Any) -> bool:
+        """Whether this step can land late gradients itself: torch's element-wise step on the shards, no closure
+        (it would read every gradient first), neither DiLoCo nor the replica-sharded optimizer."""
+        return closure is None and self._hsdp_local_views is not None and not self._hsdp_sliced \
+            and self._hsdp_outer is None and not is_state_warmup(self)
 
     def _verified_step(self) -> Any:
         """The first step of an optimizer hsdp does not know: warn if DTensor had to communicate."""
@@ -182,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from torch.distributed.tensor.debug import CommDebugMode
 
         with CommDebugMode() as mode:
-            result = super().step()
+            result = self._base_step()
         self._hsdp_unverified = False
         if mode.get_total_counts():
             warnings.warn(

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from hsdp.engine.collectives import Chained, Handle
-from hsdp.engine.hops import NoHop, start_split_over_tp
+from hsdp.engine.hops import NoHop, start_split_over_tp, waits_locally
 from hsdp.engine.runtime import batch_weight
 from hsdp.engine.runtime.batch_weight import SLOTS, Weight
+from hsdp.engine.runtime.late_grads import raw_grad
 from hsdp.engine.runtime.piece_hop import follow_plan, plan_of, start_piece_hops
 from hsdp.engine.runtime.piece_scatter import start_piece_scatters
 from hsdp.engine.runtime.piece_slice import PieceSliceLayout
@@ -117,6 +118,7 @@ class Reduction:
         self.stage = Stage.REDUCE_SCATTER
         self._chained: Chained | None = None  # CPU: the hop issued by the hop worker (hop_worker.py)
         self.missing = False  # some parameter had no gradient on this rank (its flag needs reading)
+        self.waits_locally = False  # its hop was issued and waiting for it issues no collective (late_grads.py)
         # Set by finish: the reduced flags, and which parameters this reduction gave their first gradient.
         self.flags: torch.Tensor | None = None
         self.created: list[bool] = []
@@ -267,6 +269,7 @@ class Reduction:
                                 self.output.device)
                     unit.hop_plan = plan
                 self._handle = start_piece_hops(unit.hop, self.output, plan, unit.comm, unit.key)
+                self.waits_locally = waits_locally(unit.hop)
             # A stateful hop (error feedback) keeps its residual laid out like the whole slot: no 1/T pieces. Nor
             # where the layer discards steps (elastic): a member lost mid-step can fail one tp rank's hop and not
             # another's, and the tp all-gather behind the hop would then wait for a rank that dropped its step.
@@ -274,6 +277,7 @@ class Reduction:
                 self._handle = start_split_over_tp(unit.hop, self.output, unit.comm, unit.key)
             else:
                 self._handle = unit.hop.start(self.output, self.n_extra, unit.comm, unit.key)
+                self.waits_locally = waits_locally(unit.hop)
         self.stage = Stage.REPLICA_HOP
 
     def _start_scatter(self) -> Handle:
@@ -334,7 +338,7 @@ class Reduction:
                            [s.local_shape for s in slices])
         # Every parameter gets its part now, zeros for one no rank used; which had a gradient nowhere is read
         # once per step on the host, after every reduction (drop_unused_grads): no host sync per unit.
-        self.created = [p.grad_local is None for p in self.params]
+        self.created = [raw_grad(p.sharded) is None for p in self.params]  # raw: maybe landing late (late_grads.py)
         for p, part in zip(self.params, parts, strict=True):
             p.accumulate_grad(part)
         self.flags = self.output[-self.n_extra: -SLOTS]

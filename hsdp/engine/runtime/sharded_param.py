@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.engine.runtime.dtensor import local_of, sharded_parameter, to_sharded_dtensor, tp_dtensor, tp_local
+from hsdp.engine.runtime.late_grads import raw_grad, set_raw_grad
 from hsdp.engine.runtime.layout import ShardLayout
 from hsdp.engine.runtime.piece_slice import PieceSliceLayout
 from hsdp.engine.runtime.replica_slice import SliceLayout
@@ -192,7 +193,7 @@ class ShardedParam:
     def grad_local(self) -> torch.Tensor | None:
         """This rank's part of the reduced gradient, shaped like :attr:`opt_local` (``None`` when there is
         none)."""
-        grad = self.sharded.grad
+        grad = self.sharded.grad  # lands late gradients first (late_grads.py)
         return None if grad is None else local_of(grad)
 
     def accumulate_grad(self, local: torch.Tensor) -> None:
@@ -200,9 +201,10 @@ class ShardedParam:
         the gradient without a copy (a view into the reduction output) when dtypes agree."""
         if local.dtype != self.dtype:
             local = local.to(self.dtype)
-        current = self.grad_local
+        current = raw_grad(self.sharded)  # not grad_local: this may be a late gradient landing (late_grads.py)
+        current = None if current is None else local_of(current)
         if current is None:
-            self.sharded.grad = self.to_opt_dtensor(local)
+            set_raw_grad(self.sharded, self.to_opt_dtensor(local))
         else:
             current += local
 

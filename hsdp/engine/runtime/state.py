@@ -9,8 +9,9 @@ Per unit and step:
                  right behind on CUDA (the hop stream waits, see streams.py), and starts at the next unit's
                  post_backward on CPUs (where a wait blocks the host); either way it overlaps the backward
                  of earlier units
-  end of backward (root callback): reduce what no post_backward reached, wait for every reduction,
-                 reshard everything, reset the per-step bookkeeping.
+  end of backward (root callback): reduce what no post_backward reached, wait for every reduction (or
+                 leave the last hops in flight for the optimizer step, late_grads.py), reshard everything,
+                 reset the per-step bookkeeping.
 
 Prefetch order comes from the previous step: forward follows the order of pre_forward calls, backward the
 reverse order of post_forward calls (the root wraps everything, so its backward comes first). Prefetch depth
@@ -156,6 +157,7 @@ class HSDPState:
             # A call of the root inside its own forward (a LightningModule's training_step, run as the module's
             # forward, calling self(x)) continues that forward: no repair, which would reshard and regather.
             if not self._in_forward:
+                self.step.land_late()  # the last backward's gradients, if still in flight (late_grads.py)
                 self._repair_torn_step()
                 self._in_forward = True
                 if torch.is_grad_enabled() and self.replica_sync is None:
@@ -294,7 +296,8 @@ class HSDPState:
             has_leftover = any(p.unsharded.grad is not None for p in unit.params)
             if unit.used_in_grad_forward or has_leftover:
                 self._reduce(unit)
-        if not self.step.finish_hops():  # raises where the replicate layer cannot discard the step
+        # Raises where the layer cannot discard the step. DiLoCo and weighted batches never land late (late_grads.py).
+        if not self.step.finish_hops(self.replica_sync is None and self.batch_weight is None):
             self._reset_step()  # discarded on every member: ShardedOptimizer.step applies nothing
             return
         try:
@@ -355,6 +358,7 @@ class HSDPState:
         optimizer step right after the exception is safe."""
         if self._callback_queued and torch._C._current_graph_task_id() == -1:
             self._discard_torn_backward()
+        self.step.land_late()
         for unit in self.units:
             unit.reshard()
         self.slice_gathers.settle_all()
@@ -374,7 +378,7 @@ class HSDPState:
             self.slice_gathers.append(unit)
 
     def is_idle(self) -> bool:
-        return all(u.state is ShardedState.SHARDED for u in self.units) and not self.step.pending
+        return all(u.state is ShardedState.SHARDED for u in self.units) and self.step.idle
 
 
 def _compiled_autograd_active() -> bool:

@@ -11,6 +11,10 @@ collective of the step fails: where the layer discards the step on every member 
 the backward returns normally (``ShardedOptimizer.step`` then applies nothing); where it cannot, the error is
 raised and the next forward repairs the torn step (``state.py``).
 
+Where nothing needs them at the end of backward, the hops are left in flight (:meth:`finish_hops` with
+``may_land_late``): the optimizer step lands them unit by unit and steps each unit as it lands; any earlier read
+of a gradient lands them all first (``late_grads.py``).
+
 Where a wait only orders device streams (CUDA), each hop is issued right behind its reduce-scatter. Where it
 blocks the host (gloo on CPUs) that would stall the backward for the reduce-scatter (and gloo's reduce-scatter
 reports completion only once waited: nothing to poll), the mesh's hop worker thread waits for it instead and
@@ -23,6 +27,7 @@ from hsdp.engine.mesh import HSDPMesh
 from hsdp.engine.runtime.batch_weight import Weight
 from hsdp.engine.runtime.buffers import BufferSync
 from hsdp.engine.runtime.hop_transaction import HopSnapshot, snapshot_hops
+from hsdp.engine.runtime.late_grads import LateGrads
 from hsdp.engine.runtime.reduction import Reduction, reduce_grads
 from hsdp.engine.runtime.step_read import StepRead
 from hsdp.engine.runtime.unit import ShardUnit
@@ -37,6 +42,7 @@ class StepReductions:
         self.hops_on_device = hops_on_device
         self.pending: list[Reduction] = []
         self.hop_snapshot: HopSnapshot = []  # stateful hops' state before this step (hop_transaction.py)
+        self.late: LateGrads | None = None  # the last backward's hops, still in flight (late_grads.py)
 
     def begin(self) -> None:
         """A training forward began: the replicate layer's ``begin_step``; where the step may be discarded, the
@@ -47,6 +53,7 @@ class StepReductions:
 
     def add(self, unit: ShardUnit, gradient_sync: bool, all_reduce: bool, weight: Weight | None) -> None:
         """Reduce ``unit``'s gradients (its backward is done) and chain its inter-node hop."""
+        self.land_late()  # a backward with no forward since the last one: its gradients add to those
         if self.pending:
             self.pending[-1].release_input()  # before this unit allocates its own (reduction.release_input)
         reduction = reduce_grads(unit, gradient_sync, all_reduce, weight)
@@ -59,13 +66,19 @@ class StepReductions:
         else:
             reduction.chain_hop()  # the host's hop stream: a worker thread waits for it (hop_worker.py)
 
-    def finish_hops(self) -> bool:
+    def finish_hops(self, may_land_late: bool = False) -> bool:
         """Wait for every reduction, every hop in flight before waiting for any (the last units' hops overlap
-        each other). False when an inter-node collective failed and the replicate layer discards the step (the
-        reductions are dropped); raises when the layer cannot."""
+        each other); ``may_land_late`` (the caller's part of the conditions in ``late_grads.py``): where the rest
+        hold, leave them in flight as :attr:`late` instead. False when an inter-node collective failed and the
+        replicate layer discards the step (the reductions are dropped); raises when the layer cannot."""
         try:
             for reduction in self.pending:
                 reduction.start_replica_hop()
+            if may_land_late and self._may_land_late():
+                for reduction in self.pending:
+                    reduction.release_input()  # CUDA: not held through the optimizer step (a stream wait only)
+                self.late, self.pending = LateGrads(self.pending, self._conclude_late), []
+                return True
             for reduction in self.pending:
                 reduction.finish()
         except RuntimeError as e:
@@ -75,10 +88,38 @@ class StepReductions:
             return False
         return True
 
+    def _may_land_late(self) -> bool:
+        """Every hop carries this step's gradients and was issued, its wait issues no collective, every parameter
+        had a gradient here, nothing is due at the conclusion, and the layer never discards a step."""
+        return bool(self.pending) and all(r.sync_replicas and r.waits_locally and not r.missing for r in self.pending) \
+            and not self.buffers.due and not self.mesh.replicas.transactional
+
+    def _conclude_late(self, reductions: list[Reduction]) -> None:
+        self.pending = reductions
+        self.conclude(None)
+
+    @property
+    def idle(self) -> bool:
+        """No reduction of this model in flight."""
+        return not self.pending and (self.late is None or not self.late.pending)
+
+    def land_late(self) -> None:
+        """Land the last backward's late gradients, if any (``late_grads.py``)."""
+        late, self.late = self.late, None
+        if late is not None:
+            late.land_all()
+
+    def take_late(self) -> LateGrads | None:
+        """The last backward's late gradients, for the caller to land (the optimizer step, unit by unit)."""
+        late, self.late = self.late, None
+        return late
+
     def conclude(self, weight: Weight | None) -> None:
         """After :meth:`finish_hops`: the buffers are synced as the gradients are (``buffers.py``; a broadcast
         that fails where the layer discards steps fails the step instead, and the buffers stay due), then the
-        step's host read (``step_read.py``: it may raise a deferred check)."""
+        step's host read (``step_read.py``: it may raise a deferred check). Late gradients: when they landed."""
+        if self.late is not None and self.late.pending:
+            return
         try:
             self.buffers.after_backward()
         except RuntimeError as e:
