@@ -5,8 +5,8 @@ Whatever a training loop does between ``backward()`` and ``step()`` must see wha
 every case trains a model whose parameters are all used (so the hops are left in flight) for three steps beside
 one process training the same model on the global batch, and compares the gradients read in between and the
 parameters after. Torch's step hooks run once per step. The step as the gradients land is bit for bit the step
-after landing them all, also with the bf16 and int8 hops and where only some ranks leave their hops in flight.
-All cases run in one spawn.
+after landing them all, also with the bf16 and int8 hops, where only some ranks leave their hops in flight, and on
+replicas of different shard degrees (a second spawn of 3 ranks). The other cases run in one spawn.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ class LateNet(nn.Module):
         return self.head(self.norm(x))
 
 
-def _sharded(rank: int, hop: object = None, rare_on: int | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _sharded(rank: int, hop: object = None, rare_on: int | None = None,
+             degrees: int | list[int] = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(SEED)
-    model = hsdp.ShardedModel(LateNet(rare_on), mesh=hsdp.init_mesh(2), wrap=Block, replica_hop=hop)
+    model = hsdp.ShardedModel(LateNet(rare_on), mesh=hsdp.init_mesh(degrees), wrap=Block, replica_hop=hop)
     return model, hsdp.ShardedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR))
 
 
@@ -105,10 +106,11 @@ def _case(rank: int, world: int, between: str) -> dict:
             "param_err": max((mine[k] - v).abs().max().item() for k, v in ref.items())}
 
 
-def _stepped(rank: int, hop: object, rare_on: int | None, land_first: bool) -> tuple[dict[str, torch.Tensor], bool]:
+def _stepped(rank: int, hop: object, rare_on: int | None, land_first: bool,
+             degrees: int | list[int] = 2) -> tuple[dict[str, torch.Tensor], bool]:
     """Three steps; ``land_first``: read a gradient right after backward, which lands them all before the step.
     The parameters after, and whether the hops were left in flight at every backward."""
-    model, opt = _sharded(rank, hop, rare_on)
+    model, opt = _sharded(rank, hop, rare_on, degrees)
     late = True
     for step in range(STEPS):
         x, y = batch(step, rank, per_rank=2)
@@ -133,6 +135,12 @@ def _bitwise(rank: int) -> dict[str, tuple[bool, bool]]:
     return out
 
 
+def _hetero(rank: int, world: int) -> tuple[bool, bool]:
+    """Replicas of 2 and 1 ranks (the hop piece by piece): late at every backward, and equal to landing first."""
+    (a, late), (b, _) = _stepped(rank, None, None, False, [2, 1]), _stepped(rank, None, None, True, [2, 1])
+    return late, all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _worker(rank: int, world: int) -> dict:
     cases = {c: _case(rank, world, c) for c in ("step", "read", "clip", "hsdp clip", "accumulate", "zero_grad", "eval")}
     return {"cases": cases, "bitwise": _bitwise(rank)}
@@ -151,3 +159,7 @@ def test_late_gradients_give_a_plain_models_gradients_and_steps_whatever_the_loo
         # Every parameter had a gradient on rank 0 only: it alone left its hops in flight.
         assert all(late for name, (late, _) in bitwise.items() if name != "rank 0 alone late"), (rank, bitwise)
         assert bitwise["rank 0 alone late"][0] == (rank == 0), (rank, bitwise)
+
+
+def test_late_gradients_on_replicas_of_different_degrees_step_as_landing_them_first_does() -> None:
+    assert run_distributed(_hetero, 3) == [(True, True)] * 3
