@@ -77,7 +77,7 @@ class StepReductions:
             if may_land_late and self._may_land_late():
                 for reduction in self.pending:
                     reduction.release_input()  # CUDA: not held through the optimizer step (a stream wait only)
-                self.late, self.pending = LateGrads(self.pending, self._conclude_late), []
+                self.late, self.pending = LateGrads(self.pending, lambda landed: self.conclude(None, landed)), []
                 return True
             for reduction in self.pending:
                 reduction.finish()
@@ -93,10 +93,6 @@ class StepReductions:
         had a gradient here, nothing is due at the conclusion, and the layer never discards a step."""
         return bool(self.pending) and all(r.sync_replicas and r.waits_locally and not r.missing for r in self.pending) \
             and not self.buffers.due and not self.mesh.replicas.transactional
-
-    def _conclude_late(self, reductions: list[Reduction]) -> None:
-        self.pending = reductions
-        self.conclude(None)
 
     @property
     def idle(self) -> bool:
@@ -114,21 +110,23 @@ class StepReductions:
         late, self.late = self.late, None
         return late
 
-    def conclude(self, weight: Weight | None) -> None:
+    def conclude(self, weight: Weight | None, landed: list[Reduction] | None = None) -> None:
         """After :meth:`finish_hops`: the buffers are synced as the gradients are (``buffers.py``; a broadcast
         that fails where the layer discards steps fails the step instead, and the buffers stay due), then the
-        step's host read (``step_read.py``: it may raise a deferred check). Late gradients: when they landed."""
-        if self.late is not None and self.late.pending:
+        step's host read (``step_read.py``: it may raise a deferred check). Late gradients: once the last landed,
+        over ``landed`` (``late_grads.py``)."""
+        if landed is None and self.late is not None and self.late.pending:
             return
+        reductions = self.pending if landed is None else landed
         try:
             self.buffers.after_backward()
         except RuntimeError as e:
             if not self.mesh.replicas.step_failed(f"buffer broadcast: {type(e).__name__}: {e}"):
                 raise
         try:
-            self.step_read.after_backward(self.pending, weight)
+            self.step_read.after_backward(reductions, weight)
         finally:
-            self.pending.clear()
+            reductions.clear()
 
     def abandon(self, quiet: bool = False) -> None:
         """Wait for every reduction in flight and drop it, with the units' partial micro-batch sums; ``quiet``:
