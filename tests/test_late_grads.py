@@ -4,8 +4,9 @@ inter-node hops in flight and ``ShardedOptimizer.step`` lands them unit by unit,
 Whatever a training loop does between ``backward()`` and ``step()`` must see what it would see on a plain model:
 every case trains a model whose parameters are all used (so the hops are left in flight) for three steps beside
 one process training the same model on the global batch, and compares the gradients read in between and the
-parameters after. Torch's step hooks run once per step. The step as the gradients land is bit for bit the step
-after landing them all, also with the bf16 and int8 hops, where only some ranks leave their hops in flight, and on
+parameters after (accumulation over two backwards, synced or with the first micro-batch's hop deferred,
+included). Torch's step hooks run once per step. The step as the gradients land is bit for bit the step after
+landing them all, also with the bf16 and int8 hops, where only some ranks leave their hops in flight, and on
 replicas of different shard degrees (a second spawn of 3 ranks). The other cases run in one spawn.
 """
 
@@ -74,11 +75,14 @@ def _case(rank: int, world: int, between: str) -> dict:
     opt.register_step_post_hook(lambda *_: hooks.append("post"))
     late, grad_err = [], 0.0
     for step in range(STEPS):
-        parts = 2 if between == "accumulate" else 1
+        parts = 2 if between in ("accumulate", "deferred sync") else 1
         for part in range(parts):
             x, y = batch(2 * step + part, rank, per_rank=2)
+            if between == "deferred sync":  # the first micro-batch crosses no node: its backward has no hop
+                model.set_requires_all_reduce(part == parts - 1)
             (loss_fn(model(x), y) / parts).backward()
-            late.append(model._hsdp_state.step.late is not None)
+            if part == parts - 1 or between != "deferred sync":
+                late.append(model._hsdp_state.step.late is not None)
             if between == "zero_grad" and part == 0:
                 opt.zero_grad()  # lands the hops and drops them: only the second backward counts
                 x, y = batch(2 * step + 1, rank, per_rank=2)
@@ -142,7 +146,8 @@ def _hetero(rank: int, world: int) -> tuple[bool, bool]:
 
 
 def _worker(rank: int, world: int) -> dict:
-    cases = {c: _case(rank, world, c) for c in ("step", "read", "clip", "hsdp clip", "accumulate", "zero_grad", "eval")}
+    between = ("step", "read", "clip", "hsdp clip", "accumulate", "deferred sync", "zero_grad", "eval")
+    cases = {c: _case(rank, world, c) for c in between}
     return {"cases": cases, "bitwise": _bitwise(rank)}
 
 
